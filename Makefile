@@ -1,0 +1,32 @@
+# The two commands of the README: `make demo` (the main job) and `make test`. Both create the virtualenv.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export MPLBACKEND ?= Agg
+
+.PHONY: venv demo test test-fast lint
+
+# torch is pinned through constraints.txt (a CPU wheel here; a GPU user installs a CUDA build first, see README).
+# hydra-optuna-sweeper declares optuna<3, which breaks RDB storages: it is installed without its dependencies.
+$(STAMP): pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q --no-deps hydra-optuna-sweeper==1.3.0
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: venv
+	$(VENV)/bin/flowlm-demo
+
+test: venv
+	$(PY) -m pytest -q
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow"
+
+lint: venv
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

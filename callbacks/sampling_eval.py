@@ -1,0 +1,153 @@
+"""Evaluate every configured sampler × NFE budget at validation, from the weights validation runs on (EMA)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import MLFlowLogger
+from torchmetrics import MeanMetric, Metric
+
+from flowlm.samplers.base import Sampler
+
+
+class SamplingEvaluation(Callback):
+    """Runs samplers on validation batches and logs task metrics, NFE spent, wall-clock and sample artifacts.
+
+    The datamodule shards validation batches across ranks; task metrics and means are torchmetrics states,
+    so they are reduced over all ranks before they are logged. Keys: ``eval/<sampler>/nfe<budget>/<metric>``.
+    ``metric`` builds the task metric from the datamodule (e.g. Sudoku accuracy or validity).
+    """
+
+    def __init__(
+        self,
+        *,
+        samplers: Mapping[str, Sampler],
+        nfe: Sequence[int],
+        metric: Callable[..., Metric],
+        max_batches: int | None = None,
+        seed: int = 0,
+        num_logged_samples: int = 8,
+    ) -> None:
+        if not samplers:
+            raise ValueError("evaluation needs at least one sampler")
+        if not nfe:
+            raise ValueError("evaluation needs at least one NFE budget")
+        for name, sampler in samplers.items():
+            if not isinstance(sampler, Sampler):
+                raise TypeError(f"eval sampler {name!r} is a {type(sampler).__name__}, not a Sampler")
+            for budget in nfe:
+                sampler.check_budget(budget)
+        self.samplers = dict(samplers)
+        self.nfe = [int(n) for n in nfe]
+        self.metric_factory = metric
+        self.max_batches = max_batches
+        self.seed = seed
+        self.num_logged_samples = num_logged_samples
+        self.results: list[dict] = []  # one row per (sampler, budget) of the latest evaluation
+        self.primary: str | None = None  # the task metric's headline key (first one it reports)
+        self._states: dict[tuple[str, int], dict] = {}
+
+    def check_model(self, pl_module) -> None:
+        """Refuse, before any compute, a sampler that does not fit this model family."""
+        for name, sampler in self.samplers.items():
+            if sampler.family != pl_module.family:
+                raise ValueError(
+                    f"sampler {name!r} ({type(sampler).__name__}) samples '{sampler.family}' models, "
+                    f"but the model is a '{pl_module.family}' model"
+                )
+
+    def setup(self, trainer, pl_module, stage: str) -> None:  # noqa: D102
+        self.check_model(pl_module)
+        self._datamodule = trainer.datamodule
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:  # noqa: D102
+        self._states = {
+            (name, budget): {
+                "metric": self.metric_factory(datamodule=self._datamodule).to(pl_module.device),
+                "nfe": MeanMetric().to(pl_module.device),
+                "seconds": MeanMetric().to(pl_module.device),
+                "samples": [],
+            }
+            for name in self.samplers
+            for budget in self.nfe
+        }
+
+    @torch.no_grad()
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:  # noqa: D102
+        if self.max_batches is not None and batch_idx >= self.max_batches:
+            return
+        model = pl_module.denoiser()
+        tokens, prompt_mask = batch["tokens"], batch["prompt_mask"]
+        for (name, budget), state in self._states.items():
+            gen = torch.Generator(device=tokens.device)
+            gen.manual_seed(self.seed * 1_000_003 + batch_idx * 1009 + trainer.global_rank)
+            start = _now(tokens.device)
+            with trainer.precision_plugin.forward_context():
+                out = self.samplers[name](model, prompt=tokens, prompt_mask=prompt_mask, nfe=budget, generator=gen)
+            seconds = _now(tokens.device) - start
+            state["metric"].update(out.tokens, tokens)
+            state["nfe"].update(float(out.nfe))
+            state["seconds"].update(seconds / tokens.shape[0], weight=tokens.shape[0])
+            room = self.num_logged_samples - len(state["samples"])
+            if room > 0:
+                state["samples"].extend(out.tokens[:room].cpu())
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:  # noqa: D102
+        if not self._states or trainer.sanity_checking:
+            return
+        self.results = []
+        for (name, budget), state in self._states.items():
+            values = {k: float(v) for k, v in state["metric"].compute().items()}
+            self.primary = self.primary or next(iter(values))
+            row = {
+                "sampler": name,
+                "nfe_budget": budget,
+                "nfe": float(state["nfe"].compute()),
+                "sec_per_sample": float(state["seconds"].compute()),
+                **values,
+                "step": trainer.global_step,
+            }
+            self.results.append(row)
+            prefix = f"eval/{name}/nfe{budget}"
+            for key in [*values, "nfe", "sec_per_sample"]:
+                pl_module.log(f"{prefix}/{key}", row[key], sync_dist=False, rank_zero_only=True)
+        if trainer.is_global_zero:
+            self._log_artifacts(trainer)
+
+    def table(self) -> str:
+        """The latest results as a Markdown table (one row per sampler × budget)."""
+        return format_table(self.results)
+
+    def _log_artifacts(self, trainer) -> None:
+        loggers = [lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)]
+        if not loggers:
+            return
+        metric = next(iter(self._states.values()))["metric"]
+        lines = []
+        for (name, budget), state in self._states.items():
+            lines.append(f"## {name}, NFE budget {budget}\n")
+            lines.extend(metric.render(tok) + "\n" for tok in state["samples"])
+        step = trainer.global_step
+        for lg in loggers:
+            lg.experiment.log_text(lg.run_id, self.table(), f"eval/step{step:07d}/table.md")
+            lg.experiment.log_text(lg.run_id, "\n".join(lines), f"eval/step{step:07d}/samples.md")
+
+
+def format_table(rows: list[dict]) -> str:
+    """Rows of dicts (same keys) as a Markdown table, floats to 4 significant digits."""
+    if not rows:
+        return "(no results)"
+    keys = list(rows[0])
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

@@ -1,0 +1,206 @@
+"""Diffusion transformer (DiT) shared by every method, conditioned per token on one or two times (methods.md §1).
+
+Reads top to bottom: time embedding → rotary → block → final layer → DiT.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"d_model": 128, "n_layers": 4, "n_heads": 4, "cond_dim": 128},
+    "mini": {"d_model": 512, "n_layers": 8, "n_heads": 8, "cond_dim": 128},
+    "small": {"d_model": 768, "n_layers": 12, "n_heads": 12, "cond_dim": 128},
+}
+
+
+class TimeEmbedding(nn.Module):
+    """Sinusoidal(freq_dim) features of a time in [0, 1] → Linear → SiLU → Linear."""
+
+    def __init__(self, cond_dim: int, freq_dim: int = 256, max_period: float = 10_000.0) -> None:
+        super().__init__()
+        self.freq_dim = freq_dim
+        half = freq_dim // 2
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32) / half)
+        self.register_buffer("freqs", freqs, persistent=False)
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, cond_dim), nn.SiLU(), nn.Linear(cond_dim, cond_dim))
+
+    def forward(self, t: Tensor) -> Tensor:
+        # Times live in [0, 1]; scale by 1000 so the low frequencies still resolve small steps (DiT/MDLM habit).
+        args = (1000.0 * t.float())[..., None] * self.freqs
+        return self.mlp(torch.cat([torch.cos(args), torch.sin(args)], dim=-1))
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding applied to queries and keys (half-split convention)."""
+
+    def __init__(self, head_dim: int, base: float = 10_000.0) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        seq_len = q.shape[-2]
+        pos = torch.arange(seq_len, device=q.device, dtype=torch.float32)
+        angles = torch.outer(pos, self.inv_freq)  # (L, head_dim/2)
+        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    """adaLN: x · (1 + scale) + shift, all per token."""
+    return x * (1 + scale) + shift
+
+
+class DiTBlock(nn.Module):
+    """Pre-norm transformer block with per-token adaLN shift/scale/gate on attention and MLP."""
+
+    def __init__(self, d_model: int, n_heads: int, cond_dim: int, mlp_ratio: int, dropout: float) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.n_heads = n_heads
+        self.norm1 = nn.LayerNorm(d_model, bias=False)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.attn_out = nn.Linear(d_model, d_model, bias=False)
+        self.norm2 = nn.LayerNorm(d_model, bias=False)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, mlp_ratio * d_model),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(mlp_ratio * d_model, d_model),
+        )
+        self.dropout = dropout
+        self.rotary = Rotary(d_model // n_heads)
+        # Zero-initialised modulation: every block starts as the identity map on the residual stream.
+        self.adaLN_modulation = nn.Linear(cond_dim, 6 * d_model)
+        nn.init.zeros_(self.adaLN_modulation.weight)
+        nn.init.zeros_(self.adaLN_modulation.bias)
+
+    def forward(self, x: Tensor, c: Tensor, causal: bool = False) -> Tensor:
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.adaLN_modulation(c).chunk(6, dim=-1)
+        b, length, d = x.shape
+        h = modulate(self.norm1(x), shift_a, scale_a)
+        q, k, v = self.qkv(h).view(b, length, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        q, k = self.rotary(q, k)
+        drop = self.dropout if self.training else 0.0
+        attn = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=causal)
+        attn = attn.transpose(1, 2).reshape(b, length, d)
+        x = x + gate_a * F.dropout(self.attn_out(attn), drop, self.training)
+        h = modulate(self.norm2(x), shift_m, scale_m)
+        return x + gate_m * F.dropout(self.mlp(h), drop, self.training)
+
+
+class FinalLayer(nn.Module):
+    """LayerNorm + adaLN shift/scale, then Linear(d, |V|) zero-initialised (uniform output at init)."""
+
+    def __init__(self, d_model: int, cond_dim: int, vocab_size: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model, bias=False)
+        self.adaLN_modulation = nn.Linear(cond_dim, 2 * d_model)
+        self.linear = nn.Linear(d_model, vocab_size)
+        for layer in (self.adaLN_modulation, self.linear):
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, x: Tensor, c: Tensor) -> Tensor:
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
+        return self.linear(modulate(self.norm(x), shift, scale))
+
+
+class DiT(nn.Module):
+    """Bidirectional transformer over token ids or continuous vectors, conditioned per token on (s[, t]).
+
+    Inputs:
+      x: LongTensor (B, L) of ids (embedding lookup), or FloatTensor (B, L, |V|) projected by the same
+         embedding matrix (h = x·E), as flow models feed one-hot/noisy vectors.
+      s: time(s) of shape (B,) (one per sequence, broadcast) or (B, L) (per token).
+      t: second time, same shapes; required iff the model was built with ``two_times=True``.
+    Output: logits (B, L, |V|).
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        d_model: int = 128,
+        n_layers: int = 4,
+        n_heads: int = 4,
+        cond_dim: int = 128,
+        mlp_ratio: int = 4,
+        dropout: float = 0.0,
+        two_times: bool = False,
+        causal: bool = False,
+    ) -> None:
+        super().__init__()
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be ≥ 2, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.d_model = d_model
+        self.two_times = two_times
+        self.causal = causal
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.emb_s = TimeEmbedding(cond_dim)
+        self.emb_t = TimeEmbedding(cond_dim) if two_times else None
+        self.blocks = nn.ModuleList(
+            DiTBlock(d_model, n_heads, cond_dim, mlp_ratio, dropout) for _ in range(n_layers)
+        )
+        self.final = FinalLayer(d_model, cond_dim, vocab_size)
+
+    def condition(self, s: Tensor, t: Tensor | None, batch: int, length: int) -> Tensor:
+        """c = SiLU(emb_s(s) + emb_t(t)), shape (B, L, cond_dim)."""
+        if (t is not None) != self.two_times:
+            raise ValueError(
+                "this DiT was built with two_times="
+                f"{self.two_times} but was called {'with' if t is not None else 'without'} a second time t"
+            )
+        c = self.emb_s(_per_token(s, batch, length))
+        if t is not None:
+            c = c + self.emb_t(_per_token(t, batch, length))
+        return F.silu(c)
+
+    def input_embeddings(self, x: Tensor) -> Tensor:
+        """Token ids → E[x]; vectors over the vocabulary → x·E."""
+        if x.dtype in (torch.long, torch.int, torch.int32, torch.int16, torch.uint8):
+            return self.embed(x)
+        if x.shape[-1] != self.vocab_size:
+            raise ValueError(f"continuous input has last dim {x.shape[-1]}, expected |V|={self.vocab_size}")
+        return x.to(self.embed.weight.dtype) @ self.embed.weight
+
+    def forward(self, x: Tensor, s: Tensor, t: Tensor | None = None) -> Tensor:
+        """Logits (B, L, |V|) for ids or vectors x at per-token times (s[, t])."""
+        return self.forward_embeddings(self.input_embeddings(x), s, t)
+
+    def forward_embeddings(self, h: Tensor, s: Tensor, t: Tensor | None = None) -> Tensor:
+        """Logits for inputs given directly as embeddings h (B, L, d) (MLFM feeds these)."""
+        b, length, _ = h.shape
+        c = self.condition(s, t, b, length)
+        for block in self.blocks:
+            h = block(h, c, causal=self.causal)
+        return self.final(h, c)
+
+
+def _per_token(time: Tensor, batch: int, length: int) -> Tensor:
+    if time.dim() == 0:
+        return time.expand(batch, length)
+    if time.dim() == 1:
+        return time[:, None].expand(batch, length)
+    if time.shape != (batch, length):
+        raise ValueError(f"time has shape {tuple(time.shape)}, expected ({batch},) or ({batch}, {length})")
+    return time
+
+
+def build_dit(*, size: str | None = None, vocab_size: int, **overrides: object) -> DiT:
+    """A DiT of a named size (tiny/mini/small), any field overridable."""
+    if size is not None and size not in SIZES:
+        raise ValueError(f"unknown backbone size {size!r}; known: {sorted(SIZES)}")
+    kwargs = {**(SIZES[size] if size else {}), **overrides}
+    return DiT(vocab_size=vocab_size, **kwargs)  # type: ignore[arg-type]

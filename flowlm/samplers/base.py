@@ -1,0 +1,63 @@
+"""What every sampler returns, the model views samplers see, and shared draws (methods.md §2, §5)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class SampleOutput:
+    """Tokens (B, L), per-token confidence (B, L) of the committed token, and the NFE really spent."""
+
+    tokens: Tensor
+    confidence: Tensor
+    nfe: int
+
+
+@dataclass(frozen=True)
+class MaskedDenoiser:
+    """An MDM as samplers see it: ``fn(x_t ids (B, L), t (B,)) → logits over the data vocabulary (B, L, V)``.
+
+    ``time_conditioned`` says whether fn depends on t; a time-agnostic network gives the same output for the
+    same input, which is what makes the ancestral sampler's no-change cache exact.
+    """
+
+    fn: Callable[[Tensor, Tensor], Tensor]
+    mask_id: int
+    time_conditioned: bool = False
+
+
+class Sampler(ABC):
+    """A sampler for one model family; it spends at most ``nfe`` network calls and reports what it spent."""
+
+    family: str = ""
+
+    @abstractmethod
+    def __call__(
+        self, model, *, prompt: Tensor, prompt_mask: Tensor, nfe: int, generator: torch.Generator
+    ) -> SampleOutput:
+        """Sample completions of ``prompt`` (ids at ``prompt_mask`` positions are kept verbatim)."""
+
+    def check_budget(self, nfe: int) -> None:
+        """Raise a clear error, before any compute, if this sampler cannot honour an NFE budget."""
+        if not isinstance(nfe, int) or nfe < 1:
+            raise ValueError(f"{type(self).__name__}: NFE budget must be an integer ≥ 1, got {nfe!r}")
+
+
+def gumbel_argmax(log_probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """A categorical draw by Gumbel-max in float64 (float32 Gumbel noise biases low-probability tokens)."""
+    u = torch.rand(log_probs.shape, generator=generator, device=log_probs.device, dtype=torch.float64)
+    gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+    return (log_probs.double() + gumbel).argmax(dim=-1)
+
+
+def pick_tokens(log_probs: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
+    """argmax at temperature 0, else a float64 Gumbel draw from softmax(log_probs / temperature)."""
+    if temperature == 0:
+        return log_probs.argmax(dim=-1)
+    return gumbel_argmax(log_probs.double() / temperature, generator)

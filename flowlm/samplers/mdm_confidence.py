@@ -1,0 +1,57 @@
+"""Confidence ("a-priori", MaskGIT/LLaDA-style) sampler for MDMs (methods.md §2)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flowlm.samplers.base import MaskedDenoiser, SampleOutput, Sampler, pick_tokens
+
+
+class ConfidenceSampler(Sampler):
+    """At each of ``nfe`` steps commit the ⌈#masked / steps_left⌉ most confident masked positions; never remask.
+
+    Confidence of a position = probability of its candidate token (its max-probability at temperature 0).
+    The network sees the fraction of still-masked non-prompt tokens as its time, if it is time-conditioned.
+    """
+
+    family = "mdm"
+
+    def __init__(self, *, temperature: float = 0.0) -> None:
+        if temperature < 0:
+            raise ValueError(f"temperature must be ≥ 0, got {temperature}")
+        self.temperature = temperature
+
+    def __call__(
+        self,
+        model: MaskedDenoiser,
+        *,
+        prompt: Tensor,
+        prompt_mask: Tensor,
+        nfe: int,
+        generator: torch.Generator | None = None,
+    ) -> SampleOutput:
+        """Sample with at most ``nfe`` network calls."""
+        self.check_budget(nfe)
+        x = torch.where(prompt_mask, prompt, model.mask_id)
+        confidence = prompt_mask.float()
+        n_free = (~prompt_mask).sum(-1).clamp_min(1)
+        positions = torch.arange(x.shape[1], device=x.device)
+        calls = 0
+        for k in range(nfe):
+            masked = x == model.mask_id
+            n_masked = masked.sum(-1)
+            if not n_masked.any():
+                break
+            log_p = torch.log_softmax(model.fn(x, n_masked / n_free).double(), -1)
+            calls += 1
+            candidate = pick_tokens(log_p, self.temperature, generator)
+            score = log_p.gather(-1, candidate[..., None]).squeeze(-1)
+            score = torch.where(masked, score, -torch.inf)
+            n_commit = torch.div(n_masked + (nfe - k) - 1, nfe - k, rounding_mode="floor")  # ⌈masked/left⌉
+            order = score.argsort(dim=-1, descending=True)
+            rank = torch.empty_like(order).scatter_(-1, order, positions.expand_as(order))
+            commit = masked & (rank < n_commit[:, None])
+            x = torch.where(commit, candidate, x)
+            confidence = torch.where(commit, score.exp().float(), confidence)
+        return SampleOutput(tokens=x, confidence=confidence, nfe=calls)

@@ -1,0 +1,89 @@
+"""Shared LightningModule machinery: optimiser + LR schedule, per-step seeded RNG, checkpoint metadata."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from flowlm.backbones.dit import DiT, build_dit
+
+
+def plain(obj: Any) -> Any:
+    """DictConfig/ListConfig → plain containers, so hyper-parameters pickle without OmegaConf."""
+    if isinstance(obj, DictConfig) or OmegaConf.is_list(obj):
+        return OmegaConf.to_container(obj, resolve=True)
+    return obj
+
+
+class FlowLMModule(L.LightningModule):
+    """Base of every method's module: it owns the backbone and the optimiser; subclasses own the math.
+
+    ``family`` names the kind of model ("mdm", ...): samplers and checkpoint loaders check it before compute.
+    """
+
+    family: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        *,
+        data_vocab_size: int,
+        seq_len: int,
+        backbone: dict,
+        optim: dict,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.data_vocab_size = data_vocab_size
+        self.seq_len = seq_len
+        self.backbone_cfg = plain(backbone)
+        self.optim_cfg = {"lr": 3e-4, "betas": (0.9, 0.999), "weight_decay": 0.0, "warmup_steps": 2500}
+        self.optim_cfg.update(plain(optim))
+        self.seed = seed
+
+    def build_backbone(self, vocab_size: int, **extra: Any) -> DiT:
+        """The shared DiT with this run's size/overrides and a method-specific vocabulary."""
+        return build_dit(vocab_size=vocab_size, **{**self.backbone_cfg, **extra})
+
+    def configure_optimizers(self) -> dict:
+        """AdamW, linear warm-up then constant LR (the released recipes); clipping is the trainer's."""
+        cfg = self.optim_cfg
+        opt = torch.optim.AdamW(
+            self.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]), weight_decay=cfg["weight_decay"]
+        )
+        warmup = max(int(cfg["warmup_steps"]), 1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # Randomness: generators seeded from (seed, step, micro-batch, rank, stream) make a training step's draws a
+    # pure function of where it is in the run, identical after a resume and independent across ranks.
+    def step_generator(self, stream: int, batch_idx: int, *, shared: bool, device: torch.device | None = None):
+        """A generator for this step; ``shared`` ones are identical on every rank (for global-batch draws)."""
+        rank = 0 if shared else self.global_rank
+        key = (self.seed, self.global_step, batch_idx, rank, stream)
+        gen = torch.Generator(device=device or "cpu")
+        gen.manual_seed(hash(key) & 0x7FFF_FFFF_FFFF_FFFF)
+        return gen
+
+    def global_batch_slice(self, local_batch: int, batch_idx: int) -> tuple[int, int]:
+        """(global batch size, offset of this micro-batch in it) across ranks and gradient accumulation."""
+        if self._trainer is None:
+            return local_batch, 0
+        world = self.trainer.world_size
+        accum = self.trainer.accumulate_grad_batches
+        micro = batch_idx % accum
+        return local_batch * world * accum, (self.global_rank * accum + micro) * local_batch
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Record what this checkpoint is, so loaders can refuse the wrong kind before any compute."""
+        checkpoint.setdefault("flowlm", {}).update(
+            {
+                "family": self.family,
+                "class_path": f"{type(self).__module__}.{type(self).__qualname__}",
+                "data_vocab_size": self.data_vocab_size,
+                "seq_len": self.seq_len,
+                "config": getattr(self, "run_config", None),
+            }
+        )

@@ -1,0 +1,80 @@
+"""Masked diffusion model (MDLM-style, absorbing process, SUBS ELBO): methods.md §2."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flowlm.objectives.mdm import mdm_elbo_loss
+from flowlm.processes.masking import MaskingProcess, stratified_times
+from flowlm.samplers.base import MaskedDenoiser
+from lightning_modules.base import FlowLMModule
+
+
+class MDMModule(FlowLMModule):
+    """The network sees data ids plus a [MASK] id (the last row); by default it is time-agnostic (MDLM/SMDM)."""
+
+    family = "mdm"
+
+    def __init__(
+        self,
+        *,
+        data_vocab_size: int,
+        seq_len: int,
+        backbone: dict,
+        optim: dict,
+        eps: float = 1e-3,
+        time_conditioning: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(data_vocab_size=data_vocab_size, seq_len=seq_len, backbone=backbone, optim=optim, seed=seed)
+        self.save_hyperparameters()
+        self.mask_id = data_vocab_size
+        self.time_conditioning = time_conditioning
+        self.process = MaskingProcess(mask_id=self.mask_id, eps=eps)
+        self.net = self.build_backbone(data_vocab_size + 1, two_times=False)
+
+    def forward(self, x: Tensor, t: Tensor) -> Tensor:
+        """Logits over data ids + [MASK] (B, L, V+1); t is ignored (fed as 0) unless time-conditioned."""
+        s = t if self.time_conditioning else torch.zeros_like(t)
+        return self.net(x, s)
+
+    def denoiser(self) -> MaskedDenoiser:
+        """This model as MDM samplers see it: logits over the data vocabulary ([MASK] removed, SUBS)."""
+        return MaskedDenoiser(
+            fn=lambda x, t: self(x, t)[..., : self.mask_id],
+            mask_id=self.mask_id,
+            time_conditioned=self.time_conditioning,
+        )
+
+    def mdm_loss(self, batch: dict, t: Tensor, generator: torch.Generator | None) -> Tensor:
+        """ELBO on one batch at times t (B,)."""
+        tokens, prompt_mask = batch["tokens"], batch["prompt_mask"]
+        x_t, masked = self.process.corrupt(tokens, prompt_mask, t, generator)
+        logits = self(x_t, t)
+        weight = self.process.schedule.loss_weight(t)  # −α'_t/(1−α_t) = 1/t
+        loss, _ = mdm_elbo_loss(logits, tokens, masked, weight, ~prompt_mask, self.mask_id)
+        return loss
+
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        """Stratified t over the global batch, then the ELBO."""
+        b = batch["tokens"].shape[0]
+        n_global, offset = self.global_batch_slice(b, batch_idx)
+        t = stratified_times(
+            n_global, offset=offset, count=b, eps=self.process.eps,
+            generator=self.step_generator(0, batch_idx, shared=True),
+        ).to(self.device)
+        gen = self.step_generator(1, batch_idx, shared=False, device=self.device)
+        loss = self.mdm_loss(batch, t, gen)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> Tensor:
+        """ELBO with a fixed stratified t grid and fixed masks, so validation losses are comparable."""
+        b = batch["tokens"].shape[0]
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_idx)
+        t = stratified_times(b, offset=0, count=b, eps=self.process.eps, generator=gen).to(self.device)
+        mask_gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + batch_idx)
+        loss = self.mdm_loss(batch, t, mask_gen)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=b)
+        return loss

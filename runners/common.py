@@ -1,0 +1,180 @@
+"""Helpers shared by the console scripts: config paths, run folders, MLflow tracking, checkpoint checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+RUN_CONFIG = "run_config.yaml"
+# Sections that define what a run trains; a resumed run must agree on them (data knobs that do not change the
+# model or the data, such as worker counts or an evaluation file, may differ).
+IDENTITY_SECTIONS = ("method", "backbone", "data")
+VOLATILE_DATA_KEYS = ("num_workers", "gen_workers", "cache_dir", "eval_file", "val_batch_size")
+
+
+def is_rank_zero() -> bool:
+    """True in the process that owns the run folder and the tracking run (rank 0 of a DDP job)."""
+    return rank_zero_only.rank == 0
+
+
+def resolve_paths(cfg: DictConfig) -> None:
+    """Make the runs and data folders absolute (the MLflow SQLite URI and cache keys depend on them)."""
+    for key in ("root", "data_dir"):
+        cfg.paths[key] = str(Path(cfg.paths[key]).expanduser().resolve())
+    OmegaConf.resolve(cfg)
+
+
+def _identity(cfg: DictConfig | dict) -> dict:
+    data = OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)
+    out = {k: data.get(k) for k in IDENTITY_SECTIONS}
+    if isinstance(out.get("data"), dict):
+        out["data"] = {k: v for k, v in out["data"].items() if k not in VOLATILE_DATA_KEYS}
+    return out
+
+
+class RunExistsError(RuntimeError):
+    """The run folder holds a run that this command must not resume or overwrite."""
+
+
+def check_run_dir(cfg: DictConfig) -> Path | None:
+    """Decide, before any compute, whether this launch starts fresh or resumes; returns the checkpoint to resume.
+
+    Raises if the folder holds a different run (another method, backbone or data), or any run when
+    ``if_exists=error``. Nothing in the folder is modified here.
+    """
+    run_dir = Path(cfg.paths.run_dir)
+    saved = run_dir / RUN_CONFIG
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if not saved.exists():
+        return None
+    if cfg.if_exists not in ("resume", "error"):
+        raise ValueError(f"if_exists must be 'resume' or 'error', got {cfg.if_exists!r}")
+    if cfg.if_exists == "error":
+        raise RunExistsError(f"{run_dir} already holds a run (if_exists=error); choose another name or run_name")
+    old, new = _identity(OmegaConf.load(saved)), _identity(cfg)
+    diff = [
+        f"{section}.{key}: {old[section].get(key)!r} → {new[section].get(key)!r}"
+        for section in IDENTITY_SECTIONS
+        if isinstance(old.get(section), dict) and isinstance(new.get(section), dict)
+        for key in sorted(set(old[section]) | set(new[section]))
+        if old[section].get(key) != new[section].get(key)
+    ]
+    if diff:
+        raise RunExistsError(
+            f"{run_dir} holds a different run; refusing to resume or overwrite it. Differences: "
+            + "; ".join(diff[:8])
+            + ". Use another name= or run_name=."
+        )
+    return last if last.exists() else None
+
+
+def write_run_config(cfg: DictConfig) -> None:
+    """Save the resolved config beside the checkpoints (once per run folder)."""
+    saved = Path(cfg.paths.run_dir) / RUN_CONFIG
+    if not saved.exists():
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, saved, resolve=True)
+
+
+def git_commit() -> str:
+    """The commit of the code that runs (with ``-dirty`` when the work tree has changes), or 'unknown'."""
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(PROJECT_DIR), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(PROJECT_DIR), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def make_logger(cfg: DictConfig, run_dir: Path | None) -> MLFlowLogger | None:
+    """The configured MLflow logger; a resumed run continues its MLflow run (id kept in the run folder)."""
+    if not cfg.get("logger"):
+        return None
+    from hydra.utils import instantiate
+
+    run_id_file = run_dir / "mlflow_run_id" if run_dir else None
+    run_id = run_id_file.read_text().strip() if run_id_file and run_id_file.exists() else None
+    logger = instantiate(cfg.logger, run_id=run_id)
+    if is_rank_zero() and isinstance(logger, MLFlowLogger):
+        client, rid = logger.experiment, logger.run_id
+        if run_id_file is not None and run_id is None:
+            run_id_file.parent.mkdir(parents=True, exist_ok=True)
+            run_id_file.write_text(rid)
+        client.set_tag(rid, "mlflow.source.git.commit", git_commit())
+        client.set_tag(rid, "flowlm.name", str(cfg.name))
+        if run_dir is not None:
+            client.set_tag(rid, "flowlm.run_dir", str(run_dir))
+        client.log_text(rid, OmegaConf.to_yaml(cfg, resolve=True), "config/resolved.yaml")
+        logger.log_hyperparams(_flat_params(cfg))
+    return logger
+
+
+def _flat_params(cfg: DictConfig) -> dict:
+    keep = {k: cfg[k] for k in ("name", "task", "seed", "method", "backbone", "data", "eval", "trainer") if k in cfg}
+    return OmegaConf.to_container(OmegaConf.create(keep), resolve=True)
+
+
+def read_checkpoint_meta(path: str | os.PathLike) -> dict:
+    """The ``flowlm`` record of a checkpoint (family, class, vocabulary, config), with clear errors."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as err:  # noqa: BLE001 - any unpickling failure means the same thing here
+        raise ValueError(f"{path} is not a readable PyTorch checkpoint ({type(err).__name__}: {err})") from err
+    if not isinstance(ckpt, dict) or "flowlm" not in ckpt:
+        raise ValueError(f"{path} is not a flowlm checkpoint (no 'flowlm' record): it was not written by flowlm-train")
+    return ckpt["flowlm"]
+
+
+def import_class(path: str) -> type:
+    """Import ``package.module.Class``."""
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def pivot_table(rows: list[dict], value: str) -> str:
+    """Markdown table: one line per (run, sampler), one column per NFE budget; cells 'value (NFE spent)'."""
+    budgets = sorted({r["nfe_budget"] for r in rows})
+    keys = list(dict.fromkeys((r.get("run", ""), r["sampler"]) for r in rows))
+    head = "| run | sampler | " + " | ".join(f"NFE {b}" for b in budgets) + " |"
+    lines = [head, "|---|---|" + "---|" * len(budgets)]
+    for run, sampler in keys:
+        cells = []
+        for b in budgets:
+            hit = [r for r in rows if (r.get("run", ""), r["sampler"], r["nfe_budget"]) == (run, sampler, b)]
+            cells.append(f"{hit[0][value]:.1f} ({hit[0]['nfe']:.1f})" if hit else "")
+        lines.append(f"| {run} | {sampler} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def build(node: DictConfig, **kwargs):
+    """``hydra.utils.instantiate`` that surfaces a component's own error (ValueError, FileNotFoundError, ...)
+    with the config key it came from, instead of Hydra's wrapper."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, ValueError | TypeError | FileNotFoundError | KeyError):
+            key = node.get("_target_", "?") if isinstance(node, DictConfig) else "?"
+            raise type(cause)(f"{cause} [while building {key}]") from err
+        raise

@@ -1,0 +1,55 @@
+"""`flowlm-eval`: sample and score a trained checkpoint with any samplers and NFE budgets; no training."""
+
+from __future__ import annotations
+
+import hydra
+import lightning as L
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from callbacks.sampling_eval import SamplingEvaluation
+from runners.common import CONF_DIR, build, import_class, make_logger, pivot_table, read_checkpoint_meta, resolve_paths
+
+
+def evaluate(cfg: DictConfig) -> dict:
+    """Check the checkpoint against the data and samplers (before compute), then run every sampler × budget."""
+    resolve_paths(cfg)
+    meta = read_checkpoint_meta(cfg.ckpt_path)
+    cls = import_class(meta["class_path"])
+    evaluation: SamplingEvaluation = build(cfg.eval)
+    evaluation.check_model(cls)
+    data_cfg = cfg.get("data") or OmegaConf.create((meta.get("config") or {}).get("data"))
+    if not data_cfg:
+        raise ValueError(f"{cfg.ckpt_path} records no data config; pass data=... (e.g. data=sudoku ...)")
+    datamodule = build(data_cfg)
+    for what in ("vocab_size", "seq_len"):
+        have, want = getattr(datamodule, what), meta["data_vocab_size" if what == "vocab_size" else what]
+        if have != want:
+            raise ValueError(
+                f"data/checkpoint mismatch: the data have {what}={have}, the checkpoint was trained with {want} "
+                f"({cfg.ckpt_path}); evaluate it on data of the same layout"
+            )
+    L.seed_everything(cfg.seed, verbose=False)
+    module = cls.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
+    logger = make_logger(cfg, None)
+    if logger is not None:
+        logger.experiment.set_tag(logger.run_id, "flowlm.checkpoint", str(cfg.ckpt_path))
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=[evaluation], logger=logger or False)
+    trainer.validate(module, datamodule=datamodule, verbose=False)
+    rows = [{"run": str(meta.get("config", {}).get("name", "checkpoint")), **r} for r in evaluation.results]
+    if trainer.is_global_zero and rows:
+        table = pivot_table(rows, evaluation.primary)
+        print(f"\n{evaluation.primary} by NFE budget (NFE spent)\n{table}\n", flush=True)
+        if logger is not None:
+            logger.experiment.log_text(logger.run_id, table, "eval/final_table.md")
+    return {"rows": rows, "metric": evaluation.primary, "mlflow_run_id": getattr(logger, "run_id", None)}
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="eval")
+def main(cfg: DictConfig) -> None:
+    """Console entry point."""
+    evaluate(cfg)
+
+
+if __name__ == "__main__":
+    main()

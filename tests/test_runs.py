@@ -1,0 +1,143 @@
+"""End to end: every experiment config trains, evaluation and tracking land in MLflow, bad input fails early."""
+
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from conftest import FAST, compose_config
+from runners.common import CONF_DIR, RunExistsError
+from runners.evaluate import evaluate
+from runners.train import train
+
+EXPERIMENTS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_runs_fast_dev_run(experiment, runs_env):
+    cfg = compose_config(overrides=[f"experiment={experiment}", *FAST, "+trainer.fast_dev_run=true", "logger=none"])
+    result = train(cfg)
+    assert result["rows"], "the final evaluation produced no rows"
+    for row in result["rows"]:
+        assert 0 <= row[result["metric"]] <= 100
+        assert 1 <= row["nfe"] <= row["nfe_budget"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One short tracked run of the tiny unconditional experiment, shared by the tracking/eval tests."""
+    root = tmp_path_factory.mktemp("tracked")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FLOWLM_RUNS", str(root / "runs"))
+    mp.setenv("FLOWLM_DATA", str(root / "data"))
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = compose_config(overrides=["experiment=sudoku_mdm_uncond_tiny", *FAST, "trainer.max_steps=4",
+                                    "trainer.val_check_interval=4"])
+    result = train(cfg)
+    yield cfg, result, root
+    mp.undo()
+
+
+def test_mlflow_run_holds_params_metrics_artifacts(trained):
+    cfg, result, root = trained
+    uri = f"sqlite:///{root / 'runs' / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    runs = mlflow.search_runs(experiment_names=[cfg.task])
+    assert len(runs) == 1
+    run = runs.iloc[0]
+    assert run["run_id"] == result["mlflow_run_id"]
+    assert run["params.method/_target_"] == "lightning_modules.mdm.MDMModule"
+    assert run["params.data/box_rows"] == "2"
+    assert run["tags.mlflow.source.git.commit"]
+    for sampler in ("ancestral", "confidence"):
+        assert 0 <= run[f"metrics.eval/{sampler}/nfe2/valid_pct"] <= 100
+        assert run[f"metrics.eval/{sampler}/nfe2/nfe"] <= 2
+    assert run["metrics.train/loss"] > 0
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    files = {f.path for f in client.list_artifacts(result["mlflow_run_id"])}
+    assert {"config", "eval"} <= files
+    table = client.download_artifacts(result["mlflow_run_id"], "eval/final_table.md", str(root))
+    assert "NFE 2" in Path(table).read_text()
+    assert Path(result["run_dir"], "checkpoints", "last.ckpt").exists()
+
+
+def test_eval_entry_point_scores_a_checkpoint(trained):
+    _, result, root = trained
+    ckpt = Path(result["run_dir"], "checkpoints", "last.ckpt")
+    cfg = compose_config("eval", overrides=[f"ckpt_path={ckpt}", "eval.nfe=[1,3]", "eval.max_batches=1", "logger=none"])
+    out = evaluate(cfg)
+    assert {(r["sampler"], r["nfe_budget"]) for r in out["rows"]} == {
+        (s, n) for s in ("ancestral", "confidence") for n in (1, 3)
+    }
+    assert out["metric"] == "valid_pct"
+
+
+def test_checkpoint_holds_ema_weights(trained):
+    _, result, _ = trained
+    ckpt = torch.load(Path(result["run_dir"], "checkpoints", "last.ckpt"), weights_only=False)
+    assert ckpt["flowlm"]["family"] == "mdm"
+    live, ema = ckpt["current_model_state"], ckpt["state_dict"]
+    name = "net.blocks.0.qkv.weight"
+    assert not torch.equal(live[name], ema[name])  # evaluation loads the average, not the live weights
+
+
+def test_eval_rejects_wrong_checkpoints(trained, tmp_path):
+    _, result, _ = trained
+    bogus = tmp_path / "bogus.ckpt"
+    torch.save({"state_dict": {}}, bogus)
+    with pytest.raises(ValueError, match="not a flowlm checkpoint"):
+        evaluate(compose_config("eval", overrides=[f"ckpt_path={bogus}", "logger=none"]))
+    with pytest.raises(FileNotFoundError, match="checkpoint not found"):
+        evaluate(compose_config("eval", overrides=[f"ckpt_path={tmp_path / 'missing.ckpt'}", "logger=none"]))
+    ckpt = Path(result["run_dir"], "checkpoints", "last.ckpt")
+    mismatch = [f"ckpt_path={ckpt}", "data=sudoku", "data.box_rows=2", "data.box_cols=2", "data.conditional=false",
+                "data.difficulty=null", "data.num_train=8", "data.num_val=4", "logger=none"]
+    with pytest.raises(ValueError, match="vocab_size=4.*trained with 6"):
+        evaluate(compose_config("eval", overrides=mismatch))
+
+
+def test_existing_run_is_never_overwritten(trained):
+    cfg, result, _ = trained
+    run_dir = Path(result["run_dir"])
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+    other = compose_config(overrides=["experiment=sudoku_mdm_uncond_tiny", *FAST, "backbone.n_layers=2"])
+    OmegaConf.update(other, "paths.root", cfg.paths.root)
+    with pytest.raises(RunExistsError, match="backbone.n_layers"):
+        train(other)
+    strict = compose_config(overrides=["experiment=sudoku_mdm_uncond_tiny", *FAST, "if_exists=error"])
+    OmegaConf.update(strict, "paths.root", cfg.paths.root)
+    with pytest.raises(RunExistsError, match="if_exists=error"):
+        train(strict)
+    after = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+    assert after == before
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("method=fmlm_nope", "method"),
+        ("+sampler@eval.samplers.x=nope", "sampler"),
+    ],
+)
+def test_unknown_components_fail_at_composition(override, match, runs_env):
+    with pytest.raises(ConfigCompositionException, match=match):
+        compose_config(overrides=[override])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        (["data.difficulty=extreme"], ValueError, "difficulty"),
+        (["data.box_rows=0"], ValueError, "box"),
+        (["eval.nfe=[0]"], ValueError, "NFE budget"),
+        (["data.eval_file=/nonexistent/puzzles.csv"], FileNotFoundError, "puzzles.csv"),
+    ],
+)
+def test_bad_input_fails_before_compute(overrides, error, match, runs_env):
+    cfg = compose_config(overrides=["experiment=sudoku_mdm_medium_tiny", *FAST, *overrides])
+    with pytest.raises(error, match=match):
+        train(cfg)
+    assert not (runs_env / "runs" / cfg.name).exists() or not any((runs_env / "runs" / cfg.name).rglob("*.ckpt"))
