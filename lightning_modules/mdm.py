@@ -61,7 +61,10 @@ class MDMModule(FlowLMModule):
         b = batch["tokens"].shape[0]
         n_global, offset = self.global_batch_slice(b, batch_idx)
         t = stratified_times(
-            n_global, offset=offset, count=b, eps=self.process.eps,
+            n_global,
+            offset=offset,
+            count=b,
+            eps=self.process.eps,
             generator=self.step_generator(0, batch_idx, shared=True),
         ).to(self.device)
         gen = self.step_generator(1, batch_idx, shared=False, device=self.device)

@@ -8,7 +8,15 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from callbacks.sampling_eval import SamplingEvaluation
-from runners.common import CONF_DIR, build, import_class, make_logger, pivot_table, read_checkpoint_meta, resolve_paths
+from runners.common import (
+    CONF_DIR,
+    build,
+    import_class,
+    make_logger,
+    pivot_table,
+    read_checkpoint_meta,
+    resolve_paths,
+)
 
 
 def evaluate(cfg: DictConfig) -> dict:

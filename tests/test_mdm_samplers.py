@@ -36,7 +36,12 @@ def _prompt(batch=5):
     return prompt, prompt_mask
 
 
-SAMPLERS = [AncestralSampler(), AncestralSampler(cache=False), ConfidenceSampler(), ConfidenceSampler(temperature=1)]
+SAMPLERS = [
+    AncestralSampler(),
+    AncestralSampler(cache=False),
+    ConfidenceSampler(),
+    ConfidenceSampler(temperature=1),
+]
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS, ids=["anc", "anc-nocache", "conf", "conf-t1"])
@@ -44,7 +49,13 @@ SAMPLERS = [AncestralSampler(), AncestralSampler(cache=False), ConfidenceSampler
 def test_nfe_prompt_masks_and_completion(sampler, nfe):
     net = CountingNet()
     prompt, prompt_mask = _prompt()
-    out = sampler(net.view(), prompt=prompt, prompt_mask=prompt_mask, nfe=nfe, generator=torch.Generator().manual_seed(0))
+    out = sampler(
+        net.view(),
+        prompt=prompt,
+        prompt_mask=prompt_mask,
+        nfe=nfe,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert out.nfe == net.calls <= nfe  # NFE reported = network calls made, within budget
     assert (out.tokens[prompt_mask] == prompt[prompt_mask]).all()  # prompt untouched
     assert (out.tokens != MASK).all() and out.tokens.max() < V  # everything decoded
@@ -58,14 +69,20 @@ def test_nfe_prompt_masks_and_completion(sampler, nfe):
 def test_ancestral_cache_saves_calls_only_when_nothing_changed():
     net = CountingNet()
     prompt, prompt_mask = _prompt(batch=1)
-    out = AncestralSampler()(net.view(), prompt=prompt, prompt_mask=prompt_mask, nfe=64,
-                             generator=torch.Generator().manual_seed(0))
+    out = AncestralSampler()(
+        net.view(), prompt=prompt, prompt_mask=prompt_mask, nfe=64, generator=torch.Generator().manual_seed(0)
+    )
     assert out.nfe == net.calls < 64  # 8 tokens over 64 steps: many steps change nothing
     # consecutive calls never see identical inputs (otherwise a call was wasted)
-    assert all(not torch.equal(a, b) for a, b in zip(net.inputs, net.inputs[1:]))
+    assert all(not torch.equal(a, b) for a, b in zip(net.inputs, net.inputs[1:], strict=False))
     timed = CountingNet(time_conditioned=True)
-    out_t = AncestralSampler()(timed.view(), prompt=prompt, prompt_mask=prompt_mask, nfe=64,
-                               generator=torch.Generator().manual_seed(0))
+    out_t = AncestralSampler()(
+        timed.view(),
+        prompt=prompt,
+        prompt_mask=prompt_mask,
+        nfe=64,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert out_t.nfe == timed.calls  # a time-conditioned net cannot reuse outputs across times
     assert out_t.nfe > out.nfe
 
@@ -73,8 +90,9 @@ def test_ancestral_cache_saves_calls_only_when_nothing_changed():
 def test_confidence_commits_uniform_budget():
     net = CountingNet()
     prompt, prompt_mask = _prompt(batch=2)
-    ConfidenceSampler()(net.view(), prompt=prompt, prompt_mask=prompt_mask, nfe=3,
-                        generator=torch.Generator().manual_seed(0))
+    ConfidenceSampler()(
+        net.view(), prompt=prompt, prompt_mask=prompt_mask, nfe=3, generator=torch.Generator().manual_seed(0)
+    )
     masked = [(x == MASK).sum(-1).tolist() for x in net.inputs]
     assert masked == [[8, 8], [5, 5], [2, 2]]  # ⌈8/3⌉ = 3, then ⌈5/2⌉ = 3, then 2
 
@@ -82,8 +100,15 @@ def test_confidence_commits_uniform_budget():
 @pytest.mark.parametrize("sampler", SAMPLERS, ids=["anc", "anc-nocache", "conf", "conf-t1"])
 def test_same_seed_same_samples(sampler):
     prompt, prompt_mask = _prompt()
-    run = lambda seed: sampler(CountingNet().view(), prompt=prompt, prompt_mask=prompt_mask, nfe=4,
-                               generator=torch.Generator().manual_seed(seed)).tokens
+    run = lambda seed: (
+        sampler(
+            CountingNet().view(),
+            prompt=prompt,
+            prompt_mask=prompt_mask,
+            nfe=4,
+            generator=torch.Generator().manual_seed(seed),
+        ).tokens
+    )
     assert torch.equal(run(7), run(7))
     if not (isinstance(sampler, ConfidenceSampler) and sampler.temperature == 0):
         assert not torch.equal(run(7), run(8))

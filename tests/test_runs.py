@@ -5,10 +5,10 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
+from conftest import FAST, compose_config
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from conftest import FAST, compose_config
 from runners.common import CONF_DIR, RunExistsError
 from runners.evaluate import evaluate
 from runners.train import train
@@ -34,8 +34,14 @@ def trained(tmp_path_factory):
     mp.setenv("FLOWLM_RUNS", str(root / "runs"))
     mp.setenv("FLOWLM_DATA", str(root / "data"))
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-    cfg = compose_config(overrides=["experiment=sudoku_mdm_uncond_tiny", *FAST, "trainer.max_steps=4",
-                                    "trainer.val_check_interval=4"])
+    cfg = compose_config(
+        overrides=[
+            "experiment=sudoku_mdm_uncond_tiny",
+            *FAST,
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=4",
+        ]
+    )
     result = train(cfg)
     yield cfg, result, root
     mp.undo()
@@ -93,8 +99,17 @@ def test_eval_rejects_wrong_checkpoints(trained, tmp_path):
     with pytest.raises(FileNotFoundError, match="checkpoint not found"):
         evaluate(compose_config("eval", overrides=[f"ckpt_path={tmp_path / 'missing.ckpt'}", "logger=none"]))
     ckpt = Path(result["run_dir"], "checkpoints", "last.ckpt")
-    mismatch = [f"ckpt_path={ckpt}", "data=sudoku", "data.box_rows=2", "data.box_cols=2", "data.conditional=false",
-                "data.difficulty=null", "data.num_train=8", "data.num_val=4", "logger=none"]
+    mismatch = [
+        f"ckpt_path={ckpt}",
+        "data=sudoku",
+        "data.box_rows=2",
+        "data.box_cols=2",
+        "data.conditional=false",
+        "data.difficulty=null",
+        "data.num_train=8",
+        "data.num_val=4",
+        "logger=none",
+    ]
     with pytest.raises(ValueError, match="vocab_size=4.*trained with 6"):
         evaluate(compose_config("eval", overrides=mismatch))
 
@@ -141,3 +156,24 @@ def test_bad_input_fails_before_compute(overrides, error, match, runs_env):
     with pytest.raises(error, match=match):
         train(cfg)
     assert not (runs_env / "runs" / cfg.name).exists() or not any((runs_env / "runs" / cfg.name).rglob("*.ckpt"))
+
+
+def test_eval_on_a_user_puzzle_file(runs_env):
+    from flowlm.tasks.sudoku import SudokuSpec, generate, grid_to_string
+
+    box = ["data.box_rows=2", "data.box_cols=2"]
+    cfg = compose_config(overrides=["experiment=sudoku_mdm_easy_tiny", *FAST, *box, "logger=none"])
+    ckpt = Path(train(cfg)["run_dir"], "checkpoints", "last.ckpt")
+    puzzles, solutions = generate(SudokuSpec(2, 2), conditional=True, difficulty="hard", num=5, seed=123)
+    good = runs_env / "mine.csv"
+    good.write_text(
+        "puzzle,solution\n"
+        + "".join(f"{grid_to_string(p)},{grid_to_string(s)}\n" for p, s in zip(puzzles, solutions, strict=False))
+    )
+    file_cfg = [f"ckpt_path={ckpt}", "data=sudoku_file", *box, "eval.nfe=[1,4]", "logger=none"]
+    out = evaluate(compose_config("eval", overrides=[*file_cfg, f"data.eval_file={good}"]))
+    assert len(out["rows"]) == 4 and out["metric"] == "accuracy"
+    bad = runs_env / "bad.csv"
+    bad.write_text("puzzle,solution\n1234,123\n")
+    with pytest.raises(ValueError, match="bad.csv"):
+        evaluate(compose_config("eval", overrides=[*file_cfg, f"data.eval_file={bad}"]))

@@ -10,6 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SIZES: dict[str, dict[str, int]] = {
     "tiny": {"d_model": 128, "n_layers": 4, "n_heads": 4, "cond_dim": 128},
@@ -61,6 +62,16 @@ def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return x * (1 + scale) + shift
 
 
+def attention(q: Tensor, k: Tensor, v: Tensor, *, dropout_p: float, is_causal: bool) -> Tensor:
+    """PyTorch SDPA; on CPU pinned to the math kernel, whose backward beat the CPU flash kernel by ≈ 1.7× on
+    `tiny` Sudoku batches with bf16 autocast (256×36 tokens: 0.32 vs 0.56 s per training step). On GPU SDPA picks
+    the flash / memory-efficient kernels itself."""
+    if q.device.type == "cpu":
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
+
+
 class DiTBlock(nn.Module):
     """Pre-norm transformer block with per-token adaLN shift/scale/gate on attention and MLP."""
 
@@ -92,7 +103,7 @@ class DiTBlock(nn.Module):
         q, k, v = self.qkv(h).view(b, length, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         q, k = self.rotary(q, k)
         drop = self.dropout if self.training else 0.0
-        attn = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=causal)
+        attn = attention(q, k, v, dropout_p=drop, is_causal=causal)
         attn = attn.transpose(1, 2).reshape(b, length, d)
         x = x + gate_a * F.dropout(self.attn_out(attn), drop, self.training)
         h = modulate(self.norm2(x), shift_m, scale_m)
@@ -150,21 +161,24 @@ class DiT(nn.Module):
         self.embed = nn.Embedding(vocab_size, d_model)
         self.emb_s = TimeEmbedding(cond_dim)
         self.emb_t = TimeEmbedding(cond_dim) if two_times else None
-        self.blocks = nn.ModuleList(
-            DiTBlock(d_model, n_heads, cond_dim, mlp_ratio, dropout) for _ in range(n_layers)
-        )
+        self.blocks = nn.ModuleList(DiTBlock(d_model, n_heads, cond_dim, mlp_ratio, dropout) for _ in range(n_layers))
         self.final = FinalLayer(d_model, cond_dim, vocab_size)
 
     def condition(self, s: Tensor, t: Tensor | None, batch: int, length: int) -> Tensor:
-        """c = SiLU(emb_s(s) + emb_t(t)), shape (B, L, cond_dim)."""
+        """c = SiLU(emb_s(s) + emb_t(t)), shape (B, L, cond_dim), or (B, 1, cond_dim) for per-sequence times."""
         if (t is not None) != self.two_times:
             raise ValueError(
                 "this DiT was built with two_times="
                 f"{self.two_times} but was called {'with' if t is not None else 'without'} a second time t"
             )
-        c = self.emb_s(_per_token(s, batch, length))
+        s = _per_token(s, batch, length)
         if t is not None:
-            c = c + self.emb_t(_per_token(t, batch, length))
+            t = _per_token(t, batch, length)
+            if t.shape != s.shape:  # one per token, the other per sequence
+                s, t = s.expand(batch, length), t.expand(batch, length)
+        c = self.emb_s(s)
+        if t is not None:
+            c = c + self.emb_t(t)
         return F.silu(c)
 
     def input_embeddings(self, x: Tensor) -> Tensor:
@@ -189,10 +203,15 @@ class DiT(nn.Module):
 
 
 def _per_token(time: Tensor, batch: int, length: int) -> Tensor:
+    """(B, L) per-token times, or (B, 1) when one time serves the whole sequence.
+
+    Keeping a per-sequence time at length 1 lets the time MLP and every adaLN Linear run once per sequence
+    and broadcast over tokens (measured: ≈ 40 % of a `tiny` training step when expanded to every token).
+    """
     if time.dim() == 0:
-        return time.expand(batch, length)
+        return time.expand(batch, 1)
     if time.dim() == 1:
-        return time[:, None].expand(batch, length)
+        return time[:, None]
     if time.shape != (batch, length):
         raise ValueError(f"time has shape {tuple(time.shape)}, expected ({batch},) or ({batch}, {length})")
     return time

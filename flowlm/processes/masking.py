@@ -18,9 +18,7 @@ class LogLinearSchedule:
         return 1.0 / t
 
 
-def stratified_times(
-    global_batch: int, *, offset: int, count: int, eps: float, generator: torch.Generator
-) -> Tensor:
+def stratified_times(global_batch: int, *, offset: int, count: int, eps: float, generator: torch.Generator) -> Tensor:
     """Times t_i = ε + (1−ε)·(i + u_i)/n for i in [offset, offset+count) of a global batch of n.
 
     One draw per stratum of [0, 1) over the *global* batch (MDLM's antithetic sampling): every rank and

@@ -1,0 +1,342 @@
+"""Generated Sudoku (methods.md §7) as token batches ``{"tokens", "prompt_mask"}``, cached as one .npz."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from flowlm.metrics.sudoku import grid_hashes
+from flowlm.tasks.sudoku import (
+    DIFFICULTY_CLUES_9X9,
+    GENERATOR_VERSION,
+    KNOWN_GRID_COUNTS,
+    SudokuLayout,
+    SudokuSpec,
+    clues_for,
+    generate,
+    read_puzzle_file,
+)
+
+log = logging.getLogger(__name__)
+
+_ARRAYS = ("train_puzzles", "train_solutions", "val_puzzles", "val_solutions")
+
+
+class TokenDataset(Dataset):
+    """Rows of pre-encoded token and prompt-mask tensors, served as dicts (default collate stacks them)."""
+
+    def __init__(self, tokens: Tensor, prompt_mask: Tensor) -> None:
+        self.tokens, self.prompt_mask = tokens, prompt_mask
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]:
+        return {"tokens": self.tokens[index], "prompt_mask": self.prompt_mask[index]}
+
+
+class SudokuDataModule(L.LightningDataModule):
+    """Seeded, deduplicated Sudoku train/val sets (val disjoint from train); batch sizes are global."""
+
+    def __init__(
+        self,
+        *,
+        box_rows: int = 3,
+        box_cols: int = 3,
+        conditional: bool = True,
+        difficulty: str | None = "medium",
+        num_train: int = 48_000,
+        num_val: int = 2_000,
+        seed: int = 0,
+        cache_dir: str | os.PathLike = "data_cache",
+        batch_size: int = 256,
+        val_batch_size: int | None = None,
+        eval_file: str | os.PathLike | None = None,
+        num_workers: int = 0,
+        gen_workers: int = 1,
+        pin_memory: bool = True,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self._spec = SudokuSpec(box_rows, box_cols)
+        if conditional:
+            if difficulty not in DIFFICULTY_CLUES_9X9:
+                allowed = sorted(DIFFICULTY_CLUES_9X9)
+                raise ValueError(f"conditional Sudoku needs difficulty in {allowed}, got {difficulty!r}")
+        else:
+            if eval_file is not None:
+                raise ValueError("eval_file holds puzzles, so it only applies to conditional Sudoku")
+            if difficulty not in (None, "medium"):
+                # "medium" is the signature default; only another explicit value reveals a mistaken intent.
+                warnings.warn(f"difficulty={difficulty!r} is ignored for unconditional Sudoku", stacklevel=2)
+            difficulty = None
+        for name, value, low in (
+            (
+                "num_train",
+                num_train,
+                0 if eval_file is not None else 1,
+            ),  # evaluating a file needs no training set
+            ("num_val", num_val, 0),
+            ("seed", seed, 0),
+            ("batch_size", batch_size, 1),
+            ("num_workers", num_workers, 0),
+            ("gen_workers", gen_workers, 1),
+        ):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if val_batch_size is not None and (not isinstance(val_batch_size, int) or val_batch_size < 1):
+            raise ValueError(f"val_batch_size must be None or an int >= 1, got {val_batch_size!r}")
+        cap = KNOWN_GRID_COUNTS.get((box_rows, box_cols))
+        if not conditional and cap is not None and num_train + num_val > cap:
+            raise ValueError(
+                f"num_train + num_val = {num_train + num_val} distinct {self._spec.name} grids requested, "
+                f"but only {cap} exist"
+            )
+        self.conditional = conditional
+        self.difficulty = difficulty
+        self.num_train, self.num_val, self.seed = num_train, num_val, seed
+        self.cache_dir = Path(cache_dir)
+        self.batch_size, self.val_batch_size = batch_size, val_batch_size
+        self.num_workers, self.gen_workers, self.pin_memory = num_workers, gen_workers, pin_memory
+        self._layout = SudokuLayout(self._spec, conditional)
+        # Read now so that a bad file fails before any generation or training compute.
+        self.eval_file = None if eval_file is None else Path(eval_file)
+        self._eval = None if self.eval_file is None else read_puzzle_file(self.eval_file, self._spec)
+        self._data: dict[str, np.ndarray] | None = None
+        self.train_set: TokenDataset | None = None
+        self.val_set: TokenDataset | None = None
+
+    # --------------------------------------------------------------------------------------------------------
+    # Identity of the generated data.
+
+    def _generation_args(self) -> dict[str, Any]:
+        # Everything that changes the generated arrays, nothing else (gen_workers does not: per-item seeds).
+        return {
+            "version": GENERATOR_VERSION,
+            "box_rows": self._spec.box_rows,
+            "box_cols": self._spec.box_cols,
+            "conditional": self.conditional,
+            "difficulty": self.difficulty,
+            "num_train": self.num_train,
+            "num_val": self.num_val,
+            "seed": self.seed,
+        }
+
+    @property
+    def cache_path(self) -> Path:
+        """The .npz holding this configuration's generated train and val arrays."""
+        args = self._generation_args()
+        digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:10]
+        n = self._spec.n
+        kind = self.difficulty if self.conditional else "uncond"
+        name = f"sudoku{n}x{n}_b{self._spec.box_rows}x{self._spec.box_cols}_{kind}"
+        return self.cache_dir / f"{name}_{self.num_train}+{self.num_val}_seed{self.seed}_{digest}.npz"
+
+    # --------------------------------------------------------------------------------------------------------
+    # Lightning hooks.
+
+    def prepare_data(self) -> None:
+        """Generate train, then val disjoint from it, and cache both; a cached file skips all generation."""
+        path = self.cache_path
+        if path.is_file():
+            log.info("Sudoku data cache hit: %s", path)
+            return
+        start = time.perf_counter()
+        common = {"conditional": self.conditional, "difficulty": self.difficulty, "workers": self.gen_workers}
+        train_p, train_s = generate(self._spec, num=self.num_train, seed=self.seed, **common)
+        train_keys = {(p if self.conditional else s).tobytes() for p, s in zip(train_p, train_s, strict=True)}
+        # A separate seed stream for val; `exclude` makes it disjoint from train whatever the streams produce.
+        val_seed = int(np.random.SeedSequence([self.seed, 1]).generate_state(1)[0])
+        val_p, val_s = generate(self._spec, num=self.num_val, seed=val_seed, exclude=train_keys, **common)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:  # a file object stops np.savez from appending another ".npz"
+                np.savez(f, train_puzzles=train_p, train_solutions=train_s, val_puzzles=val_p, val_solutions=val_s)
+            os.replace(tmp, path)  # atomic: a concurrent or interrupted writer never leaves a half file
+        finally:
+            tmp.unlink(missing_ok=True)
+        log.info(
+            "Generated %d+%d %s Sudoku in %.1f s → %s",
+            self.num_train,
+            self.num_val,
+            self._spec.name,
+            time.perf_counter() - start,
+            path,
+        )
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load the cached arrays (generating them if prepare_data was skipped) and encode them to tokens."""
+        if self._data is not None:
+            return
+        path = self.cache_path
+        if not path.is_file():
+            self.prepare_data()
+        n = self._spec.n
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                data = {k: f[k] for k in _ARRAYS}
+        except (OSError, KeyError, ValueError) as e:
+            raise ValueError(f"Sudoku cache {path} is unreadable ({e}); delete it to regenerate") from e
+        expected = {"train": self.num_train, "val": self.num_val}
+        for key, array in data.items():
+            if array.shape != (expected[key.split("_")[0]], n, n):
+                raise ValueError(f"Sudoku cache {path}: {key} has shape {array.shape}; delete it to regenerate")
+        if self._eval is not None:
+            data["val_puzzles"], data["val_solutions"] = self._eval
+            train = {p.tobytes() for p in data["train_puzzles"]}
+            overlap = sum(p.tobytes() in train for p in data["val_puzzles"])
+            if overlap:
+                warnings.warn(
+                    f"{overlap} of {len(data['val_puzzles'])} puzzles in {self.eval_file} are also training puzzles",
+                    stacklevel=2,
+                )
+        self._data = data
+        self.train_set = TokenDataset(*self._layout.encode(data["train_puzzles"], data["train_solutions"]))
+        self.val_set = TokenDataset(*self._layout.encode(data["val_puzzles"], data["val_solutions"]))
+        self._train_keys = {s.tobytes() for s in data["train_solutions"]}
+        if 0 < len(self.train_set) < self.per_device_batch_size:
+            raise ValueError(
+                f"num_train = {self.num_train} is smaller than one per-device batch "
+                f"({self.per_device_batch_size}); with drop_last there would be no training batch"
+            )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled with a seeded generator, drop_last (Lightning swaps in a DistributedSampler under DDP)."""
+        if self.train_set is None:
+            raise RuntimeError("call setup() before train_dataloader()")
+        return DataLoader(
+            self.train_set,
+            batch_size=self.per_device_batch_size,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(self.seed),
+            drop_last=True,
+            **self._loader_kwargs(),
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        """In order, keeping the last partial batch: every validation puzzle is scored."""
+        if self.val_set is None:
+            raise RuntimeError("call setup() before val_dataloader()")
+        return DataLoader(
+            self.val_set,
+            batch_size=self.per_device_val_batch_size,
+            shuffle=False,
+            drop_last=False,
+            **self._loader_kwargs(),
+        )
+
+    def _loader_kwargs(self) -> dict[str, Any]:
+        return {
+            "num_workers": self.num_workers,
+            "pin_memory": self.pin_memory and torch.cuda.is_available(),
+            "persistent_workers": self.num_workers > 0,
+        }
+
+    # --------------------------------------------------------------------------------------------------------
+    # Batch arithmetic: batch sizes in the config are global, the loaders need per-device ones.
+
+    def _world_and_accumulation(self) -> tuple[int, int]:
+        trainer = self.trainer
+        if trainer is None:
+            return 1, 1
+        return int(trainer.world_size), int(trainer.accumulate_grad_batches)
+
+    @property
+    def per_device_batch_size(self) -> int:
+        """batch_size // (world_size · accumulate_grad_batches); must divide exactly."""
+        world, accumulate = self._world_and_accumulation()
+        split = world * accumulate
+        if self.batch_size % split:
+            raise ValueError(
+                f"global batch_size {self.batch_size} is not divisible by world_size {world} × "
+                f"accumulate_grad_batches {accumulate} = {split}"
+            )
+        return self.batch_size // split
+
+    @property
+    def per_device_val_batch_size(self) -> int:
+        """Global val_batch_size (default: batch_size) // world_size; validation does not accumulate."""
+        world, _ = self._world_and_accumulation()
+        total = self.batch_size if self.val_batch_size is None else self.val_batch_size
+        if total % world:
+            raise ValueError(f"global val_batch_size {total} is not divisible by world_size {world}")
+        return total // world
+
+    # --------------------------------------------------------------------------------------------------------
+    # What models, samplers and metrics need to know.
+
+    @property
+    def spec(self) -> SudokuSpec:
+        """Box shape."""
+        return self._spec
+
+    @property
+    def layout(self) -> SudokuLayout:
+        """Token layout (encode/decode between grids and sequences)."""
+        return self._layout
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary of the layout (models add their own [MASK] on top)."""
+        return self._layout.vocab_size
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per sequence."""
+        return self._layout.seq_len
+
+    @property
+    def prompt_len(self) -> int:
+        """Leading prompt positions per sequence (0 when unconditional)."""
+        return self._layout.prompt_len
+
+    def _loaded(self) -> dict[str, np.ndarray]:
+        if self._data is None:
+            raise RuntimeError("call prepare_data() and setup() first")
+        return self._data
+
+    @property
+    def train_keys(self) -> set[bytes]:
+        """Keys (int8 ``tobytes()``, as `flowlm.metrics.sudoku.grid_keys`) of the training solution grids."""
+        self._loaded()
+        return self._train_keys
+
+    @property
+    def train_hashes(self) -> Tensor:
+        """Sorted int64 hashes (`grid_hashes`) of the training solution grids, for `torch.isin`."""
+        return grid_hashes(torch.from_numpy(self._loaded()["train_solutions"])).sort().values
+
+    def describe(self) -> dict[str, Any]:
+        """Flat parameters for logging."""
+        return {
+            "task": "sudoku",
+            "box_rows": self._spec.box_rows,
+            "box_cols": self._spec.box_cols,
+            "n": self._spec.n,
+            "conditional": self.conditional,
+            "difficulty": self.difficulty,
+            "clues": clues_for(self._spec, self.difficulty) if self.conditional else None,
+            "num_train": self.num_train,
+            "num_val": self.num_val if self._eval is None else len(self._eval[0]),
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "val_batch_size": self.val_batch_size,
+            "eval_file": None if self.eval_file is None else str(self.eval_file),
+            "vocab_size": self.vocab_size,
+            "seq_len": self.seq_len,
+            "prompt_len": self.prompt_len,
+            "cache_file": str(self.cache_path),
+        }
