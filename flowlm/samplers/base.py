@@ -49,6 +49,18 @@ class Sampler(ABC):
             raise ValueError(f"{type(self).__name__}: NFE budget must be an integer ≥ 1, got {nfe!r}")
 
 
+def check_temperature(temperature: float) -> float:
+    """A sampling temperature: 0 means argmax, > 0 scales the logits."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be ≥ 0, got {temperature}")
+    return temperature
+
+
+def masked_start(prompt: Tensor, prompt_mask: Tensor, mask_id: int) -> tuple[Tensor, Tensor]:
+    """The all-[MASK] state with the prompt in place, and its confidence (1 on the prompt, 0 elsewhere)."""
+    return torch.where(prompt_mask, prompt, mask_id), prompt_mask.float()
+
+
 def gumbel_argmax(log_probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """A categorical draw by Gumbel-max in float64 (float32 Gumbel noise biases low-probability tokens)."""
     u = torch.rand(log_probs.shape, generator=generator, device=log_probs.device, dtype=torch.float64)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flowlm.samplers.base import MaskedDenoiser, SampleOutput, Sampler, pick_tokens
+from flowlm.samplers.base import (
+    MaskedDenoiser,
+    SampleOutput,
+    Sampler,
+    check_temperature,
+    masked_start,
+    pick_tokens,
+)
 
 
 class AncestralSampler(Sampler):
@@ -19,9 +26,7 @@ class AncestralSampler(Sampler):
     family = "mdm"
 
     def __init__(self, *, temperature: float = 1.0, cache: bool = True) -> None:
-        if temperature < 0:
-            raise ValueError(f"temperature must be ≥ 0, got {temperature}")
-        self.temperature = temperature
+        self.temperature = check_temperature(temperature)
         self.cache = cache
 
     def __call__(
@@ -35,8 +40,7 @@ class AncestralSampler(Sampler):
     ) -> SampleOutput:
         """Sample with at most ``nfe`` network calls."""
         self.check_budget(nfe)
-        x = torch.where(prompt_mask, prompt, model.mask_id)
-        confidence = prompt_mask.float()
+        x, confidence = masked_start(prompt, prompt_mask, model.mask_id)
         batch = x.shape[0]
         log_p: Tensor | None = None
         calls = 0

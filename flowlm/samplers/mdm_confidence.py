@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flowlm.samplers.base import MaskedDenoiser, SampleOutput, Sampler, pick_tokens
+from flowlm.samplers.base import (
+    MaskedDenoiser,
+    SampleOutput,
+    Sampler,
+    check_temperature,
+    masked_start,
+    pick_tokens,
+)
 
 
 class ConfidenceSampler(Sampler):
@@ -18,9 +25,7 @@ class ConfidenceSampler(Sampler):
     family = "mdm"
 
     def __init__(self, *, temperature: float = 0.0) -> None:
-        if temperature < 0:
-            raise ValueError(f"temperature must be ≥ 0, got {temperature}")
-        self.temperature = temperature
+        self.temperature = check_temperature(temperature)
 
     def __call__(
         self,
@@ -33,8 +38,7 @@ class ConfidenceSampler(Sampler):
     ) -> SampleOutput:
         """Sample with at most ``nfe`` network calls."""
         self.check_budget(nfe)
-        x = torch.where(prompt_mask, prompt, model.mask_id)
-        confidence = prompt_mask.float()
+        x, confidence = masked_start(prompt, prompt_mask, model.mask_id)
         n_free = (~prompt_mask).sum(-1).clamp_min(1)
         positions = torch.arange(x.shape[1], device=x.device)
         calls = 0
