@@ -60,9 +60,13 @@ class FlowLMModule(L.LightningModule):
     # Randomness: generators seeded from (seed, step, micro-batch, rank, stream) make a training step's draws a
     # pure function of where it is in the run, identical after a resume and independent across ranks.
     def step_generator(self, stream: int, batch_idx: int, *, shared: bool, device: torch.device | None = None):
-        """A generator for this step; ``shared`` ones are identical on every rank (for global-batch draws)."""
-        rank = 0 if shared else self.global_rank
-        key = (self.seed, self.global_step, batch_idx, rank, stream)
+        """A generator for this step. ``shared`` ones depend on the optimizer step only, so every rank and every
+        micro-batch of an accumulation group draws the same numbers (for draws over the global batch)."""
+        key = (
+            (self.seed, self.global_step, stream)
+            if shared
+            else (self.seed, self.global_step, batch_idx, self.global_rank, stream)
+        )
         gen = torch.Generator(device=device or "cpu")
         gen.manual_seed(hash(key) & 0x7FFF_FFFF_FFFF_FFFF)
         return gen

@@ -56,17 +56,15 @@ class MDMModule(FlowLMModule):
         loss, _ = mdm_elbo_loss(logits, tokens, masked, weight, ~prompt_mask, self.mask_id)
         return loss
 
+    def sample_times(self, local_batch: int, batch_idx: int) -> Tensor:
+        """This micro-batch's slice of one stratified draw of t over the global batch (all ranks, accumulation)."""
+        n_global, offset = self.global_batch_slice(local_batch, batch_idx)
+        gen = self.step_generator(0, batch_idx, shared=True)
+        return stratified_times(n_global, offset=offset, count=local_batch, eps=self.process.eps, generator=gen)
+
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         """Stratified t over the global batch, then the ELBO."""
-        b = batch["tokens"].shape[0]
-        n_global, offset = self.global_batch_slice(b, batch_idx)
-        t = stratified_times(
-            n_global,
-            offset=offset,
-            count=b,
-            eps=self.process.eps,
-            generator=self.step_generator(0, batch_idx, shared=True),
-        ).to(self.device)
+        t = self.sample_times(batch["tokens"].shape[0], batch_idx).to(self.device)
         gen = self.step_generator(1, batch_idx, shared=False, device=self.device)
         loss = self.mdm_loss(batch, t, gen)
         self.log("train/loss", loss, prog_bar=True)

@@ -92,3 +92,23 @@ def test_loss_decreases_on_a_tiny_overfit_set():
     with torch.no_grad():
         after = sum(loss_at(s).item() for s in range(20))
     assert after < 0.75 * before
+
+
+def test_module_times_are_stratified_over_ranks_and_accumulation():
+    from types import SimpleNamespace
+
+    from lightning_modules.mdm import MDMModule
+
+    backbone = {"d_model": 16, "n_layers": 1, "n_heads": 2, "cond_dim": 8}
+    module = MDMModule(data_vocab_size=4, seq_len=6, backbone=backbone, optim={})
+    local, world, accum = 4, 2, 3
+    times = []
+    for rank in range(world):
+        for micro in range(accum):
+            module._trainer = SimpleNamespace(world_size=world, accumulate_grad_batches=accum, global_step=7,
+                                              global_rank=rank)
+            times.append(module.sample_times(local, batch_idx=30 + micro))
+    t = torch.cat(times)
+    n = local * world * accum
+    strata = ((t - 1e-3) / (1 - 1e-3) * n).floor().long()
+    assert sorted(strata.tolist()) == list(range(n))  # one draw per stratum of the *global* batch
