@@ -105,8 +105,9 @@ def test_module_times_are_stratified_over_ranks_and_accumulation():
     times = []
     for rank in range(world):
         for micro in range(accum):
-            module._trainer = SimpleNamespace(world_size=world, accumulate_grad_batches=accum, global_step=7,
-                                              global_rank=rank)
+            module._trainer = SimpleNamespace(
+                world_size=world, accumulate_grad_batches=accum, global_step=7, global_rank=rank
+            )
             times.append(module.sample_times(local, batch_idx=30 + micro))
     t = torch.cat(times)
     n = local * world * accum
