@@ -56,7 +56,8 @@ class SamplingEvaluation(Callback):
             if sampler.family != pl_module.family:
                 raise ValueError(
                     f"sampler {name!r} ({type(sampler).__name__}) samples '{sampler.family}' models, "
-                    f"but the model is a '{pl_module.family}' model"
+                    f"but the model is a '{pl_module.family}' model; choose samplers for it (e.g. eval=sudoku for "
+                    "'mdm', eval=sudoku_flow for 'flow')"
                 )
 
     def setup(self, trainer, pl_module, stage: str) -> None:  # noqa: D102

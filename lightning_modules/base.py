@@ -43,6 +43,9 @@ class FlowLMModule(L.LightningModule):
         self.optim_cfg.update(plain(optim))
         self.seed = seed
 
+    def validate_inputs(self) -> None:
+        """Check external inputs (teacher / init checkpoints) before any compute; nothing to check by default."""
+
     def build_backbone(self, vocab_size: int, **extra: Any) -> DiT:
         """The shared DiT with this run's size/overrides and a method-specific vocabulary."""
         return build_dit(vocab_size=vocab_size, **{**self.backbone_cfg, **extra})

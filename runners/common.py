@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
-import torch
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
@@ -127,28 +125,6 @@ def make_logger(cfg: DictConfig, run_dir: Path | None) -> MLFlowLogger | None:
 def _flat_params(cfg: DictConfig) -> dict:
     keep = {k: cfg[k] for k in ("name", "task", "seed", "method", "backbone", "data", "eval", "trainer") if k in cfg}
     return OmegaConf.to_container(OmegaConf.create(keep), resolve=True)
-
-
-def read_checkpoint_meta(path: str | os.PathLike) -> dict:
-    """The ``flowlm`` record of a checkpoint (family, class, vocabulary, config), with clear errors."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as err:  # noqa: BLE001 - any unpickling failure means the same thing here
-        raise ValueError(f"{path} is not a readable PyTorch checkpoint ({type(err).__name__}: {err})") from err
-    if not isinstance(ckpt, dict) or "flowlm" not in ckpt:
-        raise ValueError(f"{path} is not a flowlm checkpoint (no 'flowlm' record): it was not written by flowlm-train")
-    return ckpt["flowlm"]
-
-
-def import_class(path: str) -> type:
-    """Import ``package.module.Class``."""
-    import importlib
-
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
 
 
 def pivot_table(rows: list[dict], value: str) -> str:

@@ -8,15 +8,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from callbacks.sampling_eval import SamplingEvaluation
-from runners.common import (
-    CONF_DIR,
-    build,
-    import_class,
-    make_logger,
-    pivot_table,
-    read_checkpoint_meta,
-    resolve_paths,
-)
+from lightning_modules.checkpoints import import_class, read_checkpoint_meta
+from runners.common import CONF_DIR, build, make_logger, pivot_table, resolve_paths
 
 
 def evaluate(cfg: DictConfig) -> dict:

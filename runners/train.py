@@ -34,6 +34,7 @@ def train(cfg: DictConfig) -> dict:
     datamodule = build(cfg.data)
     module = build(cfg.method, data_vocab_size=datamodule.vocab_size, seq_len=datamodule.seq_len)
     module.run_config = OmegaConf.to_container(cfg, resolve=True)
+    module.validate_inputs()
     evaluation: SamplingEvaluation = build(cfg.eval)
     evaluation.check_model(module)
     callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values() if c is not None]

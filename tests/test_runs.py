@@ -16,9 +16,27 @@ from runners.train import train
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
 
 
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory):
+    """One runs/data folder for all experiment configs, so FMLM+ init/distill configs find their MDM."""
+    root = tmp_path_factory.mktemp("experiments")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FLOWLM_RUNS", str(root / "runs"))
+    mp.setenv("FLOWLM_DATA", str(root / "data"))
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    yield root
+    mp.undo()
+
+
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_every_experiment_runs_fast_dev_run(experiment, runs_env):
+def test_every_experiment_runs_fast_dev_run(experiment, shared_runs):
     cfg = compose_config(overrides=[f"experiment={experiment}", *FAST, "+trainer.fast_dev_run=true", "logger=none"])
+    for key in ("init_from", "teacher"):  # an MDM-based variant: train that MDM (2 steps, with a checkpoint) first
+        source = OmegaConf.select(cfg, f"method.{key}")
+        if source and not Path(source).exists():
+            mdm = Path(source).parents[2].name
+            train(compose_config(overrides=[f"experiment={mdm}", *FAST, "logger=none"]))
+            assert Path(source).exists()
     result = train(cfg)
     assert result["rows"], "the final evaluation produced no rows"
     for row in result["rows"]:

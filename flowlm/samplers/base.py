@@ -32,6 +32,17 @@ class MaskedDenoiser:
     time_conditioned: bool = False
 
 
+@dataclass(frozen=True)
+class FlowDenoiser:
+    """A two-time flow model as samplers see it: ``fn(x (B, L, V) float, s (B, L), t (B, L)) → log δ_{s,t}(x)``.
+
+    Times are per token; positions at s = t = 1 are clean one-hot vectors (prompt, context, committed tokens).
+    """
+
+    fn: Callable[[Tensor, Tensor, Tensor], Tensor]
+    vocab_size: int
+
+
 class Sampler(ABC):
     """A sampler for one model family; it spends at most ``nfe`` network calls and reports what it spent."""
 

@@ -1,0 +1,94 @@
+"""Gaussian → one-hot flow (t = 0 noise, t = 1 data), its two-time flow map and the batch split (methods.md §3–4)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+# Kinds of training pairs (s, t) in one batch.
+DIAGONAL, BOUNDARY, OFF_DIAGONAL, DISTILL = 0, 1, 2, 3
+KIND_NAMES = ("diagonal", "boundary", "off_diagonal", "distill")
+
+
+def noisy_state(onehot: Tensor, noise: Tensor, time: Tensor) -> Tensor:
+    """x_t = (1 − t)·ε + t·onehot(y), with per-token times (B, L)."""
+    time = time[..., None].to(onehot.dtype)
+    return (1 - time) * noise + time * onehot
+
+
+def flow_map(x: Tensor, delta: Tensor, s: Tensor, t: Tensor) -> Tensor:
+    """X_{s,t}(x) = ((1−t)/(1−s))·x + ((t−s)/(1−s))·δ_{s,t}(x); per-token (B, L) times.
+
+    Tokens at s = 1 (prompt, context, committed) are already data and stay where they are: X_{1,1} = identity.
+    """
+    s, t = s[..., None].to(x.dtype), t[..., None].to(x.dtype)
+    done = s >= 1
+    denom = torch.where(done, torch.ones_like(s), 1 - s)
+    out = ((1 - t) / denom) * x + ((t - s) / denom) * delta
+    return torch.where(done, x, out)
+
+
+def semigroup_gamma(s: Tensor, u: Tensor, t: Tensor) -> Tensor:
+    """γ = (1−t)(u−s) / ((1−u)(t−s)): the weight of δ_{s,u} in the midpoint target (in [0, 1/2] for u = (s+t)/2).
+
+    Derived from X_{s,t} = X_{u,t} ∘ X_{s,u}: δ_{s,t} = γ·δ_{s,u}(x_s) + (1−γ)·δ_{u,t}(X_{s,u}(x_s)).
+    """
+    return (1 - t) * (u - s) / ((1 - u) * (t - s)).clamp_min(1e-12)
+
+
+def semigroup_target(d1: Tensor, d2: Tensor, gamma: Tensor) -> Tensor:
+    """target = γ·D1 + (1−γ)·D2, a convex combination of two simplex points (so on the simplex)."""
+    gamma = gamma[..., None].to(d1.dtype)
+    return gamma * d1 + (1 - gamma) * d2
+
+
+def split_counts(global_batch: int, *, diagonal: float = 0.5, boundary: float = 1 / 64, distill: float = 0.0):
+    """Exact counts of (diagonal, boundary, off-diagonal, distill) sequences in a global batch.
+
+    As in the released code: ⌊distill·B⌋ distill rows first; of the rest R, ⌊diagonal·R⌋ diagonal and
+    ⌊boundary·R⌋ boundary rows; the remainder is off-diagonal (B = 256: 128 / 4 / 124 / 0).
+    """
+    for name, share in (("diagonal", diagonal), ("boundary", boundary), ("distill", distill)):
+        if not 0 <= share <= 1:
+            raise ValueError(f"the {name} share must lie in [0, 1], got {share}")
+    if diagonal + boundary > 1:
+        raise ValueError(f"diagonal {diagonal} + boundary {boundary} shares exceed the batch")
+    n_dist = math.floor(distill * global_batch)
+    rest = global_batch - n_dist
+    n_diag = math.floor(diagonal * rest)
+    n_bound = math.floor(boundary * rest)
+    return n_diag, n_bound, rest - n_diag - n_bound, n_dist
+
+
+def batch_kinds_and_times(
+    global_batch: int,
+    *,
+    offset: int,
+    count: int,
+    generator: torch.Generator,
+    diagonal: float = 0.5,
+    boundary: float = 1 / 64,
+    distill: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Kinds and (s, t) for a slice [offset, offset+count) of one global draw (identical on every rank).
+
+    diagonal: s = t ~ U(0, 1); boundary: s = 0, t = 1; off-diagonal: t−s ~ U(0, 1), s ~ U(0, 1−(t−s));
+    distill: s = t = 0 (δ_{0,0} against an MDM teacher).
+    """
+    counts = split_counts(global_batch, diagonal=diagonal, boundary=boundary, distill=distill)
+    kinds = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))
+    kinds = kinds[torch.randperm(global_batch, generator=generator)]
+    u1 = torch.rand(global_batch, generator=generator, dtype=torch.float64)
+    u2 = torch.rand(global_batch, generator=generator, dtype=torch.float64)
+    gap = u1
+    s_off = u2 * (1 - gap)
+    s = torch.where(kinds == DIAGONAL, u1, torch.where(kinds == OFF_DIAGONAL, s_off, torch.zeros_like(u1)))
+    t = torch.where(
+        kinds == DIAGONAL,
+        u1,
+        torch.where(kinds == OFF_DIAGONAL, s_off + gap, torch.where(kinds == BOUNDARY, 1.0, 0.0)),
+    )
+    sl = slice(offset, offset + count)
+    return kinds[sl], s[sl].float(), t[sl].float()

@@ -1,0 +1,148 @@
+"""Posterior Refinement (PR) and the a-priori commit loop on FMLM+ (methods.md §5)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flowlm.processes.gaussian_flow import flow_map
+from flowlm.samplers.base import FlowDenoiser, SampleOutput, Sampler, check_temperature, pick_tokens
+
+
+class PosteriorRefinementSampler(Sampler):
+    """Draft everything, commit the confident tokens, re-noise the rest, repeat for R rounds.
+
+    Each round drafts the uncommitted tokens from s = 0 to 1 in ``flow_steps`` flow-map jumps (N NFE) and scores
+    them by the a-posteriori confidence p_max = max_v δ_{s,1}(x)^{l,v} (``confidence="posterior"``, PR); or, with
+    ``confidence="a_priori"``, by the diagonal denoiser δ_{0,0} (token-wise marginals given the committed context,
+    as an MDM would: one NFE per round). Commit rule: p_max ≥ ``threshold`` plus at least ⌈#uncommitted /
+    rounds_left⌉ top tokens (``commit="uniform"``) or exactly the top ``top_k`` (``commit="top_k"``, plus the
+    threshold); the last round commits everything. Committed tokens become one-hot at s = 1 and are never revisited.
+    NFE = R × N. ``rounds=None`` takes R = budget // N, so one config serves an NFE sweep.
+    """
+
+    family = "flow"
+
+    def __init__(
+        self,
+        *,
+        rounds: int | None = None,
+        threshold: float = 0.999,
+        commit: str = "uniform",
+        top_k: int | None = None,
+        flow_steps: int = 1,
+        noise: str = "fresh",
+        confidence: str = "posterior",
+        temperature: float = 0.0,
+    ) -> None:
+        if rounds is not None and rounds < 1:
+            raise ValueError(f"PR needs rounds ≥ 1, got {rounds}")
+        if not 0 < threshold <= 1:
+            raise ValueError(f"PR threshold must lie in (0, 1], got {threshold}")
+        if commit not in ("uniform", "top_k"):
+            raise ValueError(f"commit must be 'uniform' or 'top_k', got {commit!r}")
+        if commit == "top_k" and (top_k is None or top_k < 1):
+            raise ValueError("commit='top_k' needs top_k ≥ 1")
+        if flow_steps < 1:
+            raise ValueError(f"flow_steps must be ≥ 1, got {flow_steps}")
+        if noise not in ("fresh", "reuse"):
+            raise ValueError(f"noise must be 'fresh' or 'reuse', got {noise!r}")
+        if confidence not in ("posterior", "a_priori"):
+            raise ValueError(f"confidence must be 'posterior' or 'a_priori', got {confidence!r}")
+        if confidence == "a_priori" and flow_steps != 1:
+            raise ValueError("the a-priori loop scores δ_{0,0} with one NFE per round: flow_steps must be 1")
+        self.rounds, self.threshold, self.commit, self.top_k = rounds, threshold, commit, top_k
+        self.flow_steps, self.noise, self.confidence = flow_steps, noise, confidence
+        self.temperature = check_temperature(temperature)
+
+    def plan(self, nfe: int) -> int:
+        """The number of rounds R for an NFE budget (R × N ≤ budget), or a clear error."""
+        self.check_budget(nfe)
+        rounds = self.rounds if self.rounds is not None else nfe // self.flow_steps
+        if rounds < 1 or rounds * self.flow_steps > nfe:
+            raise ValueError(
+                f"PR with {self.rounds or rounds} rounds × {self.flow_steps} flow steps needs "
+                f"{max(rounds, 1) * self.flow_steps} NFE, above the budget of {nfe}"
+            )
+        return rounds
+
+    def check_budget(self, nfe: int) -> None:  # noqa: D102
+        super().check_budget(nfe)
+        if self.rounds is not None and self.rounds * self.flow_steps > nfe:
+            raise ValueError(
+                f"PR with R = {self.rounds} rounds × N = {self.flow_steps} flow steps spends "
+                f"{self.rounds * self.flow_steps} NFE, above the budget of {nfe}"
+            )
+        if self.rounds is None and nfe < self.flow_steps:
+            raise ValueError(f"NFE budget {nfe} is below one round of {self.flow_steps} flow steps")
+
+    def __call__(
+        self,
+        model: FlowDenoiser,
+        *,
+        prompt: Tensor,
+        prompt_mask: Tensor,
+        nfe: int,
+        generator: torch.Generator | None = None,
+    ) -> SampleOutput:
+        """Sample with exactly R × N network calls."""
+        rounds = self.plan(nfe)
+        v, device = model.vocab_size, prompt.device
+        committed = prompt_mask.clone()
+        tokens = prompt.clone()
+        confidence = prompt_mask.float()
+        positions = torch.arange(prompt.shape[1], device=device)
+        first_noise = self._noise(prompt.shape, v, generator, device)
+        noise = first_noise
+        calls = 0
+        for r in range(rounds):
+            onehot = F.one_hot(tokens.clamp(0, v - 1), v).float()
+            x = torch.where(committed[..., None], onehot, noise)
+            probs, calls = self._draft(model, x, committed, calls)
+            draft = pick_tokens(probs.clamp_min(1e-30).log(), self.temperature, generator)
+            p_draft = probs.gather(-1, draft[..., None]).squeeze(-1)
+            open_ = ~committed
+            commit = self._commit_mask(p_draft, open_, rounds - r, positions)
+            tokens = torch.where(commit, draft, tokens)
+            confidence = torch.where(commit, p_draft, confidence)
+            committed = committed | commit
+            if self.noise == "fresh":  # re-noise every uncommitted position with fresh N(0, I)
+                noise = self._noise(prompt.shape, v, generator, device)
+        return SampleOutput(tokens=tokens, confidence=confidence, nfe=calls)
+
+    def _draft(self, model: FlowDenoiser, x: Tensor, committed: Tensor, calls: int) -> tuple[Tensor, int]:
+        """δ_{0,1} of the uncommitted tokens in N flow-map jumps (PR), or δ_{0,0} (a-priori)."""
+        if self.confidence == "a_priori":
+            zeros = torch.where(committed, 1.0, torch.zeros_like(committed, dtype=x.dtype))
+            return model.fn(x, zeros, zeros).exp(), calls + 1
+        n = self.flow_steps
+        delta = x
+        for j in range(n):
+            s = torch.where(committed, 1.0, torch.full_like(x[..., 0], j / n))
+            t = torch.where(committed, 1.0, torch.full_like(x[..., 0], (j + 1) / n))
+            delta = model.fn(x, s, t).exp()
+            calls += 1
+            x = flow_map(x, delta, s, t)
+        return delta, calls
+
+    def _commit_mask(self, score: Tensor, open_: Tensor, rounds_left: int, positions: Tensor) -> Tensor:
+        """Threshold ∪ top-k (uniform budget ⌈open / rounds_left⌉ or a fixed k); everything on the last round."""
+        if rounds_left == 1:
+            return open_
+        n_open = open_.sum(-1)
+        if self.commit == "uniform":
+            k = torch.div(n_open + rounds_left - 1, rounds_left, rounding_mode="floor")
+        else:
+            k = torch.clamp(n_open, max=self.top_k)
+        masked_score = torch.where(open_, score, -math.inf)
+        order = masked_score.argsort(dim=-1, descending=True)
+        rank = torch.empty_like(order).scatter_(-1, order, positions.expand_as(order))
+        return open_ & ((rank < k[:, None]) | (score >= self.threshold))
+
+    @staticmethod
+    def _noise(shape, v: int, generator: torch.Generator | None, device) -> Tensor:
+        # Drawn in float64 (methods.md §9), used in float32.
+        return torch.randn((*shape, v), generator=generator, device=device, dtype=torch.float64).float()

@@ -1,0 +1,205 @@
+"""FMLM+ (and FMLM): two-time flow map language models trained by progressive self-distillation (methods.md §3–4).
+
+One code path for every variant:
+  - ``context=True`` (FMLM+): per-token times; a context set of clean tokens (rate f ~ U(0, 1)) pinned at s = t = 1;
+    ``context=False`` (FMLM): one global time per sequence (only the prompt is pinned).
+  - scratch: nothing else; distilled: a ``shares.distill`` share trains δ_{0,0} on a frozen MDM teacher;
+    MDM-initialised: ``init_from`` copies an MDM checkpoint's DiT (by name and shape, [MASK] rows dropped).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+
+from flowlm.objectives.flow import log_delta, soft_cross_entropy
+from flowlm.processes.gaussian_flow import (
+    DIAGONAL,
+    DISTILL,
+    KIND_NAMES,
+    batch_kinds_and_times,
+    flow_map,
+    noisy_state,
+    semigroup_gamma,
+    semigroup_target,
+)
+from flowlm.samplers.base import FlowDenoiser
+from lightning_modules.base import FlowLMModule
+from lightning_modules.checkpoints import check_family, import_class, init_from_mdm, read_checkpoint
+
+
+class FMLMPlusModule(FlowLMModule):
+    """The DiT reads noisy one-hot vectors x ∈ R^{L×|V|} at per-token times (s, t) and outputs log δ_{s,t}(x)."""
+
+    family = "flow"
+
+    def __init__(
+        self,
+        *,
+        data_vocab_size: int,
+        seq_len: int,
+        backbone: dict,
+        optim: dict,
+        context: bool = True,
+        shares: dict | None = None,
+        init_from: str | None = None,
+        teacher: str | None = None,
+        teacher_train_mode: bool = True,
+        zero_t_embedding: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(data_vocab_size=data_vocab_size, seq_len=seq_len, backbone=backbone, optim=optim, seed=seed)
+        self.save_hyperparameters()
+        self.context = context
+        self.shares = {"diagonal": 0.5, "boundary": 1 / 64, "distill": 0.0, **(shares or {})}
+        if self.shares["distill"] > 0 and not teacher:
+            raise ValueError("shares.distill > 0 needs an MDM teacher checkpoint (method.teacher=...)")
+        self.init_from = init_from
+        self.teacher_path = teacher
+        self.teacher_train_mode = teacher_train_mode
+        self.zero_t_embedding = zero_t_embedding
+        self.net = self.build_backbone(data_vocab_size, two_times=True)
+        self.init_report: dict[str, list[str]] | None = None
+        self._teacher = None  # a frozen MDM, kept out of the state dict
+
+    # ------------------------------------------------------------------------------------------------ network
+    def forward(self, x: Tensor, s: Tensor, t: Tensor) -> Tensor:
+        """log δ_{s,t}(x): (B, L, |V|) log-probabilities, soft-capped at 30."""
+        return log_delta(self.net(x, s, t))
+
+    def denoiser(self) -> FlowDenoiser:
+        """This model as flow samplers see it."""
+        return FlowDenoiser(fn=self, vocab_size=self.data_vocab_size)
+
+    # ------------------------------------------------------------------------------------------ MDM sources
+    def validate_inputs(self) -> None:
+        """Check the init/teacher checkpoints (family, vocabulary) before any compute."""
+        for path, role in ((self.init_from, "init_from"), (self.teacher_path, "teacher")):
+            if path:
+                meta = read_checkpoint(path)["flowlm"]
+                check_family(meta, path, family="mdm", data_vocab_size=self.data_vocab_size, role=role)
+
+    def on_fit_start(self) -> None:
+        """Initialise from the MDM (fresh runs only) and load the frozen teacher."""
+        if self.init_from and self.global_step == 0 and self.init_report is None:
+            self.initialise_from_mdm(read_checkpoint(self.init_from)["state_dict"])  # the MDM's EMA weights
+            rank_zero_info(
+                f"FMLM+ initialised from {self.init_from}: copied {len(self.init_report['copied'])} tensors "
+                f"({len(self.init_report['sliced'])} with the [MASK] row dropped), fresh: {self.init_report['fresh']}"
+            )
+            for lg in self.loggers:
+                if isinstance(lg, MLFlowLogger) and self.trainer.is_global_zero:
+                    lg.experiment.log_dict(lg.run_id, self.init_report, "init_from_mdm.json")
+        if self.teacher_path and self._teacher is None:
+            ckpt = read_checkpoint(self.teacher_path)
+            cls = import_class(ckpt["flowlm"]["class_path"])
+            teacher = cls.load_from_checkpoint(self.teacher_path, map_location=self.device)
+            teacher.eval().requires_grad_(False)
+            object.__setattr__(self, "_teacher", teacher)  # not a submodule: never saved, never optimised
+
+    def initialise_from_mdm(self, mdm_state: dict[str, Tensor]) -> dict[str, list[str]]:
+        """Copy the MDM's DiT ([MASK] rows dropped) and make the new t-embedding output zero.
+
+        With emb_t ≡ 0 the conditioning equals the MDM's, so at s = t = 0 the initialised network computes the MDM's
+        logits exactly, up to its input: ε·E for a noised token instead of the [MASK] embedding (a test checks this).
+        The released code leaves emb_t at its random default (``zero_t_embedding=False``).
+        """
+        self.init_report = init_from_mdm(self.net, mdm_state)
+        if self.zero_t_embedding:
+            last = self.net.emb_t.mlp[-1]
+            with torch.no_grad():
+                last.weight.zero_()
+                last.bias.zero_()
+        return self.init_report
+
+    # ---------------------------------------------------------------------------------------------- training
+    def flow_loss(self, batch: dict, kinds: Tensor, s: Tensor, t: Tensor, gen: torch.Generator | None) -> dict:
+        """Loss of one batch for given pair kinds and per-sequence times (B,); returns the loss and its parts."""
+        tokens, prompt = batch["tokens"], batch["prompt_mask"]
+        b, length = tokens.shape
+        v = self.data_vocab_size
+        onehot = F.one_hot(tokens, v).float()
+        if self.context:  # context set: each non-prompt token is clean with probability f ~ U(0, 1)
+            f = torch.rand(b, 1, generator=gen, device=tokens.device)
+            ctx = (torch.rand(b, length, generator=gen, device=tokens.device) < f) & ~prompt
+        else:
+            ctx = torch.zeros_like(prompt)
+        active = ~prompt & ~ctx
+        s_tok = torch.where(active, s[:, None], 1.0)  # prompt and context pinned at s = t = 1
+        t_tok = torch.where(active, t[:, None], 1.0)
+        noise = torch.randn(onehot.shape, generator=gen, device=tokens.device)
+        x_s = torch.where(active[..., None], noisy_state(onehot, noise, s_tok), onehot)
+        log_d = self(x_s, s_tok, t_tok)
+
+        target = self.targets(batch, kinds, x_s, s_tok, t_tok, onehot, active)
+        loss, per_token = soft_cross_entropy(log_d, target, active)
+        parts = {"loss": loss}
+        with torch.no_grad():
+            for kind, name in enumerate(KIND_NAMES):
+                rows = (kinds == kind)[:, None] & active
+                if rows.any():
+                    parts[name] = per_token[rows].mean()
+        return parts
+
+    @torch.no_grad()
+    def targets(self, batch, kinds, x_s, s_tok, t_tok, onehot, active) -> Tensor:
+        """Per-token target distributions: one-hot (diagonal), semigroup midpoint (off-diagonal and boundary),
+        MDM teacher probabilities (distill)."""
+        target = onehot.clone()
+        jump = (kinds != DIAGONAL) & (kinds != DISTILL)
+        if jump.any():
+            idx = jump.nonzero().squeeze(-1)
+            x, s, t, act = x_s[idx], s_tok[idx], t_tok[idx], active[idx]
+            u = torch.where(act, (s + t) / 2, 1.0)
+            was_training = self.training
+            self.train(self.teacher_train_mode)  # the released code runs these passes in train mode (dropout)
+            d1 = self(x, s, u).exp()  # D1 = δ_{s,u}(x_s)
+            x_u = flow_map(x, d1, s, u)  # X_u = X_{s,u}(x_s)
+            d2 = self(x_u, u, t).exp()  # D2 = δ_{u,t}(X_u)
+            self.train(was_training)
+            gamma = torch.where(act, semigroup_gamma(s, u, t), 0.0)
+            target[idx] = semigroup_target(d1, d2, gamma)
+        distill = kinds == DISTILL
+        if distill.any():
+            idx = distill.nonzero().squeeze(-1)
+            tokens, act = batch["tokens"][idx], active[idx]
+            teacher = self._teacher
+            masked_in = torch.where(act, teacher.mask_id, tokens)  # teacher sees the active tokens as [MASK]
+            rate = act.float().sum(-1) / (~batch["prompt_mask"][idx]).float().sum(-1).clamp_min(1)
+            target[idx] = F.softmax(teacher.denoiser().fn(masked_in, rate).float(), dim=-1)
+        return target
+
+    def sample_pairs(self, local_batch: int, batch_idx: int) -> tuple[Tensor, Tensor, Tensor]:
+        """This micro-batch's slice of one global draw of pair kinds (exact counts) and times."""
+        n_global, offset = self.global_batch_slice(local_batch, batch_idx)
+        return batch_kinds_and_times(
+            n_global,
+            offset=offset,
+            count=local_batch,
+            generator=self.step_generator(0, batch_idx, shared=True),
+            **self.shares,
+        )
+
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        """Diagonal CE + semigroup self-distillation (+ MDM distillation) on active tokens."""
+        kinds, s, t = (x.to(self.device) for x in self.sample_pairs(batch["tokens"].shape[0], batch_idx))
+        gen = self.step_generator(1, batch_idx, shared=False, device=self.device)
+        parts = self.flow_loss(batch, kinds, s, t, gen)
+        self.log("train/loss", parts["loss"], prog_bar=True)
+        for name in KIND_NAMES:
+            if name in parts:
+                self.log(f"train/loss_{name}", parts[name])
+        return parts["loss"]
+
+    def validation_step(self, batch: dict, batch_idx: int) -> Tensor:
+        """Diagonal CE at fixed times and contexts (comparable across evaluations)."""
+        b = batch["tokens"].shape[0]
+        gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + batch_idx)
+        s = (torch.arange(b, device=self.device) + 0.5) / b
+        kinds = torch.full((b,), DIAGONAL, device=self.device)
+        loss = self.flow_loss(batch, kinds, s, s, gen)["loss"]
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=b)
+        return loss
