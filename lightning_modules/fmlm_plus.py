@@ -9,6 +9,8 @@ One code path for every variant:
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import MLFlowLogger
@@ -79,8 +81,10 @@ class FMLMPlusModule(FlowLMModule):
         """Check the init/teacher checkpoints (family, vocabulary) before any compute."""
         for path, role in ((self.init_from, "init_from"), (self.teacher_path, "teacher")):
             if path:
-                meta = read_checkpoint(path)["flowlm"]
-                check_family(meta, path, family="mdm", data_vocab_size=self.data_vocab_size, role=role)
+                ckpt = read_checkpoint(path)
+                check_family(ckpt["flowlm"], path, family="mdm", data_vocab_size=self.data_vocab_size, role=role)
+                if role == "init_from":  # a dry run on a copy: another backbone size fails here, not mid-fit
+                    init_from_mdm(copy.deepcopy(self.net), ckpt["state_dict"])
 
     def on_fit_start(self) -> None:
         """Initialise from the MDM (fresh runs only) and load the frozen teacher."""

@@ -58,6 +58,11 @@ def test_demo_prints_its_table(tmp_path):
     proc = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Demo summary" in proc.stdout
-    for line in ("| demo_mdm | ancestral |", "| demo_mdm | confidence |", "| demo_fmlmp | pr |",
-                 "| demo_fmlmp | a_priori |", "NFE 36"):
+    for line in (
+        "| demo_mdm | ancestral |",
+        "| demo_mdm | confidence |",
+        "| demo_fmlmp | pr |",
+        "| demo_fmlmp | a_priori |",
+        "NFE 36",
+    ):
         assert line in proc.stdout

@@ -195,3 +195,21 @@ def test_eval_on_a_user_puzzle_file(runs_env):
     bad.write_text("puzzle,solution\n1234,123\n")
     with pytest.raises(ValueError, match="bad.csv"):
         evaluate(compose_config("eval", overrides=[*file_cfg, f"data.eval_file={bad}"]))
+
+
+def test_fmlm_plus_refuses_wrong_mdm_sources(trained, runs_env):
+    _, result, _ = trained
+    mdm_ckpt = Path(result["run_dir"], "checkpoints", "last.ckpt")
+    base = ["experiment=sudoku_fmlmp_init_uncond_tiny", *FAST, "logger=none", f"method.init_from={mdm_ckpt}"]
+    with pytest.raises(ValueError, match="another backbone size"):
+        train(compose_config(overrides=[*base, "backbone.d_model=64"]))
+    with pytest.raises(ValueError, match="vocabulary of 6 data tokens, this run has 4"):
+        train(compose_config(overrides=[*base, "data.box_rows=2", "data.box_cols=2", "data.num_train=64"]))
+    flow = train(compose_config(overrides=["experiment=sudoku_fmlmp_scratch_uncond_tiny", *FAST, "logger=none"]))
+    flow_ckpt = Path(flow["run_dir"], "checkpoints", "last.ckpt")
+    with pytest.raises(ValueError, match="'flow' checkpoint, expected a 'mdm' one"):
+        train(compose_config(overrides=[*base, f"method.init_from={flow_ckpt}", "name=other"]))
+    distill = ["experiment=sudoku_fmlmp_distill_uncond_tiny", *FAST, "logger=none", f"method.teacher={flow_ckpt}"]
+    with pytest.raises(ValueError, match="teacher"):
+        train(compose_config(overrides=distill))
+    assert not list((runs_env / "runs").glob("sudoku_fmlmp_init_uncond_tiny/*/checkpoints/*.ckpt"))
