@@ -14,12 +14,17 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+def isolate_runs(mp: pytest.MonkeyPatch, root) -> None:
+    """FLOWLM_RUNS / FLOWLM_DATA under ``root`` and no inherited MLflow server."""
+    mp.setenv("FLOWLM_RUNS", str(root / "runs"))
+    mp.setenv("FLOWLM_DATA", str(root / "data"))
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
 @pytest.fixture
 def runs_env(tmp_path, monkeypatch):
-    """FLOWLM_RUNS / FLOWLM_DATA under tmp_path and no inherited MLflow server."""
-    monkeypatch.setenv("FLOWLM_RUNS", str(tmp_path / "runs"))
-    monkeypatch.setenv("FLOWLM_DATA", str(tmp_path / "data"))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    """A test-local runs/data folder."""
+    isolate_runs(monkeypatch, tmp_path)
     return tmp_path
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
-from conftest import FAST, compose_config
+from conftest import FAST, compose_config, isolate_runs
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
@@ -21,9 +21,7 @@ def shared_runs(tmp_path_factory):
     """One runs/data folder for all experiment configs, so FMLM+ init/distill configs find their MDM."""
     root = tmp_path_factory.mktemp("experiments")
     mp = pytest.MonkeyPatch()
-    mp.setenv("FLOWLM_RUNS", str(root / "runs"))
-    mp.setenv("FLOWLM_DATA", str(root / "data"))
-    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    isolate_runs(mp, root)
     yield root
     mp.undo()
 
@@ -49,9 +47,7 @@ def trained(tmp_path_factory):
     """One short tracked run of the tiny unconditional experiment, shared by the tracking/eval tests."""
     root = tmp_path_factory.mktemp("tracked")
     mp = pytest.MonkeyPatch()
-    mp.setenv("FLOWLM_RUNS", str(root / "runs"))
-    mp.setenv("FLOWLM_DATA", str(root / "data"))
-    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    isolate_runs(mp, root)
     cfg = compose_config(
         overrides=[
             "experiment=sudoku_mdm_uncond_tiny",
