@@ -107,8 +107,8 @@ class FMLMPlusModule(FlowLMModule):
     def initialise_from_mdm(self, mdm_state: dict[str, Tensor]) -> dict[str, list[str]]:
         """Copy the MDM's DiT ([MASK] rows dropped) and make the new t-embedding output zero.
 
-        With emb_t ≡ 0 the conditioning equals the MDM's, so with every time at 0 the initialised network computes the
-        MDM's logits exactly, up to its input: ε·E for a noised token instead of the [MASK] embedding (a test checks this).
+        With emb_t ≡ 0 the conditioning equals the MDM's, so with every time at 0 the initialised network computes
+        the MDM's logits exactly, up to its input: ε·E for a noised token instead of the [MASK] embedding (tested).
         The released code leaves emb_t at its random default (``zero_t_embedding=False``).
         """
         self.init_report = init_from_mdm(self.net, mdm_state)
