@@ -268,3 +268,30 @@ def test_flow_map_sampler_spends_one_nfe_per_jump(euler):
     assert all(len(t) == 1 for t in ts)  # every non-prompt token jumps together
     expected = [k / 5 for k in range(5)] if euler else [(k + 1) / 5 for k in range(5)]
     assert [t.item() for t in ts] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("block", "steps", "nfe"), [(7, 1, 1), (3, 2, 6), (2, 1, 4), (7, None, 5)])
+def test_block_sampler_commits_block_by_block(block, steps, nfe):
+    from flowlm.samplers import BlockFlowSampler
+
+    net = _Recorder()
+    prompt, mask = _prompt()  # 7 free positions per sequence
+    out = BlockFlowSampler(block_size=block, steps_per_block=steps)(
+        net.view(), prompt=prompt, prompt_mask=mask, nfe=nfe, generator=torch.Generator().manual_seed(0)
+    )
+    n_blocks = -(-7 // block)
+    assert out.nfe == len(net.calls) == n_blocks * (steps or nfe // n_blocks)
+    assert (out.tokens[mask] == prompt[mask]).all()
+    committed = [(s == 1).sum(-1)[0].item() - 2 for _, s, _ in net.calls]  # minus the 2 prompt positions
+    per_block = out.nfe // n_blocks
+    assert committed == [min(b * block, 7) for b in range(n_blocks) for _ in range(per_block)]
+
+
+def test_block_sampler_budget_error():
+    from flowlm.samplers import BlockFlowSampler
+
+    net = _Recorder()
+    prompt, mask = _prompt()
+    with pytest.raises(ValueError, match="above the budget"):
+        BlockFlowSampler(block_size=2, steps_per_block=2)(net.view(), prompt=prompt, prompt_mask=mask, nfe=7)
+    assert not net.calls
