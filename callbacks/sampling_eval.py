@@ -63,6 +63,17 @@ class SamplingEvaluation(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:  # noqa: D102
         self.check_model(pl_module)
         self._datamodule = trainer.datamodule
+        self.check_data(self._datamodule)
+
+    def check_data(self, datamodule) -> None:
+        """Refuse budgets a sampler cannot honour on these sequences (e.g. fewer NFE than blocks)."""
+        free = getattr(datamodule, "seq_len", None)
+        if free is None:
+            return
+        free -= getattr(datamodule, "prompt_len", 0)
+        for sampler in self.samplers.values():
+            for budget in self.nfe:
+                sampler.check_budget(budget, free_positions=free)
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:  # noqa: D102
         self._states = {

@@ -30,6 +30,7 @@ def evaluate(cfg: DictConfig) -> dict:
                 f"data/checkpoint mismatch: the data have {what}={have}, the checkpoint was trained with {want} "
                 f"({cfg.ckpt_path}); evaluate it on data of the same layout"
             )
+    evaluation.check_data(datamodule)
     L.seed_everything(cfg.seed, verbose=False)
     module = cls.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
     logger = make_logger(cfg, None)

@@ -37,6 +37,7 @@ def train(cfg: DictConfig) -> dict:
     module.validate_inputs()
     evaluation: SamplingEvaluation = build(cfg.eval)
     evaluation.check_model(module)
+    evaluation.check_data(datamodule)
     callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values() if c is not None]
     if is_rank_zero():
         write_run_config(cfg)

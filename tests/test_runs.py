@@ -163,6 +163,11 @@ def test_unknown_components_fail_at_composition(override, match, runs_env):
         (["data.box_rows=0"], ValueError, "box"),
         (["eval.nfe=[0]"], ValueError, "NFE budget"),
         (["data.eval_file=/nonexistent/puzzles.csv"], FileNotFoundError, "puzzles.csv"),
+        (
+            ["method=fmlm_plus", "eval=sudoku_flow", "+sampler@eval.samplers.block=block", "eval.nfe=[2]"],
+            ValueError,
+            "4 blocks × 1 steps need 4 NFE, above the budget of 2",
+        ),
     ],
 )
 def test_bad_input_fails_before_compute(overrides, error, match, runs_env):
@@ -209,3 +214,18 @@ def test_fmlm_plus_refuses_wrong_mdm_sources(trained, runs_env):
     with pytest.raises(ValueError, match="teacher"):
         train(compose_config(overrides=distill))
     assert not list((runs_env / "runs").glob("sudoku_fmlmp_init_uncond_tiny/*/checkpoints/*.ckpt"))
+
+
+def test_block_sampler_runs_in_the_evaluation(runs_env):
+    over = [
+        "experiment=sudoku_fmlmp_scratch_medium_tiny",
+        *FAST,
+        "logger=none",
+        "+sampler@eval.samplers.block=block",
+        "eval.nfe=[4,8]",
+    ]
+    rows = train(compose_config(overrides=over))["rows"]
+    assert {(r["sampler"], r["nfe_budget"], r["nfe"]) for r in rows if r["sampler"] == "block"} == {
+        ("block", 4, 4.0),
+        ("block", 8, 8.0),
+    }

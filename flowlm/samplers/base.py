@@ -54,8 +54,9 @@ class Sampler(ABC):
     ) -> SampleOutput:
         """Sample completions of ``prompt`` (ids at ``prompt_mask`` positions are kept verbatim)."""
 
-    def check_budget(self, nfe: int) -> None:
-        """Raise a clear error, before any compute, if this sampler cannot honour an NFE budget."""
+    def check_budget(self, nfe: int, *, free_positions: int | None = None) -> None:
+        """Raise a clear error, before any compute, if this sampler cannot honour an NFE budget (for sequences
+        with ``free_positions`` non-prompt tokens, when the sampler's cost depends on it)."""
         if not isinstance(nfe, int) or nfe < 1:
             raise ValueError(f"{type(self).__name__}: NFE budget must be an integer ≥ 1, got {nfe!r}")
 

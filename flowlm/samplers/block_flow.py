@@ -28,6 +28,24 @@ class BlockFlowSampler(Sampler):
             raise ValueError(f"steps_per_block must be ≥ 1, got {steps_per_block}")
         self.block_size, self.steps_per_block = block_size, steps_per_block
 
+    def plan(self, nfe: int, free_positions: int) -> tuple[int, int]:
+        """(blocks, steps per block) for a budget, or a clear error."""
+        super().check_budget(nfe)
+        n_blocks = max(1, math.ceil(free_positions / self.block_size))
+        steps = self.steps_per_block or nfe // n_blocks
+        if steps < 1 or n_blocks * steps > nfe:
+            raise ValueError(
+                f"{n_blocks} blocks × {max(steps, 1)} steps need {n_blocks * max(steps, 1)} NFE, "
+                f"above the budget of {nfe}"
+            )
+        return n_blocks, steps
+
+    def check_budget(self, nfe: int, *, free_positions: int | None = None) -> None:  # noqa: D102
+        if free_positions is None:
+            super().check_budget(nfe)
+        else:
+            self.plan(nfe, free_positions)
+
     def __call__(
         self,
         model: FlowDenoiser,
@@ -38,16 +56,9 @@ class BlockFlowSampler(Sampler):
         generator: torch.Generator | None = None,
     ) -> SampleOutput:
         """Sample with exactly blocks × K network calls."""
-        self.check_budget(nfe)
         free = ~prompt_mask
+        n_blocks, steps = self.plan(nfe, int(free.sum(-1).max()))
         block_id = torch.where(free, (free.cumsum(-1) - 1) // self.block_size, -1)
-        n_blocks = max(1, math.ceil(int(free.sum(-1).max()) / self.block_size))
-        steps = self.steps_per_block or nfe // n_blocks
-        if steps < 1 or n_blocks * steps > nfe:
-            raise ValueError(
-                f"{n_blocks} blocks × {max(steps, 1)} steps need {n_blocks * max(steps, 1)} NFE, "
-                f"above the budget of {nfe}"
-            )
         v = model.vocab_size
         noise = torch.randn((*prompt.shape, v), generator=generator, device=prompt.device, dtype=torch.float64).float()
         tokens, committed, confidence = prompt.clone(), prompt_mask.clone(), prompt_mask.float()

@@ -69,7 +69,7 @@ class PosteriorRefinementSampler(Sampler):
             )
         return rounds
 
-    def check_budget(self, nfe: int) -> None:  # noqa: D102
+    def check_budget(self, nfe: int, *, free_positions: int | None = None) -> None:  # noqa: D102
         super().check_budget(nfe)
         if self.rounds is not None and self.rounds * self.flow_steps > nfe:
             raise ValueError(
