@@ -35,10 +35,14 @@ def import_class(path: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def check_family(meta: dict, path: str | os.PathLike, *, family: str, data_vocab_size: int, role: str) -> None:
-    """Refuse a checkpoint of another family or vocabulary before any compute."""
-    if meta.get("family") != family:
-        raise ValueError(f"{role} {path} is a '{meta.get('family')}' checkpoint, expected a '{family}' one")
+def check_family(
+    meta: dict, path: str | os.PathLike, *, family: str | tuple[str, ...], data_vocab_size: int, role: str
+) -> None:
+    """Refuse a checkpoint of another family (or one of several) or vocabulary before any compute."""
+    families = (family,) if isinstance(family, str) else family
+    if meta.get("family") not in families:
+        expected = " or ".join(f"'{f}'" for f in families)
+        raise ValueError(f"{role} {path} is a '{meta.get('family')}' checkpoint, expected a {expected} one")
     if meta.get("data_vocab_size") != data_vocab_size:
         raise ValueError(
             f"{role} {path} was trained on a vocabulary of {meta.get('data_vocab_size')} data tokens, "
@@ -50,18 +54,19 @@ def check_family(meta: dict, path: str | os.PathLike, *, family: str, data_vocab
 VOCAB_ROWS = ("embed.weight", "final.linear.weight", "final.linear.bias")
 
 
-def init_from_mdm(net: nn.Module, mdm_state: dict[str, Tensor], *, prefix: str = "net.") -> dict[str, list[str]]:
-    """Copy an MDM's DiT into ``net`` by name and shape, dropping the [MASK] rows; returns what was done.
+def copy_backbone(net: nn.Module, state: dict[str, Tensor], *, prefix: str = "net.") -> dict[str, list[str]]:
+    """Copy a checkpoint's DiT into ``net`` by name and shape; returns what was copied, sliced and left fresh.
 
-    Parameters with no MDM counterpart (the second time embedding ``emb_t``) keep their fresh initialisation.
-    A parameter present in both with another shape means another backbone: a ValueError names them.
+    From an MDM the [MASK] rows (one extra vocabulary row) are dropped; parameters with no counterpart (an MDM has
+    no second time embedding ``emb_t``) keep their fresh initialisation. A parameter present in both with another
+    shape means another backbone: a ValueError names them.
     """
     report: dict[str, list[str]] = {"copied": [], "sliced": [], "fresh": []}
     mismatched = []
     own = net.state_dict()
     with torch.no_grad():
         for name, param in own.items():
-            source = mdm_state.get(prefix + name)
+            source = state.get(prefix + name)
             if source is None:
                 report["fresh"].append(name)
                 continue
@@ -74,5 +79,5 @@ def init_from_mdm(net: nn.Module, mdm_state: dict[str, Tensor], *, prefix: str =
             param.copy_(source)
             report["copied"].append(name)
     if mismatched:
-        raise ValueError("the MDM checkpoint has another backbone size: " + "; ".join(mismatched[:6]))
+        raise ValueError("the source checkpoint has another backbone size: " + "; ".join(mismatched[:6]))
     return report

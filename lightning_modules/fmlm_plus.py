@@ -4,7 +4,9 @@ One code path for every variant:
   - ``context=True`` (FMLM+): per-token times; a context set of clean tokens (rate f ~ U(0, 1)) pinned at s = t = 1;
     ``context=False`` (FMLM): one global time per sequence (only the prompt is pinned).
   - scratch: nothing else; distilled: a ``shares.distill`` share trains δ_{0,0} on a frozen MDM teacher;
-    MDM-initialised: ``init_from`` copies an MDM checkpoint's DiT (by name and shape, [MASK] rows dropped).
+    MDM-initialised: ``init_from`` copies an MDM checkpoint's DiT (by name and shape, [MASK] rows dropped);
+    ``init_from`` an FLM/FMLM checkpoint continues from it (FMLM from FLM, methods.md §3).
+  - FLM is the diagonal-only special case (``shares.diagonal=1``, method=flm).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from flowlm.processes.gaussian_flow import (
 )
 from flowlm.samplers.base import FlowDenoiser
 from lightning_modules.base import FlowLMModule
-from lightning_modules.checkpoints import check_family, import_class, init_from_mdm, read_checkpoint
+from lightning_modules.checkpoints import check_family, copy_backbone, import_class, read_checkpoint
 
 
 class FMLMPlusModule(FlowLMModule):
@@ -82,21 +84,22 @@ class FMLMPlusModule(FlowLMModule):
         for path, role in ((self.init_from, "init_from"), (self.teacher_path, "teacher")):
             if path:
                 ckpt = read_checkpoint(path)
-                check_family(ckpt["flowlm"], path, family="mdm", data_vocab_size=self.data_vocab_size, role=role)
+                families = ("mdm", "flow") if role == "init_from" else "mdm"  # init: an MDM, or an FLM/FMLM
+                check_family(ckpt["flowlm"], path, family=families, data_vocab_size=self.data_vocab_size, role=role)
                 if role == "init_from":  # a dry run on a copy: another backbone size fails here, not mid-fit
-                    init_from_mdm(copy.deepcopy(self.net), ckpt["state_dict"])
+                    copy_backbone(copy.deepcopy(self.net), ckpt["state_dict"])
 
     def on_fit_start(self) -> None:
         """Initialise from the MDM (fresh runs only) and load the frozen teacher."""
         if self.init_from and self.global_step == 0 and self.init_report is None:
-            self.initialise_from_mdm(read_checkpoint(self.init_from)["state_dict"])  # the MDM's EMA weights
+            self.initialise_from(read_checkpoint(self.init_from)["state_dict"])  # the source's EMA weights
             rank_zero_info(
-                f"FMLM+ initialised from {self.init_from}: copied {len(self.init_report['copied'])} tensors "
+                f"Initialised from {self.init_from}: copied {len(self.init_report['copied'])} tensors "
                 f"({len(self.init_report['sliced'])} with the [MASK] row dropped), fresh: {self.init_report['fresh']}"
             )
             for lg in self.loggers:
                 if isinstance(lg, MLFlowLogger) and self.trainer.is_global_zero:
-                    lg.experiment.log_dict(lg.run_id, self.init_report, "init_from_mdm.json")
+                    lg.experiment.log_dict(lg.run_id, self.init_report, "init_from.json")
         if self.teacher_path and self._teacher is None:
             ckpt = read_checkpoint(self.teacher_path)
             cls = import_class(ckpt["flowlm"]["class_path"])
@@ -104,15 +107,15 @@ class FMLMPlusModule(FlowLMModule):
             teacher.eval().requires_grad_(False)
             object.__setattr__(self, "_teacher", teacher)  # not a submodule: never saved, never optimised
 
-    def initialise_from_mdm(self, mdm_state: dict[str, Tensor]) -> dict[str, list[str]]:
-        """Copy the MDM's DiT ([MASK] rows dropped) and make the new t-embedding output zero.
+    def initialise_from(self, state: dict[str, Tensor]) -> dict[str, list[str]]:
+        """Copy an MDM's DiT ([MASK] rows dropped; the new t-embedding made to output zero) or an FLM/FMLM's.
 
         With emb_t ≡ 0 the conditioning equals the MDM's, so with every time at 0 the initialised network computes
         the MDM's logits exactly, up to its input: ε·E for a noised token instead of the [MASK] embedding (tested).
         The released code leaves emb_t at its random default (``zero_t_embedding=False``).
         """
-        self.init_report = init_from_mdm(self.net, mdm_state)
-        if self.zero_t_embedding:
+        self.init_report = copy_backbone(self.net, state)
+        if self.zero_t_embedding and any(name.startswith("emb_t.") for name in self.init_report["fresh"]):
             last = self.net.emb_t.mlp[-1]
             with torch.no_grad():
                 last.weight.zero_()

@@ -141,7 +141,7 @@ def test_mdm_initialisation_copies_weights_and_reproduces_the_mdm():
     for p in mdm.parameters():
         torch.nn.init.normal_(p, std=0.3)
     flow = FMLMPlusModule(data_vocab_size=v, seq_len=length, backbone=BACKBONE, optim={})
-    report = flow.initialise_from_mdm(mdm.state_dict())
+    report = flow.initialise_from(mdm.state_dict())
     assert set(report["sliced"]) == {"embed.weight", "final.linear.weight", "final.linear.bias"}
     assert report["fresh"] and all(name.startswith("emb_t.") for name in report["fresh"])
     for name, param in flow.net.state_dict().items():
@@ -165,7 +165,7 @@ def test_mdm_initialisation_copies_weights_and_reproduces_the_mdm():
     with pytest.raises(ValueError, match="another backbone size"):
         FMLMPlusModule(
             data_vocab_size=v, seq_len=length, backbone={**BACKBONE, "d_model": 64}, optim={}
-        ).initialise_from_mdm(mdm.state_dict())
+        ).initialise_from(mdm.state_dict())
 
 
 class _Recorder:
