@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flowlm.processes.gaussian_flow import flow_map
 from flowlm.samplers.base import FlowDenoiser, SampleOutput, Sampler
+from flowlm.samplers.flow_map import flow_jumps
 
 
 class BlockFlowSampler(Sampler):
@@ -65,13 +65,8 @@ class BlockFlowSampler(Sampler):
         calls = 0
         for b in range(n_blocks):
             z = torch.where(committed[..., None], F.one_hot(tokens.clamp(0, v - 1), v).float(), noise)
-            delta = z
-            for k in range(steps):
-                s = torch.where(committed, 1.0, torch.full_like(confidence, k / steps))
-                t = torch.where(committed, 1.0, torch.full_like(confidence, (k + 1) / steps))
-                delta = model.fn(z, s, t).exp()
-                calls += 1
-                z = flow_map(z, delta, s, t)
+            delta = flow_jumps(model, z, committed, steps)
+            calls += steps
             p_max, argmax = delta.max(-1)
             block = block_id == b
             tokens = torch.where(block, argmax, tokens)

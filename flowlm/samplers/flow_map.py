@@ -10,6 +10,19 @@ from flowlm.processes.gaussian_flow import flow_map
 from flowlm.samplers.base import FlowDenoiser, SampleOutput, Sampler
 
 
+def flow_jumps(model: FlowDenoiser, x: Tensor, pinned: Tensor, steps: int, *, euler: bool = False) -> Tensor:
+    """Jump the unpinned tokens of x from 0 to 1 over a uniform grid of ``steps`` (one NFE each); pinned tokens
+    stay at s = t = 1. Returns the last δ (at t = 1 the endpoint X_{s,1} = δ_{s,1}). ``euler`` uses the diagonal
+    denoiser δ_{t_k,t_k} = D_{t_k} in the jump (FLM's Euler step of the velocity (D − z)/(1 − t))."""
+    delta = x
+    for k in range(steps):
+        s = torch.where(pinned, 1.0, torch.full_like(x[..., 0], k / steps))
+        t_next = torch.where(pinned, 1.0, torch.full_like(x[..., 0], (k + 1) / steps))
+        delta = model.fn(x, s, s if euler else t_next).exp()
+        x = flow_map(x, delta, s, t_next)
+    return delta
+
+
 class FlowMapSampler(Sampler):
     """z ← X_{t_k, t_{k+1}}(z) over a uniform grid 0 → 1 of ``nfe`` jumps (every non-prompt token at once).
 
@@ -35,15 +48,9 @@ class FlowMapSampler(Sampler):
         self.check_budget(nfe)
         onehot = F.one_hot(prompt.clamp(0, model.vocab_size - 1), model.vocab_size).float()
         noise = torch.randn(onehot.shape, generator=generator, device=prompt.device, dtype=torch.float64).float()
-        z = torch.where(prompt_mask[..., None], onehot, noise)
-        ones = torch.ones(prompt.shape, device=prompt.device)
-        delta = onehot
-        for k in range(nfe):
-            t_k, t_next = k / nfe, (k + 1) / nfe
-            s = torch.where(prompt_mask, 1.0, t_k * ones)
-            t = torch.where(prompt_mask, 1.0, (t_k if self.euler else t_next) * ones)
-            delta = model.fn(z, s, t).exp()
-            z = flow_map(z, delta, s, torch.where(prompt_mask, 1.0, t_next * ones))
+        delta = flow_jumps(
+            model, torch.where(prompt_mask[..., None], onehot, noise), prompt_mask, nfe, euler=self.euler
+        )
         probs = torch.where(prompt_mask[..., None], onehot, delta)
         confidence, tokens = probs.max(-1)
         return SampleOutput(tokens=torch.where(prompt_mask, prompt, tokens), confidence=confidence, nfe=nfe)

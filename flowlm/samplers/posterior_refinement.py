@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flowlm.processes.gaussian_flow import flow_map
 from flowlm.samplers.base import FlowDenoiser, SampleOutput, Sampler, check_temperature, pick_tokens
+from flowlm.samplers.flow_map import flow_jumps
 
 
 class PosteriorRefinementSampler(Sampler):
@@ -118,15 +118,7 @@ class PosteriorRefinementSampler(Sampler):
         if self.confidence == "a_priori":
             zeros = torch.where(committed, 1.0, torch.zeros_like(committed, dtype=x.dtype))
             return model.fn(x, zeros, zeros).exp(), calls + 1
-        n = self.flow_steps
-        delta = x
-        for j in range(n):
-            s = torch.where(committed, 1.0, torch.full_like(x[..., 0], j / n))
-            t = torch.where(committed, 1.0, torch.full_like(x[..., 0], (j + 1) / n))
-            delta = model.fn(x, s, t).exp()
-            calls += 1
-            x = flow_map(x, delta, s, t)
-        return delta, calls
+        return flow_jumps(model, x, committed, self.flow_steps), calls + self.flow_steps
 
     def _commit_mask(self, score: Tensor, open_: Tensor, rounds_left: int, positions: Tensor) -> Tensor:
         """Threshold ∪ top-k (uniform budget ⌈open / rounds_left⌉ or a fixed k); everything on the last round."""
