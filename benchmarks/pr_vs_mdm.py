@@ -61,7 +61,8 @@ def main() -> None:
 
 
 def report(rows: list[dict], budgets: list[int], minutes: dict[str, list[float]]) -> str:
-    """Mean ± std of % valid per (model, sampler) and NFE budget, and the PR-vs-best-MDM NFE ratio."""
+    """Mean ± std over seeds (the mean alone for one seed) of % valid per (model, sampler) and NFE budget, and the
+    PR-vs-best-MDM NFE ratio."""
     keys = list(dict.fromkeys((r["model"], r["sampler"]) for r in rows))
     cell = {}
     lines = [
@@ -74,8 +75,7 @@ def report(rows: list[dict], budgets: list[int], minutes: dict[str, list[float]]
             vals = [r["valid_pct"] for r in rows if (r["model"], r["sampler"], r["nfe_budget"]) == (model, sampler, b)]
             mean = statistics.fmean(vals)
             cell[model, sampler, b] = mean
-            sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-            out.append(f"{mean:.1f} ± {sd:.1f}")
+            out.append(f"{mean:.1f} ± {statistics.stdev(vals):.1f}" if len(vals) > 1 else f"{mean:.1f}")
         lines.append(f"| {model} | {sampler} | " + " | ".join(out) + " |")
     full = max(budgets)
     best_mdm = max((cell["MDM", s, full], s) for m, s in keys if m == "MDM")
