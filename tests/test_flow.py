@@ -104,13 +104,18 @@ class _MDMAsFlow(torch.nn.Module):
         return F.log_softmax(self.mdm(ids, torch.zeros(x.shape[0]))[..., : self.mdm.mask_id].float(), -1)
 
 
-def test_diagonal_loss_at_zero_equals_mdm_cross_entropy():
+def _mdm_and_flow(v: int, length: int) -> tuple[MDMModule, FMLMPlusModule]:
+    """A randomly weighted MDM (non-zero output) and a fresh FMLM+ of the same backbone size."""
     torch.manual_seed(0)
-    v, length = 5, 10
     mdm = MDMModule(data_vocab_size=v, seq_len=length, backbone=BACKBONE, optim={})
     for p in mdm.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    flow = FMLMPlusModule(data_vocab_size=v, seq_len=length, backbone=BACKBONE, optim={})
+    return mdm, FMLMPlusModule(data_vocab_size=v, seq_len=length, backbone=BACKBONE, optim={})
+
+
+def test_diagonal_loss_at_zero_equals_mdm_cross_entropy():
+    v, length = 5, 10
+    mdm, flow = _mdm_and_flow(v, length)
     wrapper = _MDMAsFlow(mdm)
     flow.forward = wrapper.forward
     tokens = torch.randint(0, v, (6, length))
@@ -135,12 +140,8 @@ def test_diagonal_loss_at_zero_equals_mdm_cross_entropy():
 
 
 def test_mdm_initialisation_copies_weights_and_reproduces_the_mdm():
-    torch.manual_seed(0)
     v, length = 6, 8
-    mdm = MDMModule(data_vocab_size=v, seq_len=length, backbone=BACKBONE, optim={})
-    for p in mdm.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    flow = FMLMPlusModule(data_vocab_size=v, seq_len=length, backbone=BACKBONE, optim={})
+    mdm, flow = _mdm_and_flow(v, length)
     report = flow.initialise_from(mdm.state_dict())
     assert set(report["sliced"]) == {"embed.weight", "final.linear.weight", "final.linear.bias"}
     assert report["fresh"] and all(name.startswith("emb_t.") for name in report["fresh"])
