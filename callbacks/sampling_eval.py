@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import MLFlowLogger
@@ -19,6 +22,10 @@ class SamplingEvaluation(Callback):
     The datamodule shards validation batches across ranks; task metrics and means are torchmetrics states,
     so they are reduced over all ranks before they are logged. Keys: ``eval/<sampler>/nfe<budget>/<metric>``.
     ``metric`` builds the task metric from the datamodule (e.g. Sudoku accuracy or validity).
+
+    With ``calibration_tokens > 0`` and a task metric that defines ``token_correct``, the first
+    ``calibration_tokens`` generated tokens of each sampler × budget (on rank 0; a sample, not a census) are kept
+    as (confidence, correct) pairs and logged as ``eval/step<step>/calibration.npz`` (see ``save_calibration``).
     """
 
     def __init__(
@@ -30,6 +37,7 @@ class SamplingEvaluation(Callback):
         max_batches: int | None = None,
         seed: int = 0,
         num_logged_samples: int = 8,
+        calibration_tokens: int = 0,
     ) -> None:
         if not samplers:
             raise ValueError("evaluation needs at least one sampler")
@@ -46,6 +54,9 @@ class SamplingEvaluation(Callback):
         self.max_batches = max_batches
         self.seed = seed
         self.num_logged_samples = num_logged_samples
+        if calibration_tokens < 0:
+            raise ValueError(f"calibration_tokens must be ≥ 0, got {calibration_tokens}")
+        self.calibration_tokens = calibration_tokens
         self.results: list[dict] = []  # one row per (sampler, budget) of the latest evaluation
         self.primary: str | None = None  # the task metric's headline key (first one it reports)
         self._states: dict[tuple[str, int], dict] = {}
@@ -82,6 +93,7 @@ class SamplingEvaluation(Callback):
                 "nfe": MeanMetric().to(pl_module.device),
                 "seconds": MeanMetric().to(pl_module.device),
                 "samples": [],
+                "calibration": CalibrationBuffer(self.calibration_tokens),
             }
             for name in self.samplers
             for budget in self.nfe
@@ -106,6 +118,10 @@ class SamplingEvaluation(Callback):
             room = self.num_logged_samples - len(state["samples"])
             if room > 0:
                 state["samples"].extend(out.tokens[:room].cpu())
+            calibration = state["calibration"]
+            if trainer.is_global_zero and not calibration.full and hasattr(state["metric"], "token_correct"):
+                correct, scored = state["metric"].token_correct(out.tokens, tokens)
+                calibration.add(out.confidence, correct, scored)
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:  # noqa: D102
         if not self._states or trainer.sanity_checking:
@@ -143,9 +159,93 @@ class SamplingEvaluation(Callback):
             lines.append(f"## {name}, NFE budget {budget}\n")
             lines.extend(metric.render(tok) + "\n" for tok in state["samples"])
         step = trainer.global_step
-        for lg in loggers:
-            lg.experiment.log_text(lg.run_id, self.table(), f"eval/step{step:07d}/table.md")
-            lg.experiment.log_text(lg.run_id, "\n".join(lines), f"eval/step{step:07d}/samples.md")
+        buffers = {key: state["calibration"] for key, state in self._states.items() if len(state["calibration"])}
+        with tempfile.TemporaryDirectory() as tmp:
+            npz = save_calibration(Path(tmp) / "calibration.npz", buffers, self.samplers) if buffers else None
+            for lg in loggers:
+                lg.experiment.log_text(lg.run_id, self.table(), f"eval/step{step:07d}/table.md")
+                lg.experiment.log_text(lg.run_id, "\n".join(lines), f"eval/step{step:07d}/samples.md")
+                if npz is not None:
+                    lg.experiment.log_artifact(lg.run_id, str(npz), f"eval/step{step:07d}")
+
+
+class CalibrationBuffer:
+    """The first ``cap`` scored tokens' (confidence, correct) pairs, in arrival order (row-major per batch)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._confidence: list[np.ndarray] = []
+        self._correct: list[np.ndarray] = []
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def full(self) -> bool:
+        """True once ``cap`` tokens are held (always for cap 0: nothing is collected)."""
+        return self._count >= self.cap
+
+    def add(self, confidence: torch.Tensor, correct: torch.Tensor, scored: torch.Tensor) -> None:
+        """Keep the scored positions of a (B, L) batch until the cap is reached."""
+        room = self.cap - self._count
+        if room <= 0:
+            return
+        conf = confidence[scored].float().cpu().numpy()[:room]
+        self._confidence.append(conf.astype(np.float32))
+        self._correct.append(correct[scored].cpu().numpy().astype(bool)[: len(conf)])
+        self._count += len(conf)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(confidence float32 (N,), correct bool (N,))."""
+        if not self._confidence:
+            return np.zeros(0, np.float32), np.zeros(0, bool)
+        return np.concatenate(self._confidence), np.concatenate(self._correct)
+
+
+def confidence_kind(sampler: Sampler) -> str:
+    """'a-posteriori' if the sampler scores tokens of a finished draft (PR, flow-map endpoints), else 'a-priori'.
+
+    A sampler may declare ``confidence_kind``; a PR-style one says which score it commits by (``confidence=
+    'posterior'`` or ``'a_priori'``); otherwise MDM samplers score a token before the rest of the sequence exists
+    (a-priori) and the other families (flow map, MLFM) score a token of a whole draft (a-posteriori).
+    """
+    declared = getattr(sampler, "confidence_kind", None)
+    if declared is not None:
+        return str(declared)
+    mode = getattr(sampler, "confidence", None)
+    if mode is not None:
+        return "a-posteriori" if mode == "posterior" else "a-priori"
+    return "a-priori" if sampler.family == "mdm" else "a-posteriori"
+
+
+def save_calibration(
+    path: Path, buffers: Mapping[tuple[str, int], CalibrationBuffer], samplers: Mapping[str, Sampler]
+) -> Path:
+    """Write the (confidence, correct) pairs of every sampler × budget to one compact npz.
+
+    Token arrays ``confidence`` (float32), ``correct`` (bool), ``group`` (int32 index); per group ``samplers``,
+    ``budgets`` and ``kinds`` ('a-priori' / 'a-posteriori').
+    """
+    conf, correct, group, names, budgets, kinds = [], [], [], [], [], []
+    for i, ((name, budget), buffer) in enumerate(buffers.items()):
+        c, ok = buffer.arrays()
+        conf.append(c)
+        correct.append(ok)
+        group.append(np.full(len(c), i, np.int32))
+        names.append(name)
+        budgets.append(budget)
+        kinds.append(confidence_kind(samplers[name]))
+    np.savez_compressed(
+        path,
+        confidence=np.concatenate(conf),
+        correct=np.concatenate(correct),
+        group=np.concatenate(group),
+        samplers=np.array(names),
+        budgets=np.array(budgets, np.int64),
+        kinds=np.array(kinds),
+    )
+    return path
 
 
 def format_table(rows: list[dict]) -> str:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics import Metric
 
 from flowlm.metrics.sudoku import respects_clues, valid_grids
-from flowlm.tasks.sudoku import SudokuLayout, render
+from flowlm.tasks.sudoku import SudokuLayout, SudokuSpec, render
 
 
 class SudokuMetric(Metric):
@@ -61,6 +62,27 @@ class SudokuMetric(Metric):
             "train_copy_pct": torch.tensor(100.0 * copies) / total.cpu(),
         }
 
+    def token_correct(self, pred_tokens: Tensor, target_tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-token correctness for confidence calibration: ``(correct, scored)``, both (B, L) bool.
+
+        Only generated grid cells are scored (not separators, BOS or the prompt). Conditional: a cell is correct
+        when it equals the (unique) solution. Unconditional, where no reference grid exists: a cell is correct
+        when its digit occurs exactly once in its row, its column and its box (both cells of a clash are wrong,
+        since neither can be blamed alone; a non-digit is wrong).
+        """
+        _, grids = self.layout.decode(pred_tokens)
+        if self.layout.conditional:
+            cells = grids == self.layout.decode(target_tokens)[1]
+        else:
+            cells = clash_free_cells(grids, self.layout.spec)
+        # The layout keeps the token position of every solution cell, row-major (SudokuLayout.decode uses it).
+        positions = self.layout._solution_pos.to(pred_tokens.device)
+        correct = torch.zeros(pred_tokens.shape, dtype=torch.bool, device=pred_tokens.device)
+        scored = torch.zeros_like(correct)
+        correct[:, positions] = cells.flatten(1)
+        scored[:, positions] = True
+        return correct, scored
+
     def render(self, tokens: Tensor) -> str:
         """One sample as readable text (puzzle and solution for conditional tasks)."""
         clues, grid = self.layout.decode(tokens[None])
@@ -68,3 +90,15 @@ class SudokuMetric(Metric):
         if self.layout.conditional:
             text = render(clues[0], self.layout.spec) + "\n→\n" + text
         return text
+
+
+def clash_free_cells(grids: Tensor, spec: SudokuSpec) -> Tensor:
+    """(B, n, n) bool: the cell holds a digit 1..n that occurs exactly once in its row, column and box."""
+    b, n = grids.shape[0], spec.n
+    digits = F.one_hot(grids.long().clamp(0, n), n + 1)[..., 1:]  # (B, n, n, n); an empty cell is all zero
+    rows = digits.sum(2, keepdim=True)
+    cols = digits.sum(1, keepdim=True)
+    shape = (b, n // spec.box_rows, spec.box_rows, n // spec.box_cols, spec.box_cols, n)
+    boxes = digits.reshape(shape).sum((2, 4), keepdim=True).expand(shape).reshape(b, n, n, n)
+    alone = (rows == 1) & (cols == 1) & (boxes == 1)
+    return (digits.bool() & alone).any(-1)

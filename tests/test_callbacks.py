@@ -53,3 +53,59 @@ def test_conditional_accuracy_needs_valid_grid_and_clues():
     assert out["accuracy"].item() == pytest.approx(100 / 3)
     assert out["exact_match"].item() == pytest.approx(100 / 3)
     assert "→" in metric.render(target[0])  # puzzle → solution
+
+
+def test_token_correct_unconditional_marks_clashing_cells():
+    layout = SudokuLayout(SudokuSpec(2, 2), conditional=False)
+    bad = GRID.copy()
+    bad[0, 0], bad[0, 1] = bad[0, 1], bad[0, 0]  # row 0 stays a permutation; columns 0, 1 and box 0 clash
+    tokens, _ = layout.encode(np.stack([GRID, bad]), np.stack([GRID, bad]))
+    correct, scored = SudokuMetric(layout=layout).token_correct(tokens, tokens)
+    assert scored.all()  # unconditional: every token is a cell
+    assert correct[0].all()
+    wrong = {divmod(i, 4) for i in (~correct[1]).nonzero().flatten().tolist()}
+    # columns 0 and 1 now hold 2 and 1 twice (rows 0 and 2); boxes and rows stay permutations
+    assert wrong == {(0, 0), (2, 0), (0, 1), (2, 1)}
+
+
+def test_token_correct_conditional_scores_solution_cells_only():
+    layout = SudokuLayout(SudokuSpec(2, 2), conditional=True)
+    puzzle = GRID * (np.arange(16).reshape(4, 4) % 3 == 0)
+    target, prompt_mask = layout.encode(puzzle[None], GRID[None])
+    pred = target.clone()
+    cell = layout.prompt_len + 1 * 5 + 2  # row 1, column 2 of the solution half (rows are 4 cells + a separator)
+    pred[0, cell] = 1 if target[0, cell] != 1 else 2
+    correct, scored = SudokuMetric(layout=layout).token_correct(pred, target)
+    assert scored.sum() == 16 and not (scored & prompt_mask).any()
+    assert (scored & ~correct).nonzero().tolist() == [[0, cell]]
+
+
+def test_calibration_buffer_keeps_the_first_scored_tokens_and_saves_them(tmp_path):
+    from callbacks.sampling_eval import CalibrationBuffer, SamplingEvaluation, confidence_kind, save_calibration
+    from flowlm.samplers import ConfidenceSampler, PosteriorRefinementSampler
+
+    buffer = CalibrationBuffer(cap=5)
+    conf = torch.tensor([[0.9, 0.8, 0.7, 0.6], [0.5, 0.4, 0.3, 0.2]])
+    correct = torch.tensor([[True, False, True, False], [True, True, False, False]])
+    scored = torch.tensor([[False, True, True, True], [True, True, True, True]])
+    buffer.add(conf, correct, scored)
+    buffer.add(conf, correct, scored)  # full: ignored
+    got_conf, got_ok = buffer.arrays()
+    np.testing.assert_allclose(got_conf, [0.8, 0.7, 0.6, 0.5, 0.4])
+    assert got_ok.tolist() == [False, True, False, True, True] and buffer.full
+    samplers = {
+        "pr": PosteriorRefinementSampler(confidence="posterior"),
+        "a_priori": PosteriorRefinementSampler(confidence="a_priori"),
+        "confidence": ConfidenceSampler(),
+    }
+    assert [confidence_kind(s) for s in samplers.values()] == ["a-posteriori", "a-priori", "a-priori"]
+    other = CalibrationBuffer(cap=3)
+    other.add(conf, correct, scored)
+    path = save_calibration(tmp_path / "c.npz", {("pr", 4): buffer, ("confidence", 8): other}, samplers)
+    with np.load(path) as data:
+        assert data["samplers"].tolist() == ["pr", "confidence"] and data["budgets"].tolist() == [4, 8]
+        assert data["kinds"].tolist() == ["a-posteriori", "a-priori"]
+        np.testing.assert_allclose(data["confidence"][data["group"] == 1], [0.8, 0.7, 0.6])
+        assert data["correct"].dtype == bool and len(data["correct"]) == 8
+    with pytest.raises(ValueError, match="calibration_tokens"):
+        SamplingEvaluation(samplers=samplers, nfe=[4], metric=SudokuMetric, calibration_tokens=-1)
