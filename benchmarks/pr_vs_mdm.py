@@ -15,19 +15,14 @@ Runs land in --out (default runs/bench_pr_vs_mdm), tracked in its own MLflow sto
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
-from runners.common import CONF_DIR
-from runners.train import train
+from common import minutes_line, seed_table, train_models
 
 MODELS = [
-    ("MDM", "sudoku_mdm_uncond_tiny"),
-    ("FMLM+ scratch", "sudoku_fmlmp_scratch_uncond_tiny"),
-    ("FMLM+ MDM-init", "sudoku_fmlmp_init_uncond_tiny"),
+    ("MDM", "sudoku_mdm_uncond_tiny", []),
+    ("FMLM+ scratch", "sudoku_fmlmp_scratch_uncond_tiny", []),
+    ("FMLM+ MDM-init", "sudoku_fmlmp_init_uncond_tiny", []),
 ]
 
 
@@ -49,36 +44,16 @@ def main() -> None:
         f"eval.max_batches={max(1, args.samples // 256)}",
         "trainer.enable_progress_bar=false",
     ]
-    rows, minutes = [], {}
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        for seed in args.seeds:
-            for label, experiment in MODELS:
-                start = time.perf_counter()
-                result = train(compose("train", overrides=[f"experiment={experiment}", f"seed={seed}", *common]))
-                minutes.setdefault(label, []).append((time.perf_counter() - start) / 60)
-                rows += [{**r, "model": label, "seed": seed} for r in result["rows"]]
+    rows, minutes = train_models(MODELS, args.seeds, common)
     print(report(rows, args.nfe, minutes))
 
 
 def report(rows: list[dict], budgets: list[int], minutes: dict[str, list[float]]) -> str:
     """Mean ± std over seeds (the mean alone for one seed) of % valid per (model, sampler) and NFE budget, and the
     PR-vs-best-MDM NFE ratio."""
-    keys = list(dict.fromkeys((r["model"], r["sampler"]) for r in rows))
-    cell = {}
-    lines = [
-        "| model | sampler | " + " | ".join(f"NFE {b}" for b in budgets) + " |",
-        "|---|---|" + "---|" * len(budgets),
-    ]
-    for model, sampler in keys:
-        out = []
-        for b in budgets:
-            vals = [r["valid_pct"] for r in rows if (r["model"], r["sampler"], r["nfe_budget"]) == (model, sampler, b)]
-            mean = statistics.fmean(vals)
-            cell[model, sampler, b] = mean
-            out.append(f"{mean:.1f} ± {statistics.stdev(vals):.1f}" if len(vals) > 1 else f"{mean:.1f}")
-        lines.append(f"| {model} | {sampler} | " + " | ".join(out) + " |")
+    lines, cell = seed_table(rows, budgets, "valid_pct")
     full = max(budgets)
-    best_mdm = max((cell["MDM", s, full], s) for m, s in keys if m == "MDM")
+    best_mdm = max((v, s) for (m, s, b), v in cell.items() if m == "MDM" and b == full)
     lines.append(f"\nBest MDM sampler at full NFE {full}: {best_mdm[1]} with {best_mdm[0]:.1f} % valid.")
     for model in ("FMLM+ scratch", "FMLM+ MDM-init"):
         reached = [b for b in budgets if cell.get((model, "pr", b), -1) >= best_mdm[0]]
@@ -92,10 +67,7 @@ def report(rows: list[dict], budgets: list[int], minutes: dict[str, list[float]]
             lines.append(
                 f"{model} PR does not reach it within the budgets (best {best_pr[0]:.1f} % at NFE {best_pr[1]})."
             )
-    lines.append(
-        "Minutes per training run (incl. evaluation): "
-        + ", ".join(f"{k} {statistics.fmean(v):.1f}" for k, v in minutes.items())
-    )
+    lines.append(minutes_line(minutes))
     return "\n".join(lines)
 
 

@@ -10,6 +10,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from flowlm.backbones.dit import DiT, build_dit
 
+# Parameter names that never get weight decay (besides every vector: biases, norm gains).
+NO_DECAY_KEYS = ("norm", "adaLN", "emb_s.", "emb_t.", "time_embed.", "block_mods.", "final_mod.")
+
 
 def plain(obj: Any) -> Any:
     """DictConfig/ListConfig → plain containers, so hyper-parameters pickle without OmegaConf."""
@@ -50,12 +53,24 @@ class FlowLMModule(L.LightningModule):
         """The shared DiT with this run's size/overrides and a method-specific vocabulary."""
         return build_dit(vocab_size=vocab_size, **{**self.backbone_cfg, **extra})
 
+    def optimizer_groups(self) -> list[dict]:
+        """Trainable parameters in two AdamW groups: weight decay on matrices only, none on biases, norms, time
+        embeddings and adaLN modulations (frozen parameters, e.g. an adapted MDM's, are left out)."""
+        decay, no_decay = [], []
+        for name, param in self.named_parameters():
+            if not param.requires_grad:
+                continue
+            exempt = param.ndim < 2 or any(key in name for key in NO_DECAY_KEYS)
+            (no_decay if exempt else decay).append(param)
+        return [
+            {"params": decay, "weight_decay": self.optim_cfg["weight_decay"]},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+
     def configure_optimizers(self) -> dict:
         """AdamW, linear warm-up then constant LR (the released recipes); clipping is the trainer's."""
         cfg = self.optim_cfg
-        opt = torch.optim.AdamW(
-            self.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]), weight_decay=cfg["weight_decay"]
-        )
+        opt = torch.optim.AdamW(self.optimizer_groups(), lr=cfg["lr"], betas=tuple(cfg["betas"]))
         warmup = max(int(cfg["warmup_steps"]), 1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -96,10 +96,17 @@ class DiTBlock(nn.Module):
         nn.init.zeros_(self.adaLN_modulation.weight)
         nn.init.zeros_(self.adaLN_modulation.bias)
 
-    def forward(self, x: Tensor, c: Tensor, causal: bool = False) -> Tensor:
+    def forward(self, x: Tensor, c: Tensor, causal: bool = False, extra: Tensor | None = None) -> Tensor:
+        """``extra`` (…, 6·d): an adapter's own adaLN on top of this block's (MLFM, methods.md §6): its shift/scale
+        act after the block's modulation and its gate in the (1 + gate) form, so extra = 0 leaves the block as is."""
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.adaLN_modulation(c).chunk(6, dim=-1)
+        if extra is not None:
+            x_shift_a, x_scale_a, x_gate_a, x_shift_m, x_scale_m, x_gate_m = extra.chunk(6, dim=-1)
+            gate_a, gate_m = gate_a * (1 + x_gate_a), gate_m * (1 + x_gate_m)
         b, length, d = x.shape
         h = modulate(self.norm1(x), shift_a, scale_a)
+        if extra is not None:
+            h = modulate(h, x_shift_a, x_scale_a)
         q, k, v = self.qkv(h).view(b, length, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         q, k = self.rotary(q, k)
         drop = self.dropout if self.training else 0.0
@@ -107,6 +114,8 @@ class DiTBlock(nn.Module):
         attn = attn.transpose(1, 2).reshape(b, length, d)
         x = x + gate_a * F.dropout(self.attn_out(attn), drop, self.training)
         h = modulate(self.norm2(x), shift_m, scale_m)
+        if extra is not None:
+            h = modulate(h, x_shift_m, x_scale_m)
         return x + gate_m * F.dropout(self.mlp(h), drop, self.training)
 
 
@@ -122,9 +131,13 @@ class FinalLayer(nn.Module):
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
 
-    def forward(self, x: Tensor, c: Tensor) -> Tensor:
+    def forward(self, x: Tensor, c: Tensor, extra: Tensor | None = None) -> Tensor:
+        """``extra`` (…, 2·d): an adapter's shift/scale applied after this layer's own (zero = unchanged)."""
         shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
-        return self.linear(modulate(self.norm(x), shift, scale))
+        h = modulate(self.norm(x), shift, scale)
+        if extra is not None:
+            h = modulate(h, *extra.chunk(2, dim=-1))
+        return self.linear(h)
 
 
 class DiT(nn.Module):
@@ -193,13 +206,18 @@ class DiT(nn.Module):
         """Logits (B, L, |V|) for ids or vectors x at per-token times (s[, t])."""
         return self.forward_embeddings(self.input_embeddings(x), s, t)
 
-    def forward_embeddings(self, h: Tensor, s: Tensor, t: Tensor | None = None) -> Tensor:
-        """Logits for inputs given directly as embeddings h (B, L, d) (MLFM feeds these)."""
+    def forward_embeddings(
+        self, h: Tensor, s: Tensor, t: Tensor | None = None, *, extra: list[Tensor] | None = None
+    ) -> Tensor:
+        """Logits for inputs given directly as embeddings h (B, L, d) (MLFM feeds these); ``extra`` holds an
+        adapter's modulation for every block and then the final layer (see DiTBlock.forward)."""
         b, length, _ = h.shape
         c = self.condition(s, t, b, length)
-        for block in self.blocks:
-            h = block(h, c, causal=self.causal)
-        return self.final(h, c)
+        if extra is not None and len(extra) != len(self.blocks) + 1:
+            raise ValueError(f"extra modulation for {len(extra)} layers, expected {len(self.blocks) + 1}")
+        for i, block in enumerate(self.blocks):
+            h = block(h, c, causal=self.causal, extra=None if extra is None else extra[i])
+        return self.final(h, c, extra=None if extra is None else extra[-1])
 
 
 def _per_token(time: Tensor, batch: int, length: int) -> Tensor:

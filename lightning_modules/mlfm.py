@@ -1,0 +1,155 @@
+"""MLFM: a masked language flow model adapted from a pretrained MDM (methods.md §6).
+
+The MDM's DiT is frozen and read on continuous embeddings: masked positions hold a Brownian-bridge state between
+the [MASK] embedding (t = 0) and the clean token's (t = 1), one t per sequence; the adapter (time adaLN + LoRA,
+flowlm/backbones/adapters.py) learns the t dependence. Loss: CE on the clean token at masked positions.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+
+from flowlm.backbones.adapters import MLFMAdapter
+from flowlm.objectives.mlfm import mlfm_loss
+from flowlm.processes.bridge import BridgeProcess
+from flowlm.samplers.mlfm import BridgeDenoiser
+from lightning_modules.base import FlowLMModule
+from lightning_modules.checkpoints import check_family, copy_backbone, read_checkpoint
+
+
+class MLFMModule(FlowLMModule):
+    """Frozen MDM DiT + adapter; ``init_from`` (an MDM checkpoint of the same backbone) is required."""
+
+    family = "mlfm"
+
+    def __init__(
+        self,
+        *,
+        data_vocab_size: int,
+        seq_len: int,
+        backbone: dict,
+        optim: dict,
+        init_from: str | None,
+        adapter: dict | None = None,
+        bridge: dict | None = None,
+        aux_mse_weight: float = 0.0,
+        full_response_mask_prob: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(data_vocab_size=data_vocab_size, seq_len=seq_len, backbone=backbone, optim=optim, seed=seed)
+        self.save_hyperparameters()
+        if not init_from:
+            raise ValueError("MLFM adapts a pretrained MDM: set method.init_from to an MDM checkpoint")
+        if aux_mse_weight < 0 or not 0 <= full_response_mask_prob <= 1:
+            raise ValueError("aux_mse_weight must be ≥ 0 and full_response_mask_prob in [0, 1]")
+        self.init_from = init_from
+        self.mask_id = data_vocab_size
+        self.aux_mse_weight = aux_mse_weight
+        self.full_response_mask_prob = full_response_mask_prob
+        self.process = BridgeProcess(**(bridge or {}))
+        self.net = MLFMAdapter(self.build_backbone(data_vocab_size + 1, two_times=False), **(adapter or {}))
+        self.init_report: dict[str, list[str]] | None = None
+
+    # ------------------------------------------------------------------------------------------------ network
+    def forward(self, z: Tensor, t: Tensor) -> Tensor:
+        """Logits over data ids + [MASK] for embeddings z (B, L, d) at bridge times t (B,). The MDM's own
+        conditioning reads 0: the suite's MDMs are time-agnostic by default (validate_inputs refuses others)."""
+        return self.net(z, self.process.condition(t), torch.zeros_like(t))
+
+    def denoiser(self) -> BridgeDenoiser:
+        """This model as the MLFM sampler sees it: logits over the data vocabulary, E's data rows, m = E[MASK]."""
+        emb = self.net.embeddings
+        return BridgeDenoiser(
+            fn=lambda z, t: self(z, t)[..., : self.mask_id],
+            embeddings=emb[: self.mask_id],
+            mask_embedding=emb[self.mask_id],
+            process=self.process,
+        )
+
+    # --------------------------------------------------------------------------------------------- MDM source
+    def validate_inputs(self) -> None:
+        """The source must be a time-agnostic MDM of this vocabulary and backbone size (checked before compute)."""
+        ckpt = read_checkpoint(self.init_from)
+        check_family(
+            ckpt["flowlm"], self.init_from, family="mdm", data_vocab_size=self.data_vocab_size, role="init_from"
+        )
+        if ckpt.get("hyper_parameters", {}).get("time_conditioning", False):
+            raise ValueError(
+                f"init_from {self.init_from} is a time-conditioned MDM; MLFM feeds the MDM's conditioning a constant "
+                "and needs a time-agnostic one (method.time_conditioning=false, the default)"
+            )
+        self._copy_mdm(copy.deepcopy(self.net), ckpt["state_dict"])  # a dry run: another size fails here
+
+    def on_fit_start(self) -> None:
+        """Copy the MDM's weights into the frozen base (fresh runs only; a resumed run has them already)."""
+        if self.global_step == 0 and self.init_report is None:
+            self.init_report = self._copy_mdm(self.net, read_checkpoint(self.init_from)["state_dict"])
+            trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
+            total = sum(p.numel() for p in self.parameters())
+            rank_zero_info(
+                f"MLFM adapted from {self.init_from}: copied {len(self.init_report['copied'])} MDM tensors; "
+                f"trainable {trainable:,} of {total:,} parameters"
+            )
+            for lg in self.loggers:
+                if isinstance(lg, MLFlowLogger) and self.trainer.is_global_zero:
+                    lg.experiment.log_dict(lg.run_id, {**self.init_report, "trainable": trainable}, "init_from.json")
+
+    @staticmethod
+    def _copy_mdm(adapter: MLFMAdapter, state: dict[str, Tensor]) -> dict[str, list[str]]:
+        """MDM tensors (``net.<name>``) → the adapter's base (PEFT renames wrapped Linears ``<name>.base_layer``)."""
+        renamed = {
+            "net." + own: state[f"net.{src}"]
+            for own, src in adapter.base_state_names().items()
+            if f"net.{src}" in state
+        }
+        report = copy_backbone(adapter.base, renamed)
+        if report["sliced"] or any(".lora_" not in name for name in report["fresh"]):
+            raise ValueError(f"the MDM checkpoint does not cover the adapted backbone: missing {report['fresh'][:4]}")
+        return report
+
+    # ---------------------------------------------------------------------------------------------- training
+    def mlfm_loss(self, batch: dict, gen_cpu: torch.Generator, gen: torch.Generator | None) -> dict[str, Tensor]:
+        """Mask with s from the clipped cosine schedule, bridge at t from the training distribution, CE (+ MSE)."""
+        tokens, prompt = batch["tokens"], batch["prompt_mask"]
+        b, length = tokens.shape
+        s = self.process.mask_prob(b, generator=gen_cpu, device=tokens.device)
+        if self.full_response_mask_prob > 0:  # the paper's SFT option: the whole response masked
+            full = torch.rand(b, generator=gen_cpu).to(tokens.device) < self.full_response_mask_prob
+            s = torch.where(full, 1.0, s)
+        free = ~prompt
+        masked = (torch.rand(b, length, generator=gen, device=tokens.device) < s[:, None]) & free
+        # Every sequence with a response gets at least one masked position (the released code does the same).
+        empty = ~masked.any(-1) & free.any(-1)
+        if empty.any():
+            pick = torch.rand(b, length, generator=gen, device=tokens.device).masked_fill(~free, -1).argmax(-1)
+            masked[empty, pick[empty]] = True
+        t = self.process.sample_t(b, generator=gen_cpu, device=tokens.device)
+        emb = self.net.embeddings
+        z = self.process.sample(emb[self.mask_id], emb[tokens], t, masked, gen)
+        logits = self(z, t)
+        return mlfm_loss(logits, tokens, masked, self.mask_id, embeddings=emb, aux_weight=self.aux_mse_weight)
+
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        """One step of the MLFM objective."""
+        gen_cpu = self.step_generator(0, batch_idx, shared=False)
+        gen = self.step_generator(1, batch_idx, shared=False, device=self.device)
+        parts = self.mlfm_loss(batch, gen_cpu, gen)
+        self.log("train/loss", parts["loss"], prog_bar=True)
+        if "mse" in parts:
+            self.log("train/ce", parts["ce"])
+            self.log("train/mse", parts["mse"])
+        return parts["loss"]
+
+    def validation_step(self, batch: dict, batch_idx: int) -> Tensor:
+        """The same objective with fixed draws, comparable across evaluations."""
+        b = batch["tokens"].shape[0]
+        gen_cpu = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_idx)
+        gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + batch_idx)
+        loss = self.mlfm_loss(batch, gen_cpu, gen)["loss"]
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=b)
+        return loss
