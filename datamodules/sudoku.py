@@ -69,7 +69,9 @@ class SudokuDataModule(L.LightningDataModule):
         pin_memory: bool = True,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        # Not sent to the logger: the runner logs the data config (params data/*), and Lightning's merge with the
+        # model's hparams would refuse any run whose training seed differs from the data seed.
+        self.save_hyperparameters(logger=False)
         self._spec = SudokuSpec(box_rows, box_cols)
         if conditional:
             if difficulty not in DIFFICULTY_CLUES_9X9:

@@ -9,6 +9,8 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from sweeps.trial import trial_params, trial_tags
+
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 RUN_CONFIG = "run_config.yaml"
@@ -117,8 +119,10 @@ def make_logger(cfg: DictConfig, run_dir: Path | None) -> MLFlowLogger | None:
         client.set_tag(rid, "flowlm.name", str(cfg.name))
         if run_dir is not None:
             client.set_tag(rid, "flowlm.run_dir", str(run_dir))
+        for key, value in trial_tags(cfg).items():  # a sweep trial: its sweep, trial number, overrides
+            client.set_tag(rid, key, value)
         client.log_text(rid, OmegaConf.to_yaml(cfg, resolve=True), "config/resolved.yaml")
-        logger.log_hyperparams(_flat_params(cfg))
+        logger.log_hyperparams({**_flat_params(cfg), **trial_params(cfg)})
     return logger
 
 

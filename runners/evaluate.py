@@ -10,6 +10,8 @@ from omegaconf import DictConfig, OmegaConf
 from callbacks.sampling_eval import SamplingEvaluation
 from lightning_modules.checkpoints import import_class, read_checkpoint_meta
 from runners.common import CONF_DIR, build, make_logger, pivot_table, resolve_paths
+from sweeps.objectives import check_objectives
+from sweeps.trial import run_trial
 
 
 def evaluate(cfg: DictConfig) -> dict:
@@ -31,6 +33,7 @@ def evaluate(cfg: DictConfig) -> dict:
                 f"({cfg.ckpt_path}); evaluate it on data of the same layout"
             )
     evaluation.check_data(datamodule)
+    check_objectives(cfg.get("optimized_metric"), evaluation, datamodule)
     L.seed_everything(cfg.seed, verbose=False)
     module = cls.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
     logger = make_logger(cfg, None)
@@ -48,9 +51,9 @@ def evaluate(cfg: DictConfig) -> dict:
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="eval")
-def main(cfg: DictConfig) -> None:
-    """Console entry point."""
-    evaluate(cfg)
+def main(cfg: DictConfig) -> float | list[float] | None:
+    """Console entry point; in a sweep, returns the trial's objective(s) to the sweeper."""
+    return run_trial(evaluate, cfg)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from runners.common import (
     resolve_paths,
     write_run_config,
 )
+from sweeps.objectives import check_objectives
+from sweeps.trial import run_trial
 
 
 def train(cfg: DictConfig) -> dict:
@@ -38,6 +40,7 @@ def train(cfg: DictConfig) -> dict:
     evaluation: SamplingEvaluation = build(cfg.eval)
     evaluation.check_model(module)
     evaluation.check_data(datamodule)
+    check_objectives(cfg.get("optimized_metric"), evaluation, datamodule)
     callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values() if c is not None]
     if is_rank_zero():
         write_run_config(cfg)
@@ -75,9 +78,9 @@ def _last_ckpt(run_dir: Path) -> Path | None:
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
-def main(cfg: DictConfig) -> None:
-    """Console entry point."""
-    train(cfg)
+def main(cfg: DictConfig) -> float | list[float] | None:
+    """Console entry point; in a sweep, returns the trial's objective(s) to the sweeper."""
+    return run_trial(train, cfg)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,207 @@
+"""One trial of a sweep: its own run folder, MLflow tags and params, its objective, and failures recorded as such.
+
+A multirun (``flowlm-train -m``, ``flowlm-eval -m``) calls the console script's task once per trial; ``run_trial``
+wraps that call. MLflow tags of a trial (documented in the README, read by ``analysis/``):
+
+- ``flowlm.sweep``: the sweep's name (``sweep.name``; also its folder under ``<runs>/sweeps/`` and its Optuna study)
+- ``flowlm.trial``: Hydra's job number within this launch; ``flowlm.trial_id``: the trial's folder (stable)
+- ``flowlm.sweeper``, ``flowlm.sweep_dir``, ``flowlm.study`` (Optuna), ``flowlm.overrides``, ``flowlm.objectives``
+- ``flowlm.error`` on a failed trial (MLflow status FAILED); ``flowlm.attempt`` identifies one execution.
+
+Params ``trial/<key>`` hold the trial's overrides; metrics ``sweep/objective_<i>`` its objective values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import uuid
+from collections.abc import Callable, Sequence
+from enum import Enum
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from sweeps.objectives import ObjectiveError, objective_keys, objective_values, parse_key
+
+log = logging.getLogger(__name__)
+# MLflow accepts these characters in param names; tag and param values are capped well under its limits.
+_PARAM_NAME = re.compile(r"[^\w./\- :]")
+_MAX_VALUE = 5000
+
+
+def short_hash(text: object) -> str:
+    """First 10 hex digits of the SHA-1 of ``str(text)``: a stable, filesystem-safe name for a config value."""
+    return hashlib.sha1(str(text).encode()).hexdigest()[:10]
+
+
+# `${flowlm.hash:...}` in configs: trial folders (conf/hydra/default.yaml), one sweep name per checkpoint.
+OmegaConf.register_new_resolver("flowlm.hash", short_hash, replace=True)
+
+
+def run_trial(task: Callable[[DictConfig], dict], cfg: DictConfig) -> float | list[float] | None:
+    """Run ``task`` (train or evaluate) on ``cfg``; in a multirun, as one trial of the sweep.
+
+    Returns the objective(s) named by ``optimized_metric`` (one float, or a list for several), which the Optuna
+    sweeper optimises; None without one. With ``sweep.continue_on_error`` a failing trial is marked FAILED in
+    MLflow and returns None, which hydra-optuna-sweeper records as a failed trial; either sweeper goes on.
+    A wrong ``optimized_metric`` is the sweep's mistake, not the trial's: it stops the sweep.
+    """
+    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+    if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN:
+        return _returned(objective_values(cfg.get("optimized_metric"), task(cfg)["rows"]))
+    check_directions(cfg.get("optimized_metric"), hydra_cfg.sweeper)
+    join_sweep(cfg, hydra_cfg)
+    try:
+        result = task(cfg)
+        values = objective_values(cfg.get("optimized_metric"), result["rows"])
+    except ObjectiveError:
+        raise
+    except Exception as err:
+        if not cfg.sweep.continue_on_error:
+            raise
+        log.exception("trial %s (%s) failed; recorded as failed, the sweep goes on", cfg.sweep.trial, cfg.run_name)
+        record_failure(cfg, err)
+        return None
+    record_success(cfg, result.get("mlflow_run_id"), values)
+    return _returned(values)
+
+
+def _returned(values: list[float]) -> float | list[float] | None:
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+def check_directions(spec: str | Sequence[str] | None, sweeper: DictConfig) -> None:
+    """Refuse an Optuna sweep whose ``optimized_metric`` does not give one key per direction."""
+    keys = objective_keys(spec)
+    for key in keys:
+        parse_key(key)
+    if "direction" not in sweeper:  # the basic sweeper optimises nothing: an objective is only logged
+        return
+    direction = sweeper.direction
+    directions = [direction] if isinstance(direction, str | Enum) else list(direction)
+    names = [d.name if isinstance(d, Enum) else str(d) for d in directions]
+    if len(keys) != len(names):
+        raise ObjectiveError(
+            f"the Optuna sweeper optimises {len(names)} objective(s) {names} but optimized_metric names "
+            f"{len(keys)}: {keys}; give one eval/<sampler>/nfe<budget>/<metric> key per direction"
+        )
+
+
+def join_sweep(cfg: DictConfig, hydra_cfg: DictConfig) -> None:
+    """Make ``cfg`` one trial of the running sweep: its run folder, its run name and the facts its tags hold."""
+    out = Path(hydra_cfg.runtime.output_dir)
+    sweeper = hydra_cfg.sweeper
+    with open_dict(cfg):
+        # The trial's run folder is Hydra's job folder, <sweep dir>/trial-<hash of the trial's overrides>
+        # (conf/hydra/default.yaml): trials that differ in any parameter never share a folder, a checkpoint or an
+        # MLflow run, and the same overrides again (a re-queued trial, another worker) resume the same run.
+        cfg.paths.run_dir = str(out)
+        cfg.run_name = f"{cfg.sweep.name}/{out.name}"
+        cfg.sweep.trial = int(hydra_cfg.job.num)
+        cfg.sweep.trial_id = out.name
+        cfg.sweep.dir = str(Path(hydra_cfg.sweep.dir).resolve())
+        cfg.sweep.sweeper = str(sweeper._target_).rsplit(".", 1)[-1]
+        cfg.sweep.study = OmegaConf.select(sweeper, "study_name", default=None)
+        cfg.sweep.overrides = list(hydra_cfg.overrides.task)
+        # Finds this execution's MLflow run after a crash (a resumed run keeps its id, a new one has no other key).
+        cfg.sweep.attempt = uuid.uuid4().hex
+
+
+def trial_tags(cfg: DictConfig) -> dict[str, str]:
+    """MLflow tags of a sweep trial (none outside a sweep)."""
+    sweep = cfg.get("sweep")
+    if not sweep or sweep.get("trial") is None:
+        return {}
+    tags = {
+        "flowlm.sweep": str(sweep.name),
+        "flowlm.trial": str(sweep.trial),
+        "flowlm.trial_id": str(sweep.trial_id),
+        "flowlm.sweeper": str(sweep.sweeper),
+        "flowlm.sweep_dir": str(sweep.dir),
+        "flowlm.overrides": " ".join(sweep.overrides)[:_MAX_VALUE],
+        "flowlm.attempt": str(sweep.attempt),
+    }
+    if sweep.get("study"):
+        tags["flowlm.study"] = str(sweep.study)
+    keys = objective_keys(cfg.get("optimized_metric"))
+    if keys:
+        tags["flowlm.objectives"] = ",".join(keys)
+    return tags
+
+
+def trial_params(cfg: DictConfig) -> dict[str, str]:
+    """MLflow params ``trial/<key>`` of a sweep trial: its overrides, swept and fixed (none outside a sweep)."""
+    sweep = cfg.get("sweep")
+    if not sweep or sweep.get("trial") is None:
+        return {}
+    params = {}
+    for override in sweep.overrides:
+        key, _, value = override.partition("=")
+        params["trial/" + _PARAM_NAME.sub("_", key.lstrip("+~"))] = value[:_MAX_VALUE]
+    return params
+
+
+def _client(cfg: DictConfig):
+    """An MLflow client on the run's tracking store, or None when the run is not tracked in MLflow."""
+    logger = cfg.get("logger")
+    if not logger or not str(logger.get("_target_", "")).endswith("MLFlowLogger"):
+        return None
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=logger.tracking_uri)
+
+
+def record_success(cfg: DictConfig, run_id: str | None, values: Sequence[float]) -> None:
+    """Log the trial's objective values as ``sweep/objective_<i>`` on its MLflow run (and clear an old error)."""
+    client = _client(cfg)
+    if client is None or run_id is None:
+        return
+    for i, value in enumerate(values):
+        client.log_metric(run_id, f"sweep/objective_{i}", value)
+    if "flowlm.error" in client.get_run(run_id).data.tags:  # a re-queued trial that failed before has now succeeded
+        client.delete_tag(run_id, "flowlm.error")
+
+
+def record_failure(cfg: DictConfig, err: BaseException) -> None:
+    """Mark the trial's MLflow run FAILED with the error, creating it if the trial failed before it had one."""
+    client = _client(cfg)
+    if client is None:
+        return
+    try:
+        name = cfg.logger.experiment_name
+        experiment = client.get_experiment_by_name(name)
+        runs = []
+        if experiment is not None:
+            runs = client.search_runs([experiment.experiment_id], f"tags.`flowlm.attempt` = '{cfg.sweep.attempt}'")
+        if runs:
+            run_id = runs[0].info.run_id
+        else:
+            from runners.common import git_commit
+
+            experiment_id = (
+                experiment.experiment_id
+                if experiment is not None
+                else client.create_experiment(name, artifact_location=cfg.logger.get("artifact_location"))
+            )
+            tags = {**trial_tags(cfg), "flowlm.name": str(cfg.name), "mlflow.source.git.commit": git_commit()}
+            run_id = client.create_run(experiment_id, run_name=cfg.logger.run_name, tags=tags).info.run_id
+            for key, value in trial_params(cfg).items():
+                client.log_param(run_id, key, value)
+        client.set_tag(run_id, "flowlm.error", f"{type(err).__name__}: {err}"[:_MAX_VALUE])
+        client.set_terminated(run_id, "FAILED")
+    except Exception:  # the sweep must go on even when the tracking store cannot take the record
+        log.exception("could not record the failed trial in MLflow")
+
+
+class SweepCallback(Callback):
+    """Hydra callback: a multirun's runs folder exists before the sweeper opens its SQLite study there."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:  # noqa: D102
+        Path(config.paths.root).mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,201 @@
+"""Sweeps end to end: an Optuna study and a grid on tiny models land in MLflow; a crashing trial is recorded as
+failed and the sweep goes on; a wrong objective is refused before compute."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import optuna
+import pytest
+from conftest import FAST, isolate_runs
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from runners.common import CONF_DIR
+from runners.train import train
+from sweeps.objectives import ObjectiveError, objective_values
+from sweeps.trial import check_directions
+
+QUIET = ["trainer.enable_progress_bar=false"]
+
+
+def run_sweep(entry: str, overrides: list[str], root: Path) -> subprocess.CompletedProcess:
+    """`flowlm-<entry> -m ...` in a fresh process, as a user runs it, with runs and data under ``root``."""
+    module = {"train": "runners.train", "eval": "runners.evaluate"}[entry]
+    env = {**os.environ, "FLOWLM_RUNS": str(root / "runs"), "FLOWLM_DATA": str(root / "data")}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--multirun", *overrides, *QUIET],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, f"the sweep stopped:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def sweep_runs(root: Path, sweep: str):
+    """The MLflow runs tagged with ``sweep``, one row per trial, in trial order."""
+    mlflow.set_tracking_uri(f"sqlite:///{root / 'runs' / 'mlflow.db'}")
+    runs = mlflow.search_runs(search_all_experiments=True, filter_string=f"tags.`flowlm.sweep` = '{sweep}'")
+    return runs.sort_values("tags.flowlm.trial", key=lambda s: s.astype(int), ignore_index=True)
+
+
+@pytest.fixture(scope="module")
+def flow_ckpt(tmp_path_factory):
+    """A 2-step FMLM+ checkpoint (unconditional 6×6) for the sampling-only sweeps."""
+    root = tmp_path_factory.mktemp("sweeps")
+    mp = pytest.MonkeyPatch()
+    isolate_runs(mp, root)
+    from conftest import compose_config
+
+    result = train(compose_config(overrides=["experiment=sudoku_fmlmp_scratch_uncond_tiny", *FAST, "logger=none"]))
+    yield Path(result["run_dir"], "checkpoints", "last.ckpt"), root
+    mp.undo()
+
+
+def test_optuna_multi_objective_sweep_over_a_checkpoint(flow_ckpt):
+    ckpt, root = flow_ckpt
+    run_sweep(
+        "eval",
+        [
+            "hparams_search=pr_optuna",
+            f"ckpt_path={ckpt}",
+            "sweep.name=pr_test",
+            "hydra.sweeper.n_trials=3",
+            "eval.nfe=[4]",
+            "eval.max_batches=1",
+            "eval.samplers.pr.rounds=int(interval(1, 2))",
+            "eval.samplers.pr.flow_steps=choice(1, 2)",
+            "eval.samplers.pr.threshold=choice(0.5, 2.0)",  # PR refuses 2.0 before compute: a crashing trial
+            "hydra.sweeper.sampler.seed=3",  # draws thresholds 2.0, 0.5, 0.5 (optuna 4.9): a failure, then the rest
+        ],
+        root,
+    )
+    study = optuna.load_study(study_name="pr_test", storage=f"sqlite:///{root / 'runs' / 'optuna.db'}")
+    assert study.directions == [optuna.study.StudyDirection.MAXIMIZE, optuna.study.StudyDirection.MINIMIZE]
+    assert len(study.trials) == 3  # the sweep went on past the failed trial(s)
+    failed = {t.number for t in study.trials if t.state == optuna.trial.TrialState.FAIL}
+    assert failed == {t.number for t in study.trials if t.params["eval.samplers.pr.threshold"] == 2.0}
+    assert 0 < len(failed) < 3, "the seeded sampler should draw both thresholds in 3 trials (pick another seed)"
+    runs = sweep_runs(root, "pr_test")
+    assert list(runs["tags.flowlm.trial"]) == ["0", "1", "2"]  # a fresh study: Hydra job number = Optuna trial
+    assert runs["tags.mlflow.runName"].is_unique and runs["tags.flowlm.trial_id"].is_unique
+    assert set(runs["tags.flowlm.study"]) == {"pr_test"} and set(runs["tags.flowlm.sweeper"]) == {"OptunaSweeper"}
+    assert set(runs["tags.flowlm.objectives"]) == {"eval/pr/nfe4/valid_pct,eval/pr/nfe4/nfe"}
+    for trial in study.trials:
+        row = runs.iloc[trial.number]
+        assert row["params.trial/eval.samplers.pr.threshold"] == str(trial.params["eval.samplers.pr.threshold"])
+        if trial.number in failed:
+            assert row["status"] == "FAILED"
+            assert "PR threshold must lie in (0, 1]" in row["tags.flowlm.error"]
+            continue
+        assert row["status"] == "FINISHED"
+        objectives = [row["metrics.sweep/objective_0"], row["metrics.sweep/objective_1"]]
+        assert objectives == trial.values
+        assert objectives == [row["metrics.eval/pr/nfe4/valid_pct"], row["metrics.eval/pr/nfe4/nfe"]]
+        rounds, steps = trial.params["eval.samplers.pr.rounds"], trial.params["eval.samplers.pr.flow_steps"]
+        assert objectives[1] == rounds * steps  # the NFE PR actually spent, not the cap of 4
+    pareto = OmegaConf.load(root / "runs" / "sweeps" / "pr_test" / "optimization_results.yaml")
+    assert pareto.solutions and all(len(s["values"]) == 2 for s in pareto.solutions)
+
+
+def test_grid_sweep_trains_each_point_in_its_own_run(tmp_path):
+    run_sweep(
+        "train",
+        [
+            "hparams_search=grid_nfe_seed",
+            "experiment=sudoku_mdm_uncond_tiny",
+            *FAST,
+            "seed=0,1",  # replaces the grid's seeds: 2 points
+            "optimized_metric=eval/confidence/nfe2/valid_pct",
+        ],
+        tmp_path,
+    )
+    runs = sweep_runs(tmp_path, "grid_nfe_seed")
+    assert list(runs["status"]) == ["FINISHED", "FINISHED"]
+    assert list(runs["params.trial/seed"]) == ["0", "1"] and list(runs["params.seed"]) == ["0", "1"]
+    assert set(runs["tags.flowlm.sweeper"]) == {"BasicSweeper"}
+    run_dirs = [Path(d) for d in runs["tags.flowlm.run_dir"]]
+    assert len(set(run_dirs)) == 2
+    for run_dir in run_dirs:  # each point trained in its own folder under the sweep's
+        assert run_dir.parent == tmp_path / "runs" / "sweeps" / "grid_nfe_seed"
+        assert (run_dir / "checkpoints" / "last.ckpt").exists()
+    assert list(runs["metrics.sweep/objective_0"]) == list(runs["metrics.eval/confidence/nfe2/valid_pct"])
+
+
+def test_a_crashing_trial_does_not_stop_the_grid(flow_ckpt):
+    ckpt, root = flow_ckpt
+    overrides = [f"ckpt_path={ckpt}", "eval=sudoku_flow", "eval.nfe=[2]", "eval.max_batches=1", "sweep.name=crash"]
+    overrides += ["optimized_metric=eval/pr/nfe2/valid_pct", "eval.samplers.pr.threshold=2.0,0.9"]  # 2.0 crashes
+    run_sweep("eval", overrides, root)
+    runs = sweep_runs(root, "crash")
+    assert list(runs["status"]) == ["FAILED", "FINISHED"]  # the first trial crashed, the second still ran
+    assert "PR threshold must lie in (0, 1], got 2.0" in runs.loc[0, "tags.flowlm.error"]
+    assert runs.loc[0, "params.trial/eval.samplers.pr.threshold"] == "2.0"
+    assert runs.loc[1, "metrics.sweep/objective_0"] == runs.loc[1, "metrics.eval/pr/nfe2/valid_pct"]
+
+
+@pytest.mark.parametrize(
+    ("key", "match"),
+    [
+        ("valid_pct", "not an evaluation key"),
+        ("eval/pr/nfe2/valid_pct", "no sampler 'pr'.*'ancestral', 'confidence'"),
+        ("eval/confidence/nfe3/valid_pct", r"NFE budget 3 is not evaluated; eval.nfe = \[2\]"),
+        ("eval/confidence/nfe2/accuracy", "logs .*'valid_pct'.*not 'accuracy'"),
+    ],
+)
+def test_a_wrong_objective_fails_before_compute(key, match, runs_env):
+    from conftest import compose_config
+
+    cfg = compose_config(overrides=["experiment=sudoku_mdm_uncond_tiny", *FAST, f"optimized_metric={key}"])
+    with pytest.raises(ObjectiveError, match=match):
+        train(cfg)
+    assert not list((runs_env / "runs").rglob("run_config.yaml")) and not list((runs_env / "runs").rglob("*.ckpt"))
+
+
+def test_objectives_are_read_from_the_result_rows():
+    rows = [
+        {"sampler": "pr", "nfe_budget": 4, "nfe": 3.0, "valid_pct": 50.0},
+        {"sampler": "pr", "nfe_budget": 8, "nfe": 8.0, "valid_pct": 75.0},
+    ]
+    assert objective_values(["eval/pr/nfe8/valid_pct", "eval/pr/nfe4/nfe"], rows) == [75.0, 3.0]
+    assert objective_values(None, rows) == []
+    with pytest.raises(ObjectiveError, match="eval/pr/nfe4/valid_pct"):
+        objective_values("eval/pr/nfe16/valid_pct", rows)
+
+
+SEARCHES = [
+    ("train", "grid_nfe_seed", ["experiment=sudoku_mdm_medium_tiny"]),
+    ("eval", "grid_nfe_seed", ["ckpt_path=some.ckpt"]),
+    ("train", "train_optuna", ["experiment=sudoku_fmlmp_scratch_medium_tiny"]),
+    ("eval", "pr_optuna", ["ckpt_path=some.ckpt"]),
+    ("eval", "mlfm_optuna", ["ckpt_path=some.ckpt"]),
+    ("train", "optuna", ["experiment=sudoku_mdm_medium_tiny", "optimized_metric=eval/confidence/nfe4/accuracy"]),
+]
+
+
+@pytest.mark.parametrize(("entry", "search", "overrides"), SEARCHES)
+def test_every_search_names_keys_of_its_config(entry, search, overrides, runs_env):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(entry, overrides=[f"hparams_search={search}", *overrides], return_hydra_config=True)
+    sweeper = cfg.hydra.sweeper
+    for key in sweeper.params or {}:  # a renamed sampler or method option would otherwise fail only at launch
+        assert OmegaConf.select(cfg, key, default="<absent>") != "<absent>", f"{search} sweeps {key}, not in the config"
+    check_directions(cfg.optimized_metric, sweeper)  # an Optuna search gives one objective per direction
+    assert Path(cfg.hydra.sweep.dir).name == cfg.sweep.name
+    if "study_name" in sweeper:
+        assert sweeper.study_name == cfg.sweep.name and sweeper.storage.startswith("sqlite:///")
+
+
+def test_an_optuna_sweep_without_objective_is_refused():
+    sweeper = OmegaConf.create({"direction": ["maximize", "minimize"]})
+    with pytest.raises(ObjectiveError, match=r"2 objective\(s\) \['maximize', 'minimize'\].*names 1"):
+        check_directions("eval/pr/nfe4/valid_pct", sweeper)
+    with pytest.raises(ObjectiveError, match="names 0"):
+        check_directions(None, OmegaConf.create({"direction": "maximize"}))
+    check_directions(None, OmegaConf.create({"params": {"seed": "0,1"}}))  # the basic sweeper needs none
