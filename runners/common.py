@@ -9,6 +9,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from runners.tracking import ResilientMLFlowLogger
 from sweeps.trial import trial_params, trial_tags
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -73,7 +74,18 @@ def check_run_dir(cfg: DictConfig) -> Path | None:
             + "; ".join(diff[:8])
             + ". Use another name= or run_name=."
         )
-    return last if last.exists() else None
+    if last.exists():
+        from lightning_modules.checkpoints import read_checkpoint
+
+        try:  # memory-mapped: reads the archive's index, not the tensors
+            read_checkpoint(last)
+        except ValueError as err:
+            raise RunExistsError(
+                f"cannot resume {run_dir}: {err}. Move it aside to resume from a periodic checkpoint in "
+                f"{last.parent} (rename it to last.ckpt), or delete it to restart the run."
+            ) from err
+        return last
+    return None
 
 
 def write_run_config(cfg: DictConfig) -> None:
@@ -110,6 +122,8 @@ def make_logger(cfg: DictConfig, run_dir: Path | None) -> MLFlowLogger | None:
     run_id_file = run_dir / "mlflow_run_id" if run_dir else None
     run_id = run_id_file.read_text().strip() if run_id_file and run_id_file.exists() else None
     logger = instantiate(cfg.logger, run_id=run_id)
+    if is_rank_zero() and isinstance(logger, ResilientMLFlowLogger):
+        logger.check_reachable()
     if is_rank_zero() and isinstance(logger, MLFlowLogger):
         client, rid = logger.experiment, logger.run_id
         if run_id_file is not None and run_id is None:

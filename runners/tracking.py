@@ -1,0 +1,118 @@
+"""MLflow logging that survives what long runs meet: resumes from another folder, and a tracking server that goes
+away. Lightning's MLFlowLogger raises in both cases and takes the training run down with it."""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Any
+
+from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
+from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities import rank_zero_warn
+
+PARAM_LIMIT = 250  # Lightning's MLFlowLogger truncates parameter values to this many characters
+
+
+class TrackingUnavailable(RuntimeError):
+    """The tracking store could not be reached when the run started."""
+
+
+class ResilientMLFlowLogger(MLFlowLogger):
+    """MLFlowLogger whose tracking calls never end a training run.
+
+    - A resumed run logs only parameters it does not have yet; a value that changed (e.g. a cache folder resolved
+      from another working directory) is kept as it was, listed in the tag ``flowlm.resume_changed_params`` and
+      warned about. MLflow refuses to overwrite parameters, which would otherwise crash the resume.
+    - With ``resilient=True`` every client call that fails (server down, network, disk) is warned about and
+      skipped; training goes on and the failures are counted (``failures``). The first contact with the store is
+      checked by ``check_reachable`` (quickly, without MLflow's minutes of HTTP retries) so an unreachable server
+      is reported before any compute.
+    """
+
+    def __init__(self, *args: Any, resilient: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.resilient = resilient
+        self.failures = 0
+
+    @property
+    def experiment(self):  # noqa: D102 - the MLflow client, guarded when resilient
+        client = super().experiment
+        return _GuardedClient(client, self) if self.resilient else client
+
+    def check_reachable(self, timeout_s: float = 5.0) -> None:
+        """Contact the store once with few retries; raise TrackingUnavailable with the URI if it cannot be reached."""
+        saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
+        os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+        os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(max(1, timeout_s)))
+        try:
+            MLFlowLogger.experiment.fget(self)  # creates/looks up the experiment and the run, unguarded
+        except Exception as err:  # noqa: BLE001 - any failure here means "cannot track"
+            raise TrackingUnavailable(
+                f"MLflow tracking store {self._tracking_uri!r} is not reachable ({type(err).__name__}: {err}). "
+                "Start the server, or track locally with logger.tracking_uri=sqlite:///<path>/mlflow.db, or run "
+                "without tracking with logger=none."
+            ) from err
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    def log_hyperparams(self, params: Any) -> None:
+        """Log parameters the run does not hold yet; keep (and report) the ones a resumed run would change."""
+        flat = _flatten_dict(_convert_params(params))
+        try:
+            existing = MLFlowLogger.experiment.fget(self).get_run(self.run_id).data.params
+        except Exception as err:  # noqa: BLE001
+            if not self.resilient:
+                raise
+            self._failed("get_run", err)
+            return
+        changed = sorted(k for k, v in flat.items() if k in existing and existing[k] != str(v)[:PARAM_LIMIT])
+        new = {k: v for k, v in flat.items() if k not in existing}
+        if changed:
+            rank_zero_warn(
+                f"resumed MLflow run {self.run_id}: parameters differ from the first launch and keep their first "
+                f"values: {changed[:8]}"
+            )
+            previous = existing.get("flowlm.resume_changed_params", "")
+            tag = ",".join(sorted(set(filter(None, previous.split(","))) | set(changed)))
+            self.experiment.set_tag(self.run_id, "flowlm.resume_changed_params", tag[:5000])
+        if new:
+            super().log_hyperparams(new)
+
+    def _failed(self, what: str, err: Exception) -> None:
+        self.failures += 1
+        if self.failures <= 3 or self.failures % 100 == 0:
+            warnings.warn(
+                f"MLflow call {what} failed ({type(err).__name__}: {err}); training goes on "
+                f"({self.failures} tracking failure(s) so far)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
+class _GuardedClient:
+    """Proxy of an MlflowClient: a failing method call is reported to the logger and returns None."""
+
+    def __init__(self, client: Any, owner: ResilientMLFlowLogger) -> None:
+        self._client = client
+        self._owner = owner
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        @functools.wraps(attr)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - tracking must not end the run
+                self._owner._failed(name, err)
+                return None
+
+        return guarded

@@ -1,0 +1,106 @@
+"""Reliability of a training run: non-finite losses, corrupt or interrupted checkpoints, tracking outages, resumes
+from another working directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+
+from callbacks.finite_loss import NonFiniteLossError
+from lightning_modules.mdm import MDMModule
+from runners.common import RunExistsError
+from runners.tracking import TrackingUnavailable
+from runners.train import train
+from tests.conftest import FAST, compose_config
+
+RUN = ["experiment=sudoku_mdm_uncond_tiny", *FAST, "eval.nfe=[2]"]
+
+
+def _ckpt(result_or_dir) -> Path:
+    run_dir = result_or_dir["run_dir"] if isinstance(result_or_dir, dict) else result_or_dir
+    return Path(run_dir, "checkpoints", "last.ckpt")
+
+
+def test_non_finite_loss_stops_before_the_update_and_keeps_the_last_checkpoint(runs_env, monkeypatch):
+    first = train(compose_config(overrides=[*RUN, "logger=none"]))  # 2 steps, checkpoint at step 2
+    saved = torch.load(_ckpt(first), weights_only=False)
+    real = MDMModule.mdm_loss
+
+    def poisoned(self, batch, t, gen):
+        loss = real(self, batch, t, gen)
+        return loss * float("nan") if self.global_step >= 3 else loss
+
+    monkeypatch.setattr(MDMModule, "mdm_loss", poisoned)
+    with pytest.raises(NonFiniteLossError, match="non-finite training loss at step 3.*not applied"):
+        train(compose_config(overrides=[*RUN, "logger=none", "trainer.max_steps=6", "trainer.val_check_interval=2"]))
+    kept = torch.load(_ckpt(first), weights_only=False)
+    assert kept["global_step"] == saved["global_step"] == 2
+    # Step 3 was never applied: the checkpoint on disk is the one from before the poisoned step.
+    for key, value in saved["state_dict"].items():
+        assert torch.equal(kept["state_dict"][key], value), key
+
+
+def test_truncated_last_checkpoint_is_refused_with_a_clear_error(runs_env):
+    result = train(compose_config(overrides=[*RUN, "logger=none"]))
+    last = _ckpt(result)
+    data = last.read_bytes()
+    last.write_bytes(data[: len(data) // 2])
+    with pytest.raises(RunExistsError, match="cannot resume .* not a readable PyTorch checkpoint.*periodic checkpoint"):
+        train(compose_config(overrides=[*RUN, "logger=none", "trainer.max_steps=4"]))
+    assert last.stat().st_size == len(data) // 2  # nothing written
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint_intact(runs_env, monkeypatch):
+    result = train(compose_config(overrides=[*RUN, "logger=none"]))
+    before = _ckpt(result).read_bytes()
+    import fsspec.implementations.local as local
+
+    real_write = local.LocalFileOpener.write
+
+    def dying_write(self, data, *args, **kwargs):
+        real_write(self, data[: len(data) // 3])
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(local.LocalFileOpener, "write", dying_write)
+    with pytest.raises(OSError, match="simulated"):
+        train(compose_config(overrides=[*RUN, "logger=none", "trainer.max_steps=4"]))
+    assert _ckpt(result).read_bytes() == before  # Lightning writes to a temporary file, then renames
+    monkeypatch.undo()
+    assert train(compose_config(overrides=[*RUN, "logger=none", "trainer.max_steps=4"]))["global_step"] == 4
+
+
+def test_unreachable_tracking_server_is_reported_before_compute(runs_env):
+    cfg = compose_config(overrides=[*RUN, "logger.tracking_uri=http://127.0.0.1:9"])
+    with pytest.raises(TrackingUnavailable, match="127.0.0.1:9.*not reachable.*logger=none"):
+        train(cfg)
+    assert not list((runs_env / "runs").glob("**/*.ckpt"))
+
+
+def test_tracking_outage_mid_run_does_not_end_training(runs_env, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    real = MlflowClient.log_batch
+    calls = {"n": 0}
+
+    def flaky(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 2:  # the server goes away after the first parameters
+            raise mlflow.exceptions.MlflowException("connection refused (simulated outage)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", flaky)
+    with pytest.warns(RuntimeWarning, match="training goes on"):
+        result = train(compose_config(overrides=[*RUN, "trainer.max_steps=4", "trainer.val_check_interval=2"]))
+    assert result["global_step"] == 4 and result["rows"] and _ckpt(result).exists()
+
+
+def test_resume_from_another_data_folder_keeps_the_first_params(runs_env, tmp_path):
+    first = train(compose_config(overrides=[*RUN, f"paths.data_dir={tmp_path / 'a'}"]))
+    second = train(compose_config(overrides=[*RUN, f"paths.data_dir={tmp_path / 'b'}", "trainer.max_steps=4"]))
+    assert second["mlflow_run_id"] == first["mlflow_run_id"] and second["global_step"] == 4
+    run = mlflow.MlflowClient(f"sqlite:///{runs_env / 'runs' / 'mlflow.db'}").get_run(first["mlflow_run_id"])
+    assert run.data.params["data/cache_dir"].startswith(str(tmp_path / "a"))
+    assert "data/cache_dir" in run.data.tags["flowlm.resume_changed_params"]
