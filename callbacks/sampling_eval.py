@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +28,9 @@ class SamplingEvaluation(Callback):
     With ``calibration_tokens > 0`` and a task metric that defines ``token_correct``, the first
     ``calibration_tokens`` generated tokens of each sampler × budget (on rank 0; a sample, not a census) are kept
     as (confidence, correct) pairs and logged as ``eval/step<step>/calibration.npz`` (see ``save_calibration``).
+
+    A task metric with ``artifact_rows()`` (per-sample texts, GSM8K answers) has its rows logged as JSONL,
+    ``eval/step<step>/<sampler>_nfe<budget>.jsonl``: rank 0's rows (strings are not gathered across ranks).
     """
 
     def __init__(
@@ -159,6 +164,13 @@ class SamplingEvaluation(Callback):
             lines.append(f"## {name}, NFE budget {budget}\n")
             lines.extend(metric.render(tok) + "\n" for tok in state["samples"])
         step = trainer.global_step
+        # per-sample records of metrics that keep them (texts, GSM8K answers): rank 0's share, one file per
+        # sampler × budget
+        jsonl = {
+            f"eval/step{step:07d}/{name}_nfe{budget}.jsonl": rows_to_jsonl(state["metric"].artifact_rows())
+            for (name, budget), state in self._states.items()
+            if hasattr(state["metric"], "artifact_rows")
+        }
         buffers = {key: state["calibration"] for key, state in self._states.items() if len(state["calibration"])}
         with tempfile.TemporaryDirectory() as tmp:
             npz = save_calibration(Path(tmp) / "calibration.npz", buffers, self.samplers) if buffers else None
@@ -167,6 +179,8 @@ class SamplingEvaluation(Callback):
                 lg.experiment.log_text(lg.run_id, "\n".join(lines), f"eval/step{step:07d}/samples.md")
                 if npz is not None:
                     lg.experiment.log_artifact(lg.run_id, str(npz), f"eval/step{step:07d}")
+                for path, text in jsonl.items():
+                    lg.experiment.log_text(lg.run_id, text, path)
 
 
 class CalibrationBuffer:
@@ -246,6 +260,12 @@ def save_calibration(
         kinds=np.array(kinds),
     )
     return path
+
+
+def rows_to_jsonl(rows: Sequence[Mapping]) -> str:
+    """One JSON object per line (non-ASCII kept; NaN/inf written as null so strict JSON readers accept them)."""
+    clean = lambda v: None if isinstance(v, float) and not math.isfinite(v) else v
+    return "".join(json.dumps({k: clean(v) for k, v in row.items()}, ensure_ascii=False) + "\n" for row in rows)
 
 
 def format_table(rows: list[dict]) -> str:

@@ -1,0 +1,184 @@
+"""Child side of ``flowlm.metrics.gsm8k.run_program``; run as ``python -I -S _sandbox_runner.py CPU_S MEM_MB ENTRY``.
+
+Never imported by the package: it reads generated code on stdin, runs it under resource limits with restricted
+builtins, whitelisted imports (as copies without submodules or private names) and an AST check, calls the entry
+function and writes one JSON line ``{"status", "value", "message"}`` to stdout.
+"""
+
+import ast
+import builtins
+import io
+import json
+import numbers
+import resource
+import sys
+import types
+
+ALLOWED_MODULES = frozenset(
+    {
+        "bisect",
+        "cmath",
+        "collections",
+        "datetime",
+        "decimal",
+        "fractions",
+        "functools",
+        "heapq",
+        "itertools",
+        "math",
+        "numbers",
+        "random",
+        "statistics",
+    }
+)
+SAFE_BUILTINS = frozenset(
+    """abs all any ascii bin bool bytes callable chr complex dict divmod enumerate filter float format frozenset
+    hash hex int isinstance issubclass iter len list map max min next oct ord pow print property range repr
+    reversed round set slice sorted staticmethod classmethod str sum tuple zip NotImplemented
+    ArithmeticError AssertionError AttributeError Exception IndexError KeyError LookupError NameError
+    NotImplementedError OverflowError RuntimeError StopIteration TypeError ValueError ZeroDivisionError""".split()
+)
+# Non-underscore attributes that reach frames, code objects or the class graph: the ways out of restricted globals.
+FORBIDDEN_ATTRS = frozenset(
+    """gi_frame gi_code gi_yieldfrom cr_frame cr_code cr_await ag_frame ag_code ag_await f_back f_globals
+    f_locals f_builtins f_code tb_frame tb_next mro""".split()
+)
+
+
+class Forbidden(Exception):
+    """The code uses something outside the sandbox's whitelist."""
+
+
+def set_limits(cpu_s: int, memory_mb: int) -> None:
+    """CPU seconds, address space, open files, no files written, no child processes, no core dumps."""
+    limits = [
+        (resource.RLIMIT_CPU, cpu_s),
+        (resource.RLIMIT_AS, memory_mb * 2**20),
+        (resource.RLIMIT_NOFILE, 32),
+        (resource.RLIMIT_FSIZE, 0),
+        (resource.RLIMIT_NPROC, 0),
+        (resource.RLIMIT_CORE, 0),
+    ]
+    for kind, value in limits:
+        _, hard = resource.getrlimit(kind)
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        try:
+            resource.setrlimit(kind, (value, value))
+        except (ValueError, OSError):
+            pass  # a platform without this limit: the others and the parent's wall-clock timeout remain
+
+
+def check(tree: ast.AST) -> None:
+    """Raise Forbidden for imports off the whitelist, private/dunder or frame attributes, unsafe builtins."""
+    bound = {"__name__"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for name in names:
+                if getattr(node, "level", 0) or name.split(".")[0] not in ALLOWED_MODULES:
+                    raise Forbidden(f"import of {name or '.'!r} is not allowed")
+        elif isinstance(node, ast.Attribute) and (node.attr.startswith("_") or node.attr in FORBIDDEN_ATTRS):
+            raise Forbidden(f"attribute {node.attr!r} is not allowed")
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound:
+            if node.id.startswith("__") or (hasattr(builtins, node.id) and node.id not in SAFE_BUILTINS):
+                raise Forbidden(f"name {node.id!r} is not allowed")
+
+
+def sandbox_globals() -> dict:
+    """Globals for the generated code: whitelisted builtins and an importer of whitelisted module copies."""
+    real_import = builtins.__import__
+    copies: dict[str, types.ModuleType] = {}
+
+    def restricted_import(name, globals=None, locals=None, fromlist=(), level=0):
+        top = name.split(".")[0]
+        if level or top not in ALLOWED_MODULES:
+            raise ImportError(f"import of {name!r} is not allowed")
+        if top not in copies:
+            module = real_import(top)
+            # a copy without submodules or private names: e.g. fractions.sys would lead straight to os
+            copy = types.ModuleType(top)
+            for key, value in vars(module).items():
+                if not key.startswith("_") and not isinstance(value, types.ModuleType):
+                    setattr(copy, key, value)
+            copies[top] = copy
+        return copies[top]
+
+    safe = {name: getattr(builtins, name) for name in SAFE_BUILTINS}
+    safe["__import__"] = restricted_import
+    safe["__build_class__"] = builtins.__build_class__  # class statements
+    return {"__builtins__": safe, "__name__": "__sandbox__"}
+
+
+def entry_point(tree: ast.Module, scope: dict, entry: str):
+    """The function to call: ``entry`` if defined, else the last top-level function without required args."""
+    if callable(scope.get(entry)):
+        return scope[entry]
+    for node in reversed(tree.body):
+        if isinstance(node, ast.FunctionDef) and len(node.args.args) == len(node.args.defaults):
+            if not node.args.posonlyargs and not node.args.kwonlyargs and callable(scope.get(node.name)):
+                return scope[node.name]
+    for name in ("result", "answer"):  # a script that only assigns its answer
+        if name in scope:
+            return lambda value=scope[name]: value
+    return None
+
+
+def as_number(value) -> float:
+    """The returned answer as a float (bools, ints, Fractions, Decimals, numeric strings like '$1,234')."""
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, str):
+        return float(value.strip().replace(",", "").replace("$", "").rstrip("."))
+    raise TypeError(f"returned a {type(value).__name__}, not a number")
+
+
+def run(code: str, entry: str) -> dict:
+    """Check, execute and call the generated code; every failure becomes a status, never an exception."""
+    try:
+        tree = ast.parse(code, "<generated>")
+        check(tree)
+    except Forbidden as err:
+        return {"status": "forbidden", "value": None, "message": str(err)}
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
+        return {"status": "error", "value": None, "message": f"{type(err).__name__}: {err}"}
+    scope = sandbox_globals()
+    stdout = sys.stdout
+    sys.stdout = io.StringIO()  # the program's prints must not mix with the JSON result
+    try:
+        exec(compile(tree, "<generated>", "exec"), scope)
+        fn = entry_point(tree, scope, entry)
+        if fn is None:
+            return {"status": "error", "value": None, "message": f"no function {entry!r} (or other) to call"}
+        return {"status": "ok", "value": as_number(fn()), "message": ""}
+    except BaseException as err:  # noqa: BLE001 - generated code may raise anything, SystemExit included
+        try:
+            message = f"{type(err).__name__}: {err}"
+        except BaseException:  # noqa: BLE001 - a user-defined __str__ may fail too
+            message = type(err).__name__
+        return {"status": "error", "value": None, "message": message}
+    finally:
+        sys.stdout = stdout
+
+
+def main() -> None:
+    """Limits first, then read the code from stdin, run it, print one JSON line."""
+    cpu_s, memory_mb, entry = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    set_limits(cpu_s, memory_mb)
+    code = sys.stdin.buffer.read().decode("utf-8", "replace")
+    result = run(code, entry)
+    result["message"] = result["message"][:300]
+    sys.stdout.write(json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
