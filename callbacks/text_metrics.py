@@ -16,6 +16,7 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 
+from datamodules.text import project_path
 from flowlm.metrics.gsm8k import ExecResult, answers_match, extract_answer, run_programs
 from flowlm.metrics.text import GenerativePerplexity, check_evaluator, unigram_entropy
 
@@ -60,6 +61,8 @@ class GenPPLMetric(Metric):
         skip_special_tokens: bool = False,
     ) -> None:
         super().__init__()
+        local = project_path(evaluator)  # a local folder: from the working directory, else the project root
+        evaluator = str(local) if local.exists() else evaluator
         check_evaluator(evaluator)  # fail before sampling, not after it
         self.tokenizer = datamodule.tokenizer
         self.pad_id, self.mask_id = int(datamodule.pad_id), int(datamodule.mask_id)

@@ -26,22 +26,53 @@ def shared_runs(tmp_path_factory):
     mp.undo()
 
 
+def fast_text(cfg) -> list[str]:
+    """FAST for text/GSM8K experiments: their fixtures and tiny models (a paper-scale config keeps its HF dataset
+    name, which is unreachable offline, so it runs on the fixture files and tokenizer of its tiny counterpart)."""
+    over = [o for o in FAST if not o.startswith("data.")] + [
+        "data.batch_size=4",
+        "data.num_workers=0",
+        "data.num_proc=null",
+    ]
+    over += ["backbone=tiny", "eval.metric.evaluator=tests/fixtures/tiny_evaluator", "eval.max_batches=1"]
+    if "gsm8k" in cfg.data._target_:
+        files = "tinygsm" if cfg.data.response_field == "code" else "gsm8k"
+        over += [
+            f"data.train_files=tests/fixtures/{files}_sample.jsonl",
+            "data.eval_files=tests/fixtures/gsm8k_sample.jsonl",
+            "data.seq_len=256",
+            "data.min_response_tokens=16",
+        ]
+        over = [o for o in over if not o.startswith("eval.metric.evaluator")]
+    else:
+        over += [
+            "data.name=null",
+            "data.files=tests/fixtures/tinystories_sample.jsonl",
+            "data.val_split=null",
+            "data.val_last_n=40",
+            "data.seq_len=64",
+        ]
+    return over + ["data.tokenizer=tests/fixtures/tiny_tokenizer"]
+
+
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_runs_fast_dev_run(experiment, shared_runs):
-    fast = FAST
-    if compose_config(overrides=[f"experiment={experiment}"]).method._target_.endswith("ARModule"):
-        fast = [o for o in FAST if not o.startswith("eval.nfe")]  # AR spends one NFE per token: keep its budget
+    base = compose_config(overrides=[f"experiment={experiment}"])
+    fast = FAST if base.data._target_.startswith("datamodules.sudoku") else fast_text(base)
+    if base.method._target_.endswith("ARModule"):
+        fast = [o for o in fast if not o.startswith("eval.nfe")]  # AR spends one NFE per token: keep its budget
     cfg = compose_config(overrides=[f"experiment={experiment}", *fast, "+trainer.fast_dev_run=true", "logger=none"])
     for key in ("init_from", "teacher"):  # an MDM-based variant: train that MDM (2 steps, with a checkpoint) first
         source = OmegaConf.select(cfg, f"method.{key}")
         if source and not Path(source).exists():
             mdm = Path(source).parents[2].name
-            train(compose_config(overrides=[f"experiment={mdm}", *FAST, "logger=none"]))
+            train(compose_config(overrides=[f"experiment={mdm}", *fast, "logger=none"]))
             assert Path(source).exists()
     result = train(cfg)
     assert result["rows"], "the final evaluation produced no rows"
     for row in result["rows"]:
-        assert 0 <= row[result["metric"]] <= 100
+        value = row[result["metric"]]
+        assert (value > 1) if result["metric"] == "gen_ppl" else (0 <= value <= 100)  # perplexity, or a percentage
         assert 1 <= row["nfe"] <= row["nfe_budget"]
 
 
