@@ -29,15 +29,17 @@ import math
 import os
 import shutil
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
+
+from datamodules.base import GlobalBatchDataModule
 
 log = logging.getLogger(__name__)
 
@@ -348,7 +350,7 @@ def write_stream(path: Path, dataset, *, total: int, dtype: np.dtype, desc: str)
 # Shared datamodule machinery: tokenizer, cache folder, loaders, global → per-device batch sizes.
 
 
-class TokenCacheDataModule(L.LightningDataModule):
+class TokenCacheDataModule(GlobalBatchDataModule, ABC):
     """Base of the text and GSM8K datamodules: a tokenizer with PAD, one cache folder per configuration, loaders.
 
     Subclasses give ``_identity()`` (what decides the cached arrays), ``_build(folder, work)`` (write the arrays
@@ -439,14 +441,17 @@ class TokenCacheDataModule(L.LightningDataModule):
 
     # --- cache ---------------------------------------------------------------------------------------------------
 
+    @abstractmethod
     def _identity(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """Everything that determines the cached tokens (its hash names the cache folder)."""
 
+    @abstractmethod
     def _build(self, folder: Path, work: Path) -> dict[str, Any]:
-        raise NotImplementedError
+        """Tokenise the sources into ``folder`` (scratch space in ``work``); returns the cache's meta record."""
 
+    @abstractmethod
     def _datasets(self, folder: Path, meta: dict[str, Any]) -> tuple[Dataset, Dataset]:
-        raise NotImplementedError
+        """The train and validation datasets over a built cache."""
 
     def _cache_label(self) -> str:
         return self.cache_prefix
@@ -516,69 +521,6 @@ class TokenCacheDataModule(L.LightningDataModule):
             new_fingerprint=key,  # fn holds a tokenizer, whose hash is not stable across processes
             desc=f"Tokenising {name}",
         )
-
-    # --- loaders -------------------------------------------------------------------------------------------------
-
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled with a seeded generator, drop_last (Lightning swaps in a DistributedSampler under DDP)."""
-        if self.train_set is None:
-            raise RuntimeError("call setup() before train_dataloader()")
-        return DataLoader(
-            self.train_set,
-            batch_size=self.per_device_batch_size,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(self.seed),
-            drop_last=True,
-            **self._loader_kwargs(),
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        """In order, keeping the last partial batch: every validation sequence is scored."""
-        if self.val_set is None:
-            raise RuntimeError("call setup() before val_dataloader()")
-        return DataLoader(
-            self.val_set,
-            batch_size=self.per_device_val_batch_size,
-            shuffle=False,
-            drop_last=False,
-            **self._loader_kwargs(),
-        )
-
-    def _loader_kwargs(self) -> dict[str, Any]:
-        return {
-            "num_workers": self.num_workers,
-            "pin_memory": self.pin_memory and torch.cuda.is_available(),
-            "persistent_workers": self.num_workers > 0,
-        }
-
-    # Batch sizes in the config are global, the loaders need per-device ones (as in the Sudoku datamodule).
-
-    def _world_and_accumulation(self) -> tuple[int, int]:
-        trainer = self.trainer
-        if trainer is None:
-            return 1, 1
-        return int(trainer.world_size), int(trainer.accumulate_grad_batches)
-
-    @property
-    def per_device_batch_size(self) -> int:
-        """batch_size // (world_size · accumulate_grad_batches); must divide exactly."""
-        world, accumulate = self._world_and_accumulation()
-        split = world * accumulate
-        if self.batch_size % split:
-            raise ValueError(
-                f"global batch_size {self.batch_size} is not divisible by world_size {world} × "
-                f"accumulate_grad_batches {accumulate} = {split}"
-            )
-        return self.batch_size // split
-
-    @property
-    def per_device_val_batch_size(self) -> int:
-        """Global val_batch_size (default: batch_size) // world_size; validation does not accumulate."""
-        world, _ = self._world_and_accumulation()
-        total = self.batch_size if self.val_batch_size is None else self.val_batch_size
-        if total % world:
-            raise ValueError(f"global val_batch_size {total} is not divisible by world_size {world}")
-        return total // world
 
 
 # ------------------------------------------------------------------------------------------------------------
