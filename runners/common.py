@@ -18,7 +18,15 @@ RUN_CONFIG = "run_config.yaml"
 # Sections that define what a run trains; a resumed run must agree on them (data knobs that do not change the
 # model or the data, such as worker counts or an evaluation file, may differ).
 IDENTITY_SECTIONS = ("method", "backbone", "data")
-VOLATILE_DATA_KEYS = ("num_workers", "gen_workers", "num_proc", "cache_dir", "hf_cache_dir", "eval_file", "val_batch_size")
+VOLATILE_DATA_KEYS = (
+    "num_workers",
+    "gen_workers",
+    "num_proc",
+    "cache_dir",
+    "hf_cache_dir",
+    "eval_file",
+    "val_batch_size",
+)
 
 
 def is_rank_zero() -> bool:
