@@ -36,7 +36,7 @@ class ARModule(FlowLMModule):
         """Mean next-token NLL over the non-prompt positions of the batch."""
         tokens, prompt = batch["tokens"], batch["prompt_mask"]
         nll = F.cross_entropy(self(tokens).float().transpose(1, 2), tokens, reduction="none")
-        loss_mask = ~prompt
+        loss_mask = batch.get("loss_mask", ~prompt)  # text data may leave PAD out of the loss
         return (nll * loss_mask).sum() / loss_mask.sum().clamp_min(1)
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:

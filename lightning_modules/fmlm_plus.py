@@ -142,11 +142,12 @@ class FMLMPlusModule(FlowLMModule):
         log_d = self(x_s, s_tok, t_tok)
 
         target = self.targets(batch, kinds, x_s, s_tok, t_tok, onehot, active)
-        loss, per_token = soft_cross_entropy(log_d, target, active)
+        scored = active & batch.get("loss_mask", active)  # text data may leave PAD out of the loss
+        loss, per_token = soft_cross_entropy(log_d, target, scored)
         parts = {"loss": loss}
         with torch.no_grad():
             for kind, name in enumerate(KIND_NAMES):
-                rows = (kinds == kind)[:, None] & active
+                rows = (kinds == kind)[:, None] & scored
                 if rows.any():
                     parts[name] = per_token[rows].mean()
         return parts

@@ -53,7 +53,8 @@ class MDMModule(FlowLMModule):
         x_t, masked = self.process.corrupt(tokens, prompt_mask, t, generator)
         logits = self(x_t, t)
         weight = self.process.schedule.loss_weight(t)  # −α'_t/(1−α_t) = 1/t
-        loss, _ = mdm_elbo_loss(logits, tokens, masked, weight, ~prompt_mask, self.mask_id)
+        loss_mask = batch.get("loss_mask", ~prompt_mask)  # text data may leave PAD out of the loss
+        loss, _ = mdm_elbo_loss(logits, tokens, masked & loss_mask, weight, loss_mask, self.mask_id)
         return loss
 
     def sample_times(self, local_batch: int, batch_idx: int) -> Tensor:

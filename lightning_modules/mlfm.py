@@ -132,7 +132,8 @@ class MLFMModule(FlowLMModule):
         emb = self.net.embeddings
         z = self.process.sample(emb[self.mask_id], emb[tokens], t, masked, gen)
         logits = self(z, t)
-        return mlfm_loss(logits, tokens, masked, self.mask_id, embeddings=emb, aux_weight=self.aux_mse_weight)
+        scored = masked & batch.get("loss_mask", masked)  # text data may leave PAD out of the loss
+        return mlfm_loss(logits, tokens, scored, self.mask_id, embeddings=emb, aux_weight=self.aux_mse_weight)
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         """One step of the MLFM objective."""
