@@ -7,6 +7,9 @@ table (mean ± std over seeds) with the smallest NFE at which PR reaches the bes
 
     .venv/bin/python benchmarks/pr_vs_mdm.py --steps 1500 --seeds 0 1 2
     .venv/bin/python benchmarks/pr_vs_mdm.py --steps 50 --seeds 0 --samples 256   # a smoke run
+    # seeds in parallel processes (separate --out: one SQLite store each), then one table:
+    .venv/bin/python benchmarks/pr_vs_mdm.py --seeds 1 --out runs/bench_s1 & ...
+    .venv/bin/python benchmarks/pr_vs_mdm.py --seeds --combine runs/bench_s*/rows_*.json
 
 Everything is a config of conf/experiment/; the script only chooses step budget, seeds, NFE list and sample count.
 Runs land in --out (default runs/bench_pr_vs_mdm), tracked in its own MLflow store; a rerun resumes finished runs.
@@ -15,6 +18,7 @@ Runs land in --out (default runs/bench_pr_vs_mdm), tracked in its own MLflow sto
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from common import minutes_line, seed_table, train_models
@@ -30,7 +34,8 @@ def main() -> None:
     """Train, evaluate, aggregate, print."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=1500, help="training steps of every model (same budget)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    ap.add_argument("--combine", type=Path, nargs="*", default=[], help="rows JSON files of earlier invocations")
     ap.add_argument("--nfe", type=int, nargs="+", default=[1, 2, 3, 6, 12, 36])
     ap.add_argument("--samples", type=int, default=512, help="generated grids per sampler × NFE (multiple of 256)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench_pr_vs_mdm"))
@@ -44,7 +49,20 @@ def main() -> None:
         f"eval.max_batches={max(1, args.samples // 256)}",
         "trainer.enable_progress_bar=false",
     ]
-    rows, minutes = train_models(MODELS, args.seeds, common)
+    rows, minutes = [], {}
+    for path in args.combine:  # rows of earlier invocations (e.g. other seeds run in parallel)
+        saved = json.loads(path.read_text())
+        rows += saved["rows"]
+        for k, v in saved["minutes"].items():
+            minutes.setdefault(k, []).extend(v)
+    if args.seeds:
+        new_rows, new_minutes = train_models(MODELS, args.seeds, common)
+        out = args.out / f"rows_seeds{'-'.join(map(str, args.seeds))}_steps{args.steps}.json"
+        out.write_text(json.dumps({"rows": new_rows, "minutes": new_minutes}))
+        print(f"rows saved to {out} (combine them with --combine)")
+        rows += new_rows
+        for k, v in new_minutes.items():
+            minutes.setdefault(k, []).extend(v)
     print(report(rows, args.nfe, minutes))
 
 
