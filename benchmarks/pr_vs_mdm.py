@@ -35,6 +35,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=1500, help="training steps of every model (same budget)")
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    ap.add_argument(
+        "--models", nargs="+", default=[m[0] for m in MODELS], help="a subset of: " + ", ".join(m[0] for m in MODELS)
+    )
     ap.add_argument("--combine", type=Path, nargs="*", default=[], help="rows JSON files of earlier invocations")
     ap.add_argument("--nfe", type=int, nargs="+", default=[1, 2, 3, 6, 12, 36])
     ap.add_argument("--samples", type=int, default=512, help="generated grids per sampler × NFE (multiple of 256)")
@@ -56,8 +59,12 @@ def main() -> None:
         for k, v in saved["minutes"].items():
             minutes.setdefault(k, []).extend(v)
     if args.seeds:
-        new_rows, new_minutes = train_models(MODELS, args.seeds, common)
-        out = args.out / f"rows_seeds{'-'.join(map(str, args.seeds))}_steps{args.steps}.json"
+        unknown = sorted(set(args.models) - {m[0] for m in MODELS})
+        if unknown:
+            ap.error(f"unknown models {unknown}")
+        new_rows, new_minutes = train_models([m for m in MODELS if m[0] in args.models], args.seeds, common)
+        tag = "-".join(m.split()[-1] for m in args.models)
+        out = args.out / f"rows_seeds{'-'.join(map(str, args.seeds))}_steps{args.steps}_{tag}.json"
         out.write_text(json.dumps({"rows": new_rows, "minutes": new_minutes}))
         print(f"rows saved to {out} (combine them with --combine)")
         rows += new_rows
@@ -73,7 +80,10 @@ def report(rows: list[dict], budgets: list[int], minutes: dict[str, list[float]]
     full = max(budgets)
     best_mdm = max((v, s) for (m, s, b), v in cell.items() if m == "MDM" and b == full)
     lines.append(f"\nBest MDM sampler at full NFE {full}: {best_mdm[1]} with {best_mdm[0]:.1f} % valid.")
-    for model in ("FMLM+ scratch", "FMLM+ MDM-init"):
+    present = list(dict.fromkeys(r["model"] for r in rows))
+    seeds = {m: len({r["seed"] for r in rows if r["model"] == m}) for m in present}
+    lines.append("Seeds per model: " + ", ".join(f"{m} {n}" for m, n in seeds.items()) + ".")
+    for model in [m for m in ("FMLM+ scratch", "FMLM+ MDM-init") if m in present]:
         reached = [b for b in budgets if cell.get((model, "pr", b), -1) >= best_mdm[0]]
         if reached:
             lines.append(
