@@ -116,11 +116,19 @@ class GenPPLMetric(Metric):
                 "gen_ppl": torch.tensor(math.nan),
                 "entropy": torch.tensor(math.nan),
                 "num_samples": torch.tensor(0.0),
+                "empty_pct": torch.tensor(math.nan),
             }
         nll, tokens, entropy = dim_zero_cat(self.nll), dim_zero_cat(self.tokens), dim_zero_cat(self.entropy)
-        # gen-PPL = exp(Σ_i NLL_i / Σ_i n_i), accumulated in float64
-        ppl = torch.exp(nll.sum() / tokens.sum().clamp_min(1).double())
-        return {"gen_ppl": ppl, "entropy": entropy.mean(), "num_samples": torch.tensor(float(entropy.numel()))}
+        # gen-PPL = exp(Σ_i NLL_i / Σ_i n_i), accumulated in float64. Empty samples (all PAD) add no token: they
+        # are counted in empty_pct, and a set with no token at all has no perplexity (NaN, not exp(0) = 1).
+        total = tokens.sum()
+        ppl = torch.exp(nll.sum() / total.double()) if total > 0 else torch.tensor(math.nan, dtype=torch.float64)
+        return {
+            "gen_ppl": ppl,
+            "entropy": entropy.mean(),
+            "num_samples": torch.tensor(float(entropy.numel())),
+            "empty_pct": 100 * (tokens == 0).float().mean(),
+        }
 
     def reset(self) -> None:  # noqa: D102
         super().reset()

@@ -198,7 +198,8 @@ def test_gen_ppl_metric_decodes_strips_pad_and_matches_the_scorer(evaluator_dir)
     metric.update(tokens[:3], tokens[:3])
     metric.update(tokens[3:], tokens[3:])
     out = metric.compute()
-    assert list(out) == ["gen_ppl", "entropy", "num_samples"]
+    assert list(out) == ["gen_ppl", "entropy", "num_samples", "empty_pct"]
+    assert out["empty_pct"].item() == 0
     content = [r[(r != dm.pad_id) & (r != dm.mask_id)] for r in tokens]
     texts = [dm.tokenizer.decode(r.tolist()) for r in content]
     assert [row["text"] for row in metric.artifact_rows()] == texts and metric.render(tokens[3]) == TEXTS[3]
@@ -208,6 +209,18 @@ def test_gen_ppl_metric_decodes_strips_pad_and_matches_the_scorer(evaluator_dir)
     assert out["num_samples"].item() == 5
     metric.reset()
     assert metric.artifact_rows() == []
+
+
+def test_empty_samples_are_counted_and_never_score_a_perplexity_of_one(evaluator_dir):
+    dm = text_datamodule(24)
+    all_pad = torch.full((3, 24), dm.pad_id)
+    metric = GenPPLMetric(datamodule=dm, evaluator=str(evaluator_dir), batch_size=2)
+    metric.update(all_pad, all_pad)
+    out = metric.compute()
+    assert math.isnan(out["gen_ppl"].item()) and out["empty_pct"].item() == 100  # not exp(0) = 1
+    metric.update(encode_rows(dm, TEXTS[:1], 24), all_pad[:1])
+    out = metric.compute()
+    assert out["empty_pct"].item() == 75 and out["gen_ppl"].item() > 1
 
 
 class GSMData(SimpleNamespace):
