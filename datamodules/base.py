@@ -2,11 +2,89 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+
+class GlobalBatchSampler(DistributedSampler):
+    """One shuffled order of global batches, split over ranks and accumulation, resumable at any optimizer step.
+
+    Epoch ``e`` is a permutation seeded by ``seed + e``, cut into ``len(dataset) // global_batch`` global batches
+    (the remainder is dropped, so an epoch is a whole number of optimizer steps). Micro-batch ``m`` of rank ``r``
+    takes rows ``[(r·A + m)·b, (r·A + m + 1)·b)`` of each global batch — the slice ``FlowLMModule.global_batch_slice``
+    assigns to the same micro-batch for its random draws — so 1 process or N processes × A accumulation steps see the
+    same global batches. Iteration starts where ``steps_done()`` optimizer steps left off: a run resumed mid-epoch
+    from a checkpoint continues with exactly the batches it had not trained on yet (no RNG state to save).
+
+    A ``DistributedSampler`` subclass only so Lightning keeps it instead of inserting its own under DDP/FSDP.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        global_batch: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        accumulate: int = 1,
+        seed: int = 0,
+        steps_done: Callable[[], int] = lambda: 0,
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        split = num_replicas * accumulate
+        if global_batch % split:
+            raise ValueError(f"global batch {global_batch} is not divisible by world × accumulation = {split}")
+        self.global_batch, self.accumulate, self.micro_batch = global_batch, accumulate, global_batch // split
+        self.steps_per_epoch = len(dataset) // global_batch  # type: ignore[arg-type]
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"{len(dataset)} training examples are fewer than one global batch ({global_batch}): "  # type: ignore[arg-type]
+                "no optimizer step would ever run; lower data.batch_size or add data"
+            )
+        self.steps_done = steps_done
+        self.num_samples = self.steps_per_epoch * accumulate * self.micro_batch  # per rank and epoch
+        self.total_size = self.num_samples * num_replicas
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The epoch's permutation of the dataset (the same on every rank)."""
+        return torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[int]:
+        epoch, first_step = divmod(int(self.steps_done()), self.steps_per_epoch)
+        self.epoch = epoch
+        perm = self.order(epoch)
+        b, a = self.micro_batch, self.accumulate
+        for step in range(first_step, self.steps_per_epoch):
+            for micro in range(a):
+                start = step * self.global_batch + (self.rank * a + micro) * b
+                yield from perm[start : start + b].tolist()
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader that tells Lightning it resumes mid-epoch (its ``GlobalBatchSampler`` starts at the restored
+    optimizer step); the state records what defines the order, to warn when a resumed run's data changed."""
+
+    def state_dict(self) -> dict[str, int]:
+        sampler = self.sampler
+        return {"seed": sampler.seed, "global_batch": sampler.global_batch, "num_examples": len(sampler.dataset)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        now = self.state_dict()
+        if state != now:
+            warnings.warn(
+                f"the training data order changed since the checkpoint ({state} → {now}): the resumed run does not "
+                "continue the interrupted epoch's order",
+                stacklevel=2,
+            )
 
 
 class GlobalBatchDataModule(L.LightningDataModule):
@@ -25,17 +103,33 @@ class GlobalBatchDataModule(L.LightningDataModule):
     seed: int
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled with a seeded generator, drop_last (Lightning swaps in a DistributedSampler under DDP)."""
+        """Global batches in a seeded order, split over ranks and accumulation, resuming at the trainer's step."""
         if self.train_set is None:
             raise RuntimeError("call setup() before train_dataloader()")
-        return DataLoader(
+        world, accumulate = self._world_and_accumulation()
+        sampler = GlobalBatchSampler(
             self.train_set,
-            batch_size=self.per_device_batch_size,
-            shuffle=True,
-            generator=torch.Generator().manual_seed(self.seed),
-            drop_last=True,
-            **self._loader_kwargs(),
+            global_batch=self.batch_size,
+            num_replicas=world,
+            rank=self.trainer.global_rank if self.trainer is not None else 0,
+            accumulate=accumulate,
+            seed=self.seed,
+            steps_done=self._steps_done,
         )
+        return ResumableDataLoader(
+            self.train_set, batch_size=sampler.micro_batch, sampler=sampler, drop_last=True, **self._loader_kwargs()
+        )
+
+    def _steps_done(self) -> int:
+        return self.trainer.global_step if self.trainer is not None else 0
+
+    def check_train_size(self) -> None:
+        """At least one global batch of training data (epochs drop the remainder)."""
+        if 0 < len(self.train_set) < self.batch_size:  # type: ignore[arg-type]
+            raise ValueError(
+                f"{len(self.train_set)} training examples are fewer than one global batch "  # type: ignore[arg-type]
+                f"(data.batch_size = {self.batch_size}): no optimizer step would ever run"
+            )
 
     def val_dataloader(self) -> DataLoader:
         """In order, keeping the last partial batch: every validation example is scored."""

@@ -209,11 +209,7 @@ class SudokuDataModule(GlobalBatchDataModule):
         self.train_set = TokenDataset(*self._layout.encode(data["train_puzzles"], data["train_solutions"]))
         self.val_set = TokenDataset(*self._layout.encode(data["val_puzzles"], data["val_solutions"]))
         self._train_keys = {s.tobytes() for s in data["train_solutions"]}
-        if 0 < len(self.train_set) < self.per_device_batch_size:
-            raise ValueError(
-                f"num_train = {self.num_train} is smaller than one per-device batch "
-                f"({self.per_device_batch_size}); with drop_last there would be no training batch"
-            )
+        self.check_train_size()
 
     # --------------------------------------------------------------------------------------------------------
     # What models, samplers and metrics need to know.

@@ -502,11 +502,7 @@ class TokenCacheDataModule(GlobalBatchDataModule, ABC):
         self.train_set, self.val_set = self._datasets(folder, self.cache_meta)
         if not self.loss_on_pad:
             log.info("loss_on_pad=False: batches carry `loss_mask`; only methods that read it leave PAD untrained")
-        if 0 < len(self.train_set) < self.per_device_batch_size:
-            raise ValueError(
-                f"{len(self.train_set)} training sequences are fewer than one per-device batch "
-                f"({self.per_device_batch_size}); with drop_last there would be no training batch"
-            )
+        self.check_train_size()
 
     def _map(self, dataset, fn: Callable, *, work: Path, name: str, with_indices: bool = False):
         """``dataset.map(fn, batched=True)`` with its cache file in ``work`` and a fingerprint from our identity."""

@@ -98,6 +98,21 @@ class FlowLMModule(L.LightningModule):
         micro = batch_idx % accum
         return local_batch * world * accum, (self.global_rank * accum + micro) * local_batch
 
+    def global_rand(self, shape: tuple[int, ...], batch_idx: int, stream: int) -> torch.Tensor:
+        """Uniforms of shape (local batch, ...) for this micro-batch: its rows of one draw over the global batch.
+
+        Every rank draws the whole global batch with a shared generator and keeps its slice, so the numbers each
+        example gets do not depend on the world size or accumulation (1 process ≡ N processes, tested). The draw
+        costs world × accumulation times a local one: use it for (B, L)-sized draws, not (B, L, V) ones.
+        """
+        n_global, offset = self.global_batch_slice(shape[0], batch_idx)
+        gen = self.step_generator(stream, batch_idx, shared=True, device=self.device)
+        return torch.rand((n_global, *shape[1:]), generator=gen, device=self.device)[offset : offset + shape[0]]
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Seed the global RNG (dropout) from the step too, so a resumed run repeats the interrupted one exactly."""
+        torch.manual_seed(hash((self.seed, self.global_step, batch_idx, self.global_rank, -1)) & 0x7FFF_FFFF_FFFF_FFFF)
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Record what this checkpoint is, so loaders can refuse the wrong kind before any compute."""
         checkpoint.setdefault("flowlm", {}).update(

@@ -47,10 +47,10 @@ class MDMModule(FlowLMModule):
             time_conditioned=self.time_conditioning,
         )
 
-    def mdm_loss(self, batch: dict, t: Tensor, generator: torch.Generator | None) -> Tensor:
-        """ELBO on one batch at times t (B,)."""
+    def mdm_loss(self, batch: dict, t: Tensor, generator: torch.Generator | None, *, u: Tensor | None = None) -> Tensor:
+        """ELBO on one batch at times t (B,); masks from ``u`` (B, L) when given, else drawn with ``generator``."""
         tokens, prompt_mask = batch["tokens"], batch["prompt_mask"]
-        x_t, masked = self.process.corrupt(tokens, prompt_mask, t, generator)
+        x_t, masked = self.process.corrupt(tokens, prompt_mask, t, generator, u=u)
         logits = self(x_t, t)
         weight = self.process.schedule.loss_weight(t)  # −α'_t/(1−α_t) = 1/t
         loss_mask = batch.get("loss_mask", ~prompt_mask)  # text data may leave PAD out of the loss
@@ -64,10 +64,11 @@ class MDMModule(FlowLMModule):
         return stratified_times(n_global, offset=offset, count=local_batch, eps=self.process.eps, generator=gen)
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
-        """Stratified t over the global batch, then the ELBO."""
-        t = self.sample_times(batch["tokens"].shape[0], batch_idx).to(self.device)
-        gen = self.step_generator(1, batch_idx, shared=False, device=self.device)
-        loss = self.mdm_loss(batch, t, gen)
+        """Stratified t and the masks' uniforms drawn over the global batch (any world size: same draws), then
+        the ELBO."""
+        tokens = batch["tokens"]
+        t = self.sample_times(tokens.shape[0], batch_idx).to(self.device)
+        loss = self.mdm_loss(batch, t, None, u=self.global_rand(tuple(tokens.shape), batch_idx, stream=1))
         self.log("train/loss", loss, prog_bar=True)
         return loss
 

@@ -11,6 +11,7 @@ from typing import Any
 from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_warn
+from mlflow.exceptions import MlflowException
 
 PARAM_LIMIT = 250  # Lightning's MLFlowLogger truncates parameter values to this many characters
 
@@ -47,7 +48,14 @@ class ResilientMLFlowLogger(MLFlowLogger):
         os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
         os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(max(1, timeout_s)))
         try:
-            MLFlowLogger.experiment.fget(self)  # creates/looks up the experiment and the run, unguarded
+            try:
+                MLFlowLogger.experiment.fget(self)  # creates/looks up the experiment and the run, unguarded
+            except MlflowException as err:
+                # Workers starting together on a new experiment all miss it and all create it: one wins, the
+                # others' create fails with RESOURCE_ALREADY_EXISTS and their second look-up finds it.
+                if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                MLFlowLogger.experiment.fget(self)
         except Exception as err:  # noqa: BLE001 - any failure here means "cannot track"
             raise TrackingUnavailable(
                 f"MLflow tracking store {self._tracking_uri!r} is not reachable ({type(err).__name__}: {err}). "

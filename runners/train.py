@@ -48,6 +48,11 @@ def train(cfg: DictConfig) -> dict:
     if logger is None:  # nothing to monitor into
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=[*callbacks, evaluation], logger=logger or False)
+    if cfg.get("micro_batch_size"):
+        if cfg.trainer.get("accumulate_grad_batches", 1) != 1:
+            raise ValueError("set micro_batch_size or trainer.accumulate_grad_batches, not both")
+        accumulate = accumulation_for(cfg.data.batch_size, trainer.world_size, cfg.micro_batch_size)
+        trainer.accumulate_grad_batches = accumulate
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
     evaluated_last_step = evaluation.results and evaluation.results[0]["step"] == trainer.global_step
     if cfg.get("final_eval", True) and not evaluated_last_step:
@@ -70,6 +75,20 @@ def train(cfg: DictConfig) -> dict:
         dist.barrier()
         dist.destroy_process_group()
     return result
+
+
+def accumulation_for(global_batch: int, world_size: int, micro_batch_size: int) -> int:
+    """Gradient-accumulation steps that make ``world_size`` devices × ``micro_batch_size`` rows add up to the
+    global batch (the same effective batch, data order and random draws on 1 or 8 GPUs)."""
+    per_step = world_size * micro_batch_size
+    if micro_batch_size < 1 or global_batch % per_step:
+        raise ValueError(
+            f"data.batch_size = {global_batch} is not a multiple of world size {world_size} × micro_batch_size "
+            f"{micro_batch_size} = {per_step}: choose a micro_batch_size that divides {global_batch // world_size}"
+            if global_batch % world_size == 0
+            else f"data.batch_size = {global_batch} is not divisible by the world size {world_size}"
+        )
+    return global_batch // per_step
 
 
 def _last_ckpt(run_dir: Path) -> Path | None:

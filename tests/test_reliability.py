@@ -29,8 +29,8 @@ def test_non_finite_loss_stops_before_the_update_and_keeps_the_last_checkpoint(r
     saved = torch.load(_ckpt(first), weights_only=False)
     real = MDMModule.mdm_loss
 
-    def poisoned(self, batch, t, gen):
-        loss = real(self, batch, t, gen)
+    def poisoned(self, batch, t, gen, **kwargs):
+        loss = real(self, batch, t, gen, **kwargs)
         return loss * float("nan") if self.global_step >= 3 else loss
 
     monkeypatch.setattr(MDMModule, "mdm_loss", poisoned)

@@ -43,9 +43,19 @@ class MaskingProcess:
         self.schedule = LogLinearSchedule()
 
     def corrupt(
-        self, tokens: Tensor, prompt_mask: Tensor, t: Tensor, generator: torch.Generator | None = None
+        self,
+        tokens: Tensor,
+        prompt_mask: Tensor,
+        t: Tensor,
+        generator: torch.Generator | None = None,
+        *,
+        u: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """x_t and the boolean mask of positions replaced by [MASK]; t has shape (B,)."""
-        u = torch.rand(tokens.shape, generator=generator, device=tokens.device)
+        """x_t and the boolean mask of positions replaced by [MASK]; t has shape (B,).
+
+        ``u``: the uniforms (B, L) deciding the masks, when the caller draws them (e.g. over the global batch).
+        """
+        if u is None:
+            u = torch.rand(tokens.shape, generator=generator, device=tokens.device)
         masked = (u < (1.0 - self.schedule.alpha(t))[:, None]) & ~prompt_mask
         return torch.where(masked, self.mask_id, tokens), masked
