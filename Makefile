@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: venv demo test test-fast lint
+.PHONY: venv demo test test-fast lint mlflow-server
 
 # torch is pinned through constraints.txt (a CPU wheel here; a GPU user installs a CUDA build first, see README).
 # hydra-optuna-sweeper declares optuna<3, which breaks RDB storages: it is installed without its dependencies.
@@ -27,6 +27,11 @@ test: venv
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
+
+# An MLflow tracking server that several workers log to (`logger=mlflow_server logger.tracking_uri=http://host:5000`);
+# settings as environment variables, e.g. `make mlflow-server MLFLOW_HOST=0.0.0.0 MLFLOW_PORT=5001` (see the script).
+mlflow-server: venv
+	MLFLOW=$(VENV)/bin/mlflow bash scripts/mlflow_server.sh
 
 lint: venv
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
