@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flowlm.backbones.dit import KVCache
 from flowlm.samplers.autoregressive import CausalDenoiser
 from lightning_modules.base import FlowLMModule
 
@@ -24,13 +25,32 @@ class ARModule(FlowLMModule):
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Logits over the data vocabulary (B, L, |V|); position i is the prediction of tokens[:, i]."""
-        start = torch.full_like(tokens[:, :1], self.start_id)
-        inputs = torch.cat([start, tokens[:, :-1]], dim=1)
+        inputs = self.shifted_inputs(tokens, 0, tokens.shape[1])
         return self.net(inputs, torch.zeros(tokens.shape[0], device=tokens.device))[..., : self.start_id]
 
+    def shifted_inputs(self, tokens: Tensor, start: int, stop: int) -> Tensor:
+        """The network inputs at positions start … stop − 1: [START] at 0, tokens[:, i − 1] at i."""
+        if start > 0:
+            return tokens[:, start - 1 : stop - 1]
+        first = torch.full_like(tokens[:, :1], self.start_id)
+        return torch.cat([first, tokens[:, : stop - 1]], dim=1)
+
+    def new_cache(self, max_len: int) -> KVCache:
+        """An empty KV cache for decoding up to ``max_len`` positions."""
+        return self.net.new_cache(max_len)
+
+    def extend(self, tokens: Tensor, stop: int, cache: KVCache) -> Tensor:
+        """Logits (B, stop − cache.length, |V|) of positions cache.length … stop − 1, as ``forward(tokens)`` gives
+        there, feeding only those positions' inputs (tokens[:, cache.length − 1 : stop − 1]) through the cache,
+        which advances to ``stop``. The time is the same constant 0 per sequence as in ``forward``, so every
+        adaLN modulation is the identical (B, 1, ·) vector in both paths."""
+        inputs = self.shifted_inputs(tokens, cache.length, stop)
+        time = torch.zeros(tokens.shape[0], device=tokens.device)
+        return self.net.forward_cached(inputs, time, cache)[..., : self.start_id]
+
     def denoiser(self) -> CausalDenoiser:
-        """This model as the AR sampler sees it."""
-        return CausalDenoiser(fn=self)
+        """This model as the AR sampler sees it (with incremental KV-cached decoding)."""
+        return CausalDenoiser(fn=self, new_cache=self.new_cache, extend=self.extend)
 
     def nll(self, batch: dict) -> Tensor:
         """Mean next-token NLL over the non-prompt positions of the batch."""
