@@ -1,9 +1,22 @@
-"""EMA of the weights through Lightning's WeightAveraging (swapped in for validation, saved as state_dict)."""
+"""EMA of the weights through Lightning's WeightAveraging (swapped in for validation, saved as state_dict).
+
+Under FSDP2 (trainer=fsdp2: ModelParallelStrategy) the average is kept shard for shard beside the sharded weights
+(``ShardedAverage``) and written into the sharded checkpoint with them; FSDP1 (trainer=fsdp) is refused.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from lightning.pytorch.callbacks import WeightAveraging
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor, nn
+from torch.optim.swa_utils import AveragedModel
+
+from lightning_modules.checkpoints import LIVE_KEY, is_sharded_checkpoint
+from lightning_modules.sharding import reshard_all
 
 
 class EMA(WeightAveraging):
@@ -21,7 +34,31 @@ class EMA(WeightAveraging):
         self.decay = decay
         self.warmup = warmup
         self.every_n_steps = every_n_steps
+        self._sharded = False  # set in setup: the strategy shards the weights (FSDP2)
         super().__init__(multi_avg_fn=self._update, use_buffers=True)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Refuse FSDP1 before any compute; under FSDP2 build the average once the model is sharded
+        (``on_fit_start``); otherwise WeightAveraging's copy of the plain module."""
+        if isinstance(trainer.strategy, FSDPStrategy):
+            raise ValueError(
+                "the EMA callback does not support trainer=fsdp (FSDP1 flattens and shards the parameters it would "
+                "average): use trainer=fsdp2, whose EMA is sharded with the weights, or drop EMA with "
+                "callbacks.ema=null"
+            )
+        self._sharded = isinstance(trainer.strategy, ModelParallelStrategy)
+        if stage != "fit" or self._sharded:
+            return
+        # WeightAveraging.setup without its configure_model call (and warning): FlowLMModule.configure_model adds no
+        # layers, it only shards (not here) or compiles in place, so the average is a copy of the plain module.
+        self._average_model = AveragedModel(
+            model=pl_module, device=self._device or pl_module.device, use_buffers=self._use_buffers, **self._kwargs
+        )
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        """Under FSDP2: start the average from the sharded weights (before a resumed run restores it)."""
+        if self._sharded and self._average_model is None:
+            self._average_model = ShardedAverage(pl_module, self._update)
 
     @torch.no_grad()
     def _update(self, averaged: list, current: list, num_averaged: torch.Tensor) -> None:
@@ -34,3 +71,132 @@ class EMA(WeightAveraging):
     def should_update(self, step_idx: int | None = None, epoch_idx: int | None = None) -> bool:
         """Update after every ``every_n_steps`` optimiser steps, never at epoch ends."""
         return step_idx is not None and step_idx % self.every_n_steps == 0
+
+    # ---------------------------------------------------------------------------------- sharded (FSDP2) weights
+    def _swap_models(self, pl_module) -> None:
+        if not self._sharded:
+            return super()._swap_models(pl_module)
+        for average, current in self._average_model.pairs(pl_module):
+            tmp = average.clone()
+            average.copy_(current)
+            current.copy_(tmp)
+
+    def _copy_average_to_current(self, pl_module) -> None:
+        if not self._sharded:
+            return super()._copy_average_to_current(pl_module)
+        for average, current in self._average_model.pairs(pl_module):
+            current.copy_(average)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        """As WeightAveraging (``state_dict`` = the average, the live weights beside it), with the average taken in
+        the strategy's own state-dict form; in a sharded checkpoint the live weights go inside ``state_dict`` (under
+        ``current_model_state``), the only part the strategy writes as shards (``meta.pt`` is rank 0's alone)."""
+        if not self._sharded or self._average_model is None:
+            return super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        live = checkpoint["state_dict"]
+        self._swap_models(pl_module)
+        try:  # cloned: on CPU the strategy's state dict shares the parameters' memory
+            average = {
+                k: v.clone() if isinstance(v, Tensor) else v
+                for k, v in trainer.strategy.lightning_module_state_dict().items()
+            }
+        finally:
+            self._swap_models(pl_module)
+        if any(_is_dtensor(v) for v in live.values()):
+            checkpoint["state_dict"] = {**average, LIVE_KEY: live}
+        else:  # save_distributed_checkpoint=false: full tensors in one file written by rank 0
+            checkpoint["state_dict"] = average
+            checkpoint[LIVE_KEY] = live
+        checkpoint["averaging_state"] = {"n_averaged": torch.tensor(self._average_model.n_averaged)}
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        """Resume a sharded run: the strategy has loaded ``state_dict`` (the average) into the module; take it as
+        the average, then load the live weights (from the shards, or a full file's ``current_model_state``)."""
+        if not self._sharded:
+            return super().on_load_checkpoint(trainer, pl_module, checkpoint)
+        if self._average_model is None:
+            return super().on_load_checkpoint(trainer, pl_module, checkpoint)  # outside fit: its warning
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+        )
+
+        self._average_model.copy_from(pl_module)
+        n_averaged = int(checkpoint.get("averaging_state", {}).get("n_averaged", 0))
+        path = Path(trainer.ckpt_path) if trainer.ckpt_path else None
+        if LIVE_KEY in checkpoint:
+            options = StateDictOptions(full_state_dict=True, strict=True)
+            set_model_state_dict(pl_module, checkpoint.pop(LIVE_KEY), options=options)
+        elif path is not None and is_sharded_checkpoint(path) and _has_live_shards(path):
+            import torch.distributed.checkpoint as dcp
+
+            live = get_model_state_dict(pl_module)
+            dcp.load({"state_dict": {LIVE_KEY: live}}, checkpoint_id=path)
+            set_model_state_dict(pl_module, live)
+        else:
+            rank_zero_warn(
+                "The checkpoint was not written with EMA: the average restarts from its weights at the next step."
+            )
+            n_averaged = 0
+        self._average_model.n_averaged = n_averaged
+
+
+class ShardedAverage:
+    """AveragedModel's part for a sharded (FSDP2) module: a copy of every parameter and buffer as the module holds
+    it (DTensor shards stay DTensor shards), updated elementwise on the local shards: no communication, and the
+    average is sharded exactly like the weights."""
+
+    def __init__(self, module: nn.Module, multi_avg_fn) -> None:
+        self.multi_avg_fn = multi_avg_fn
+        self.n_averaged = 0
+        reshard_all(module)
+        self.tensors = [t.detach().clone() for t in _tensors(module)]
+
+    def pairs(self, module: nn.Module) -> list[tuple[Tensor, Tensor]]:
+        """(average, current) local tensors, position by position; the module is resharded first (an outermost
+        FSDP2 unit keeps its parameters gathered after a forward pass without backward)."""
+        reshard_all(module)
+        current = _tensors(module)
+        if len(current) != len(self.tensors):
+            raise RuntimeError(f"the module now has {len(current)} tensors, the average {len(self.tensors)}")
+        return [(_local(a), _local(c.detach())) for a, c in zip(self.tensors, current, strict=True)]
+
+    @torch.no_grad()
+    def update_parameters(self, module: nn.Module) -> None:
+        """As AveragedModel.update_parameters: a copy the first time, then ``multi_avg_fn``."""
+        pairs = self.pairs(module)
+        if self.n_averaged == 0:
+            for average, current in pairs:
+                average.copy_(current)
+        else:
+            averages, currents = zip(*pairs, strict=True)
+            self.multi_avg_fn(list(averages), list(currents), torch.tensor(self.n_averaged))
+        self.n_averaged += 1
+
+    @torch.no_grad()
+    def copy_from(self, module: nn.Module) -> None:
+        """The average := the module's current weights."""
+        for average, current in self.pairs(module):
+            average.copy_(current)
+
+
+def _tensors(module: nn.Module) -> list[Tensor]:
+    return [*module.parameters(), *module.buffers()]
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
+def _is_dtensor(tensor: object) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _has_live_shards(path: Path) -> bool:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    prefix = f"state_dict.{LIVE_KEY}."
+    return any(key.startswith(prefix) for key in FileSystemReader(path).read_metadata().state_dict_metadata)

@@ -13,9 +13,11 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.strategies import FSDPStrategy
 from torchmetrics import MeanMetric, Metric
 
 from flowlm.samplers.base import Sampler
+from lightning_modules.sharding import full_parameters, unsharded_replica
 
 
 class SamplingEvaluation(Callback):
@@ -65,6 +67,7 @@ class SamplingEvaluation(Callback):
         self.results: list[dict] = []  # one row per (sampler, budget) of the latest evaluation
         self.primary: str | None = None  # the task metric's headline key (first one it reports)
         self._states: dict[tuple[str, int], dict] = {}
+        self._replica = None  # under FSDP1: an unsharded copy of the model for one validation epoch
 
     def check_model(self, pl_module) -> None:
         """Refuse, before any compute, a sampler that does not fit this model family."""
@@ -92,6 +95,9 @@ class SamplingEvaluation(Callback):
                 sampler.check_budget(budget, free_positions=free)
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:  # noqa: D102
+        # FSDP1 (trainer=fsdp) cannot run a wrapped model outside its own forward: sample from a full replica
+        fsdp1 = isinstance(getattr(trainer, "strategy", None), FSDPStrategy)
+        self._replica = unsharded_replica(trainer, pl_module) if fsdp1 else None
         self._states = {
             (name, budget): {
                 "metric": self.metric_factory(datamodule=self._datamodule).to(pl_module.device),
@@ -108,6 +114,12 @@ class SamplingEvaluation(Callback):
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:  # noqa: D102
         if self.max_batches is not None and batch_idx >= self.max_batches:
             return
+        # A sharded (FSDP2) model is gathered once for all samplers: ranks may run different numbers of forwards.
+        with full_parameters(pl_module):
+            model = self._replica if self._replica is not None else pl_module
+            self._sample_batch(trainer, model, batch, batch_idx)
+
+    def _sample_batch(self, trainer, pl_module, batch, batch_idx: int) -> None:
         model = pl_module.denoiser()
         tokens, prompt_mask = batch["tokens"], batch["prompt_mask"]
         for (name, budget), state in self._states.items():
@@ -129,6 +141,7 @@ class SamplingEvaluation(Callback):
                 calibration.add(out.confidence, correct, scored)
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:  # noqa: D102
+        self._replica = None
         if not self._states or trainer.sanity_checking:
             return
         self.results = []

@@ -9,6 +9,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from flowlm.backbones.dit import DiT, build_dit
+from lightning_modules.sharding import compile_blocks, shard
 
 # Parameter names that never get weight decay (besides every vector: biases, norm gains).
 NO_DECAY_KEYS = ("norm", "adaLN", "emb_s.", "emb_t.", "time_embed.", "block_mods.", "final_mod.")
@@ -112,6 +113,19 @@ class FlowLMModule(L.LightningModule):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Seed the global RNG (dropout) from the step too, so a resumed run repeats the interrupted one exactly."""
         torch.manual_seed(hash((self.seed, self.global_step, batch_idx, self.global_rank, -1)) & 0x7FFF_FFFF_FFFF_FFFF)
+
+    def configure_model(self) -> None:
+        """Shard and/or compile the DiT blocks, once the strategy has set up the processes (Lightning calls this
+        before building the optimiser, at every fit/validate: it is idempotent).
+
+        Under ``ModelParallelStrategy`` (trainer=fsdp2, ``self.device_mesh`` set) each DiT block and then the DiT
+        (or adapter) get FSDP2's ``fully_shard``, in bf16 when the trainer runs bf16-mixed (lightning_modules/
+        sharding.py). With ``compile: true`` at the top of the run config each block is compiled in place, after
+        sharding; a run config without the key, or a checkpoint loaded for evaluation, runs eagerly."""
+        if self.device_mesh is not None:
+            shard(self, self.device_mesh, precision=self._trainer.precision if self._trainer else None)
+        if (getattr(self, "run_config", None) or {}).get("compile", False):
+            compile_blocks(self)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Record what this checkpoint is, so loaders can refuse the wrong kind before any compute."""

@@ -1,4 +1,8 @@
-"""Reading flowlm checkpoints and converting between method families (MDM → FMLM+ initialisation)."""
+"""Reading flowlm checkpoints and converting between method families (MDM → FMLM+ initialisation).
+
+A checkpoint is a file (one process, DDP) or, from a sharded run (trainer=fsdp2 / fsdp), a folder of per-rank
+shards (torch.distributed.checkpoint) plus Lightning's ``meta.pt``; readers here take either and give the same dict.
+"""
 
 from __future__ import annotations
 
@@ -9,24 +13,151 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+# Lightning's record of everything but weights and optimizer states in a sharded checkpoint folder.
+SHARDED_META = "meta.pt"
+# Inside a sharded checkpoint's weights the EMA callback keeps the live (non-averaged) weights under this key (the
+# top-level key of the same name in a file checkpoint; Lightning's WeightAveraging layout).
+LIVE_KEY = "current_model_state"
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """A folder written by a sharded strategy (it holds ``meta.pt``)."""
+    return Path(path).is_dir() and (Path(path) / SHARDED_META).is_file()
+
 
 def read_checkpoint(path: str | os.PathLike) -> dict:
-    """The whole checkpoint dict (memory-mapped), with clear errors for missing or foreign files."""
+    """The whole checkpoint dict (memory-mapped), with clear errors for missing or foreign files.
+
+    A sharded folder is consolidated on this process (full tensors, in memory; no process group needed): its
+    ``state_dict`` holds the EMA weights and ``current_model_state`` the live ones, as in a file checkpoint;
+    optimizer states are left out (see ``consolidate_checkpoint``).
+    """
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        ckpt = consolidate_checkpoint(path)
+    elif not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as err:  # noqa: BLE001 - any unpickling failure means the same thing here
-        raise ValueError(f"{path} is not a readable PyTorch checkpoint ({type(err).__name__}: {err})") from err
+    else:
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except Exception as err:  # noqa: BLE001 - any unpickling failure means the same thing here
+            raise ValueError(f"{path} is not a readable PyTorch checkpoint ({type(err).__name__}: {err})") from err
     if not isinstance(ckpt, dict) or "flowlm" not in ckpt:
         raise ValueError(f"{path} is not a flowlm checkpoint (no 'flowlm' record): it was not written by flowlm-train")
     return ckpt
 
 
 def read_checkpoint_meta(path: str | os.PathLike) -> dict:
-    """The ``flowlm`` record of a checkpoint (family, class, vocabulary, config)."""
+    """The ``flowlm`` record of a checkpoint (family, class, vocabulary, config); a sharded folder's weights are not
+    read."""
+    if Path(path).is_dir():
+        return _read_sharded_meta(Path(path))["flowlm"]
     return read_checkpoint(path)["flowlm"]
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Raise ValueError unless ``path`` is a complete flowlm checkpoint, without reading its tensors: a file's
+    archive index, or a folder's ``meta.pt``, shard index and every shard file at its full length."""
+    path = Path(path)
+    if not path.is_dir():
+        read_checkpoint(path)  # memory-mapped: reads the archive's index, not the tensors
+        return
+    _read_sharded_meta(path)
+    metadata = _read_shard_index(path)
+    sizes: dict[str, int] = {}
+    for info in getattr(metadata, "storage_data", {}).values():
+        name = info.relative_path
+        sizes[name] = max(sizes.get(name, 0), info.offset + info.length)
+    for name, size in sorted(sizes.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise ValueError(f"{path} is an incomplete sharded checkpoint: shard {name} is missing")
+        if shard.stat().st_size < size:
+            raise ValueError(
+                f"{path} is an incomplete sharded checkpoint: shard {name} has {shard.stat().st_size} bytes, "
+                f"its index expects {size}"
+            )
+
+
+def consolidate_checkpoint(path: str | os.PathLike, *, optimizer: bool = False) -> dict:
+    """A sharded checkpoint folder as one checkpoint dict of full tensors, the layout of a file checkpoint.
+
+    Works for ModelParallelStrategy (FSDP2) folders, whose weights are under ``state_dict``, and FSDPStrategy ones
+    (``model``). The EMA's live weights (``state_dict.current_model_state``) move to the top-level
+    ``current_model_state``. Optimizer states (FQN-keyed, as the sharded strategies save them) are read only with
+    ``optimizer=True``, as ``optimizer_states``. Everything is held in CPU memory on this process.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    path = Path(path)
+    ckpt = _read_sharded_meta(path)
+    tops = {key.split(".", 1)[0] for key in _read_shard_index(path).state_dict_metadata}
+    weights_key = "state_dict" if "state_dict" in tops else "model"
+    if weights_key not in tops:
+        raise ValueError(f"{path} holds no weights (its shards hold {sorted(tops)})")
+    state: dict = {}
+    try:
+        _load_state_dict(
+            state,
+            storage_reader=FileSystemReader(path),
+            planner=_EmptyStateDictLoadPlanner(keys=None if optimizer else {weights_key}),
+            no_dist=True,
+        )
+    except Exception as err:  # noqa: BLE001 - a damaged shard fails in many ways; all mean the same here
+        raise ValueError(f"{path} is not a readable sharded checkpoint ({type(err).__name__}: {err})") from err
+    weights = state.pop(weights_key)
+    live = weights.pop(LIVE_KEY, None)
+    ckpt["state_dict"] = weights
+    if live is not None:
+        ckpt[LIVE_KEY] = live
+    if optimizer:
+        count = sum(1 for key in state if key.startswith("optimizer_"))
+        ckpt["optimizer_states"] = [state.pop(f"optimizer_{i}") for i in range(count)]
+    return ckpt
+
+
+def load_module(path: str | os.PathLike, *, map_location: str | torch.device = "cpu"):
+    """The LightningModule a checkpoint (file or sharded folder) holds, built from its hyper-parameters, with the
+    checkpoint's ``state_dict`` (the EMA weights when an EMA ran), on ``map_location``."""
+    path = Path(path)
+    if not path.is_dir():
+        cls = import_class(read_checkpoint_meta(path)["class_path"])
+        return cls.load_from_checkpoint(path, map_location=map_location)
+    from lightning.pytorch.core.saving import _load_state  # what load_from_checkpoint runs once the dict is read
+
+    ckpt = read_checkpoint(path)
+    cls = import_class(ckpt["flowlm"]["class_path"])
+    return _load_state(cls, ckpt, strict=True).to(map_location)
+
+
+def _read_sharded_meta(path: Path) -> dict:
+    meta_file = path / SHARDED_META
+    if not meta_file.is_file():
+        raise ValueError(
+            f"{path} is a folder but not a sharded checkpoint (no {SHARDED_META}: an interrupted save, or not a "
+            "checkpoint)"
+        )
+    try:
+        meta = torch.load(meta_file, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - any unpickling failure means the same thing here
+        raise ValueError(f"{meta_file} is not readable ({type(err).__name__}: {err})") from err
+    if not isinstance(meta, dict) or "flowlm" not in meta:
+        raise ValueError(f"{path} is not a flowlm checkpoint (no 'flowlm' record): it was not written by flowlm-train")
+    return meta
+
+
+def _read_shard_index(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as err:  # noqa: BLE001 - a missing or truncated index fails in many ways
+        raise ValueError(
+            f"{path} is an incomplete sharded checkpoint: its shard index (.metadata) is unreadable "
+            f"({type(err).__name__}: {err})"
+        ) from err
 
 
 def import_class(path: str) -> type:
@@ -76,8 +207,19 @@ def copy_backbone(net: nn.Module, state: dict[str, Tensor], *, prefix: str = "ne
             if source.shape != param.shape:
                 mismatched.append(f"{name}: MDM {tuple(source.shape)} vs {tuple(param.shape)}")
                 continue
+            if _is_dtensor(param):  # a sharded net (trainer=fsdp2): every rank keeps its own slice, no communication
+                from torch.distributed.tensor import distribute_tensor
+
+                source = source.to(device=param.device, dtype=param.dtype)
+                source = distribute_tensor(source, param.device_mesh, param.placements, src_data_rank=None)
             param.copy_(source)
             report["copied"].append(name)
     if mismatched:
         raise ValueError("the source checkpoint has another backbone size: " + "; ".join(mismatched[:6]))
     return report
+
+
+def _is_dtensor(tensor: Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)

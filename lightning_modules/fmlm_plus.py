@@ -32,7 +32,7 @@ from flowlm.processes.gaussian_flow import (
 )
 from flowlm.samplers.base import FlowDenoiser
 from lightning_modules.base import FlowLMModule
-from lightning_modules.checkpoints import check_family, copy_backbone, import_class, read_checkpoint
+from lightning_modules.checkpoints import check_family, copy_backbone, load_module, read_checkpoint
 
 
 class FMLMPlusModule(FlowLMModule):
@@ -101,9 +101,7 @@ class FMLMPlusModule(FlowLMModule):
                 if isinstance(lg, MLFlowLogger) and self.trainer.is_global_zero:
                     lg.experiment.log_dict(lg.run_id, self.init_report, "init_from.json")
         if self.teacher_path and self._teacher is None:
-            ckpt = read_checkpoint(self.teacher_path)
-            cls = import_class(ckpt["flowlm"]["class_path"])
-            teacher = cls.load_from_checkpoint(self.teacher_path, map_location=self.device)
+            teacher = load_module(self.teacher_path, map_location=self.device)  # a file or a sharded folder
             teacher.eval().requires_grad_(False)
             object.__setattr__(self, "_teacher", teacher)  # not a submodule: never saved, never optimised
 

@@ -82,16 +82,23 @@ def check_run_dir(cfg: DictConfig) -> Path | None:
             + "; ".join(diff[:8])
             + ". Use another name= or run_name=."
         )
-    if last.exists():
-        from lightning_modules.checkpoints import read_checkpoint
+    if last.exists():  # a file, or a folder of shards (trainer=fsdp2 / fsdp)
+        from lightning_modules.checkpoints import verify_checkpoint
 
-        try:  # memory-mapped: reads the archive's index, not the tensors
-            read_checkpoint(last)
+        try:  # indexes only (archive index, shard index and shard sizes), not the tensors
+            verify_checkpoint(last)
         except ValueError as err:
             raise RunExistsError(
                 f"cannot resume {run_dir}: {err}. Move it aside to resume from a periodic checkpoint in "
                 f"{last.parent} (rename it to last.ckpt), or delete it to restart the run."
             ) from err
+        strategy = str(OmegaConf.select(cfg, "trainer.strategy._target_", default=""))
+        if last.is_dir() and not strategy.endswith(("ModelParallelStrategy", "FSDPStrategy")):
+            raise RunExistsError(
+                f"cannot resume {run_dir} with this trainer: its {last.name} is a folder of shards written by a "
+                "sharded trainer; resume with that trainer (trainer=fsdp2 or trainer=fsdp), or evaluate the "
+                "checkpoint in one process with flowlm-eval"
+            )
         return last
     return None
 

@@ -8,7 +8,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from callbacks.sampling_eval import SamplingEvaluation
-from lightning_modules.checkpoints import import_class, read_checkpoint_meta
+from lightning_modules.checkpoints import import_class, load_module, read_checkpoint_meta
 from runners.common import CONF_DIR, build, make_logger, pivot_table, resolve_paths
 from sweeps.objectives import check_objectives
 from sweeps.trial import run_trial
@@ -35,7 +35,7 @@ def evaluate(cfg: DictConfig) -> dict:
     evaluation.check_data(datamodule)
     check_objectives(cfg.get("optimized_metric"), evaluation, datamodule)
     L.seed_everything(cfg.seed, verbose=False)
-    module = cls.load_from_checkpoint(cfg.ckpt_path, map_location="cpu")
+    module = load_module(cfg.ckpt_path, map_location="cpu")  # a file, or a sharded folder consolidated here
     logger = make_logger(cfg, None)
     if logger is not None:
         logger.experiment.set_tag(logger.run_id, "flowlm.checkpoint", str(cfg.ckpt_path))

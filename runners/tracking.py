@@ -10,7 +10,7 @@ from typing import Any
 
 from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.loggers import MLFlowLogger
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from mlflow.exceptions import MlflowException
 
 PARAM_LIMIT = 250  # Lightning's MLFlowLogger truncates parameter values to this many characters
@@ -69,6 +69,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
                 else:
                     os.environ[key] = value
 
+    @rank_zero_only  # as Lightning's own: other ranks have no run to read (their get_run calls failed)
     def log_hyperparams(self, params: Any) -> None:
         """Log parameters the run does not hold yet; keep (and report) the ones a resumed run would change."""
         flat = _flatten_dict(_convert_params(params))

@@ -1,0 +1,171 @@
+"""FSDP2 sharding and per-block ``torch.compile`` of the DiT, applied in ``FlowLMModule.configure_model``.
+
+Lightning's ``ModelParallelStrategy`` (trainer=fsdp2) hands the module a device mesh and leaves the sharding to it:
+each DiT block becomes one FSDP2 unit (one all-gather per block in forward and backward), then every child module
+of the LightningModule that holds parameters (the DiT, an MLFM adapter) becomes the unit of what is left (embedding,
+time MLPs, final layer, adapter parameters). Frozen parameters stay replicated (FSDP2 ``ignored_params``): they need
+no gradient reduction, and methods read some of them outside a forward pass (MLFM's embedding table builds its
+bridge states), where a sharded parameter would be a DTensor shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from flowlm.backbones.dit import DiTBlock
+
+
+def dit_blocks(module: nn.Module) -> list[nn.Module]:
+    """Every DiT block inside ``module`` (the units of sharding and compilation)."""
+    return [m for m in module.modules() if isinstance(m, DiTBlock)]
+
+
+def fsdp_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules inside ``module`` that FSDP2 (``fully_shard``) manages; empty when it is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """True once ``fully_shard`` has been applied inside ``module``."""
+    return bool(fsdp_modules(module))
+
+
+def mixed_precision_policy(precision: str | None):
+    """FSDP2's policy for the trainer's precision: with ``bf16-mixed`` parameters are all-gathered and used in bf16
+    (half the communication and unsharded memory of fp32) while the sharded master weights, the optimizer and the
+    gradient reduce-scatter stay fp32 (a bf16 sum over ranks loses low bits); autocast still runs around the
+    forward, so the DiT's own fp32 islands (time features, log-softmax) stay fp32. Other precisions: no policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision is not None and str(precision).startswith("bf16-mixed"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard(module: nn.Module, mesh, *, precision: str | None = None) -> bool:
+    """``fully_shard`` each DiT block, then each parameter-holding child of ``module``, over the data-parallel part of
+    ``mesh`` (Lightning's ("data_parallel", "tensor_parallel") mesh or a 1-D one). Returns False (and does nothing)
+    when ``module`` is already sharded, so a second ``configure_model`` call is harmless."""
+    from torch.distributed.fsdp import fully_shard
+
+    if is_sharded(module):
+        return False
+    names = mesh.mesh_dim_names or ()
+    if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
+        raise NotImplementedError(
+            "tensor parallelism is not implemented for the DiT: use tensor_parallel_size=1 (trainer=fsdp2 does)"
+        )
+    dp_mesh = mesh["data_parallel"] if "data_parallel" in names else mesh
+    frozen = {p for p in module.parameters() if not p.requires_grad}
+    policy = mixed_precision_policy(precision)
+    blocks = dit_blocks(module)
+    if not blocks:
+        raise ValueError(f"{type(module).__name__} holds no DiT block: nothing to shard")
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, ignored_params=frozen)
+    for child in module.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=dp_mesh, mp_policy=policy, ignored_params=frozen)
+    unmanaged = [name for name, p in module.named_parameters() if p.requires_grad and not _is_dtensor(p)]
+    if unmanaged:  # their gradients would never be reduced: ranks would drift apart silently
+        raise RuntimeError(f"trainable parameters outside every sharded module: {unmanaged[:4]}")
+    return True
+
+
+def compile_blocks(module: nn.Module) -> bool:
+    """``torch.compile`` each DiT block in place (``Module.compile``: parameter names, hence checkpoints, unchanged;
+    after sharding, FSDP2's hooks run outside the compiled graph). Returns False with a warning when compilation is
+    unavailable here (no dynamo/inductor for this platform, or no C++ compiler for CPU kernels); a block compiled
+    before is left as is."""
+    reason = compile_unavailable(next(module.parameters()).device)
+    if reason:
+        warnings.warn(f"compile: true ignored, the DiT blocks run eagerly: {reason}", stacklevel=2)
+        return False
+    for block in dit_blocks(module):
+        if getattr(block, "_compiled_call_impl", None) is None:
+            block.compile()
+    return True
+
+
+def compile_unavailable(device: torch.device) -> str | None:
+    """Why ``torch.compile`` cannot work here, or None. Only what is cheap to check before the first call; a
+    compiler failure on the first step still raises (then set compile: false)."""
+    try:
+        import torch._dynamo as dynamo
+        import torch._inductor  # noqa: F401 - the default backend must import
+    except Exception as err:  # noqa: BLE001 - any import failure means no compile on this build
+        return f"torch._dynamo/inductor do not import ({type(err).__name__}: {err})"
+    if not dynamo.is_dynamo_supported():
+        return "torch._dynamo does not support this Python/platform"
+    if device.type == "cpu" and not (shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")):
+        return "no C++ compiler on PATH for inductor's CPU kernels (set CXX or install g++)"
+    return None
+
+
+@contextlib.contextmanager
+def full_parameters(module: nn.Module) -> Iterator[None]:
+    """Inside, a sharded module holds its full (unsharded) parameters and keeps them across forward calls.
+
+    Evaluation needs this: samplers stop early or take data-dependent numbers of steps, so ranks run different
+    numbers of forward passes, and FSDP2's per-forward all-gathers would then wait on each other forever. Here every
+    all-gather happens once, on entry, on every rank together; parameters read outside a forward (an embedding
+    table) are plain tensors too. A module that is not sharded is left alone.
+    """
+    units = fsdp_modules(module)
+    if not units:
+        yield
+        return
+    tops = [m for m in units if not any(m is not o and _contains(o, m) for o in units)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            # FSDP2's defaults for training: inner units reshard after forward, the outermost do not (their
+            # parameters are needed again at once in backward)
+            unit.set_reshard_after_forward(not any(unit is top for top in tops), recurse=False)
+
+
+def unsharded_replica(trainer, pl_module: nn.Module) -> nn.Module:
+    """A plain copy of ``pl_module`` holding the full weights, for evaluation under FSDP1 (trainer=fsdp).
+
+    FSDP1 cannot keep its units gathered across forward calls the way ``full_parameters`` does for FSDP2, and every
+    call of a wrapped block all-gathers, so ranks running different numbers of sampler steps would wait on each
+    other. Instead the full state dict is gathered once (a collective every rank joins at the same point) into a
+    module of the same class and hyper-parameters, which then runs with no communication at all.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True))
+    replica = type(pl_module)(**pl_module.hparams)
+    replica.load_state_dict(state)
+    return replica.to(pl_module.device).eval()
+
+
+def reshard_all(module: nn.Module) -> None:
+    """Bring every FSDP2 unit back to its sharded parameters (an outermost unit keeps its parameters gathered after
+    a forward pass without backward, e.g. validation); a no-op for an unsharded module."""
+    for unit in fsdp_modules(module):
+        unit.reshard()
+
+
+def _contains(outer: nn.Module, inner: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
