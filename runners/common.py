@@ -82,7 +82,12 @@ def check_run_dir(cfg: DictConfig) -> Path | None:
             + "; ".join(diff[:8])
             + ". Use another name= or run_name=."
         )
-    if last.exists():  # a file, or a folder of shards (trainer=fsdp2 / fsdp)
+    if last.is_symlink() and not last.exists():
+        raise RunExistsError(
+            f"cannot resume {run_dir}: {last} links to {last.readlink()}, which is gone. Restore that folder, or "
+            "delete the link to restart the run."
+        )
+    if last.exists():  # a file, or a folder of shards (trainer=fsdp2 / fsdp; last.ckpt links to last.ckpt.step<N>)
         from lightning_modules.checkpoints import verify_checkpoint
 
         try:  # indexes only (archive index, shard index and shard sizes), not the tensors

@@ -310,6 +310,8 @@ def test_fsdp2_trains_on_two_cpu_processes_into_sharded_checkpoints(fsdp2_run):
     assert "| sudoku_mdm_uncond_tiny | confidence |" in proc.stdout
     last = root / "runs" / RUN / "checkpoints" / "last.ckpt"
     assert last.is_dir() and len(list(last.glob("*.distcp"))) == 2  # one shard per rank
+    # Written to its own folder, then last.ckpt switched to it atomically (callbacks/checkpoint.py).
+    assert last.is_symlink() and last.readlink() == Path("last.ckpt.step0000004")
     verify_checkpoint(last)
     ckpt = read_checkpoint(last)
     assert ckpt["global_step"] == 4 and ckpt["flowlm"]["family"] == "mdm"
@@ -349,7 +351,9 @@ def test_fsdp2_run_resumes_from_its_sharded_checkpoint(fsdp2_run):
     proc = _run([str(BIN / "flowlm-train"), *TINY, *FSDP2_CPU, "trainer.max_steps=6"], root)
     last = root / "runs" / RUN / "checkpoints" / "last.ckpt"
     assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
-    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]
+    # The link moved to the step-6 folder and the step-4 one is gone.
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt", "last.ckpt.step0000006"]
+    assert last.readlink() == Path("last.ckpt.step0000006")
     meta = torch.load(last / "meta.pt", weights_only=False)
     assert meta["global_step"] == 6 and meta["averaging_state"]["n_averaged"] == 6
     assert read_checkpoint_meta(last)["family"] == "mdm"

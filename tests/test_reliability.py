@@ -104,3 +104,32 @@ def test_resume_from_another_data_folder_keeps_the_first_params(runs_env, tmp_pa
     run = mlflow.MlflowClient(f"sqlite:///{runs_env / 'runs' / 'mlflow.db'}").get_run(first["mlflow_run_id"])
     assert run.data.params["data/cache_dir"].startswith(str(tmp_path / "a"))
     assert "data/cache_dir" in run.data.tags["flowlm.resume_changed_params"]
+
+
+def test_sharded_checkpoint_folders_are_switched_atomically(tmp_path):
+    """last.ckpt names a complete folder at every moment: a new one is written beside it, then the link is replaced;
+    leftovers (the previous folder, an unlinked newer one, a pre-link real folder) are cleaned after the switch."""
+    from callbacks.checkpoint import switch_link
+
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    link = ckpts / "last.ckpt"
+    link.mkdir()  # a sharded folder written before the link scheme
+    (link / "meta.pt").write_text("old")
+    for step in (4, 8):
+        version = ckpts / f"last.ckpt.step{step:07d}"
+        version.mkdir()
+        (version / "meta.pt").write_text(str(step))
+        (ckpts / "last.ckpt.step0000099").mkdir(exist_ok=True)  # a crash left a newer folder unlinked
+        switch_link(link, version)
+        assert link.is_symlink() and (link / "meta.pt").read_text() == str(step)
+        assert sorted(p.name for p in ckpts.iterdir()) == ["last.ckpt", version.name]
+
+
+def test_a_dangling_last_checkpoint_link_is_refused(runs_env):
+    result = train(compose_config(overrides=[*RUN, "logger=none"]))
+    last = _ckpt(result)
+    last.unlink()
+    last.symlink_to("last.ckpt.step0000002")  # its folder is gone
+    with pytest.raises(RunExistsError, match="which is gone"):
+        train(compose_config(overrides=[*RUN, "logger=none"]))
