@@ -43,6 +43,35 @@ def test_non_finite_loss_stops_before_the_update_and_keeps_the_last_checkpoint(r
         assert torch.equal(kept["state_dict"][key], value), key
 
 
+def test_non_finite_loss_can_skip_the_step_by_config(runs_env, monkeypatch):
+    real = MDMModule.mdm_loss
+    seen = {}
+
+    def poisoned(self, batch, t, gen, **kwargs):
+        loss = real(self, batch, t, gen, **kwargs)
+        if self.global_step in (2, 3):  # the 3rd and 4th steps
+            seen[self.global_step] = {k: v.detach().clone() for k, v in self.state_dict().items()}
+            return loss * float("nan")
+        if self.global_step == 4:
+            seen[4] = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        return loss
+
+    monkeypatch.setattr(MDMModule, "mdm_loss", poisoned)
+    skip = [*RUN, "logger=none", "trainer.max_steps=6", "callbacks.finite_loss.action=skip"]
+    with pytest.warns(UserWarning, match="step skipped"):
+        result = train(compose_config(overrides=skip))
+    assert result["global_step"] == 6
+    for key, value in seen[2].items():  # neither poisoned step changed a weight
+        assert torch.equal(seen[3][key], value) and torch.equal(seen[4][key], value), key
+    ckpt = torch.load(_ckpt(result), weights_only=False)
+    assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())
+    assert ckpt["callbacks"]["FiniteLossGuard"] == {"consecutive": 0, "skipped": 2}
+
+    seen.clear()
+    with pytest.raises(NonFiniteLossError, match="at step 3 after 1 skipped steps in a row"):
+        train(compose_config(overrides=[*skip, "run_name=strict", "callbacks.finite_loss.max_consecutive_skips=1"]))
+
+
 def test_truncated_last_checkpoint_is_refused_with_a_clear_error(runs_env):
     result = train(compose_config(overrides=[*RUN, "logger=none"]))
     last = _ckpt(result)
