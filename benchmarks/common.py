@@ -54,3 +54,146 @@ def minutes_line(minutes: dict[str, list[float]]) -> str:
     return "Minutes per training run (incl. evaluation): " + ", ".join(
         f"{k} {statistics.fmean(v):.1f}" for k, v in minutes.items()
     )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Performance benchmarks (throughput.py, sampler_overhead.py, gpu_check.py): untrained modules built from
+# conf/method + conf/backbone, synthetic batches, synchronised timers and autocast as the trainer applies it.
+
+PRECISIONS = ("bf16-mixed", "32-true")
+
+
+def load_group_config(group: str, name: str):
+    """conf/<group>/<name>.yaml with its (same-group) defaults list merged in, as Hydra composes it."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.load(Path(CONF_DIR) / group / f"{name}.yaml")
+    defaults = node.pop("defaults", [])
+    merged = OmegaConf.create()
+    for entry in defaults:
+        merged = OmegaConf.merge(merged, node if entry == "_self_" else load_group_config(group, entry))
+    return merged if "_self_" in defaults else OmegaConf.merge(merged, node)
+
+
+def build_module(method: str, *, backbone: str, vocab: int, seq_len: int, seed: int = 0, **overrides):
+    """The suite's LightningModule of conf/method/<method>.yaml on conf/backbone/<backbone>.yaml, untrained.
+
+    Weights do not matter for cost; a module that adapts a checkpoint (MLFM) is left on its random base (its
+    ``init_from`` is a placeholder and the copy at fit start is skipped)."""
+    from omegaconf import OmegaConf
+
+    from runners.common import build
+
+    cfg = OmegaConf.create(
+        {
+            "seed": seed,
+            "backbone": load_group_config("backbone", backbone),
+            "method": load_group_config("method", method),
+        }
+    )
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, f"method.{key}", value, force_add=True)
+    if method == "mlfm":
+        cfg.method.init_from = "<benchmark: random weights>"
+    module = build(cfg.method, data_vocab_size=vocab, seq_len=seq_len)
+    if method == "mlfm":
+        module.init_report = {"copied": [], "sliced": [], "fresh": []}  # skips the MDM copy in on_fit_start
+    return module
+
+
+def randomise_zero_init(module, std: float = 0.05, seed: int = 0) -> None:
+    """Give the zero-initialised layers (adaLN, output head, LoRA B) small random weights, so an untrained model's
+    outputs are not exactly uniform (samplers then take their ordinary paths: ties, thresholds, promotions)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in module.parameters():
+            if param.is_floating_point() and not param.any():
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
+def synthetic_batch(batch: int, seq_len: int, vocab: int, *, prompt_len: int = 0, device="cpu", seed: int = 0):
+    """Uniform random tokens (B, L) with the first ``prompt_len`` positions as prompt: a training batch dict."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, seq_len), generator=gen)
+    prompt_mask = torch.zeros(batch, seq_len, dtype=torch.bool)
+    prompt_mask[:, :prompt_len] = True
+    return {"tokens": tokens.to(device), "prompt_mask": prompt_mask.to(device)}
+
+
+def sync(device) -> None:
+    """Wait for queued device work (CUDA kernels run asynchronously), so a timer reads finished work."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def now(device) -> float:
+    """perf_counter after the device is idle."""
+    sync(device)
+    return time.perf_counter()
+
+
+def clock(device) -> tuple[float, float]:
+    """(wall, process CPU) seconds after the device is idle. On a shared CPU the process's CPU time is the steadier
+    measure of the work done (other processes stretch the wall time, not it); on a GPU only the wall time means
+    anything."""
+    sync(device)
+    return time.perf_counter(), time.process_time()
+
+
+def elapsed(start: tuple[float, float], device) -> tuple[float, float]:
+    """(wall, CPU) seconds since ``start`` (a ``clock`` reading)."""
+    end = clock(device)
+    return end[0] - start[0], end[1] - start[1]
+
+
+def autocast(precision: str, device):
+    """The forward context Lightning's precision plugin applies: bf16 autocast for bf16-mixed, nothing for fp32."""
+    import contextlib
+
+    import torch
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "bf16-mixed":
+        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def median(values: list[float]) -> float:
+    """Median (robust to the outliers of a shared, noisy machine)."""
+    return statistics.median(values)
+
+
+def matmul_params(module, *, dense_input: bool, per_token_times: bool) -> int:
+    """Weights of the matmuls a forward pass applies to every token: block and head Linears (LoRA included), the
+    input projection x·E when the input is a vector over the vocabulary (flow models; a lookup costs no FLOPs),
+    and the time MLPs / adaLN modulations only when times are per token (per-sequence times run them once per
+    sequence)."""
+    import torch
+
+    time_keys = ("emb_s.", "emb_t.", "time_embed.", "adaLN_modulation", "block_mods.", "final_mod.")
+    total = 0
+    for name, sub in module.named_modules():
+        if isinstance(sub, torch.nn.Linear):
+            if any(key in name + "." for key in time_keys) and not per_token_times:
+                continue
+            total += sub.weight.numel()
+        elif isinstance(sub, torch.nn.Embedding) and dense_input:
+            total += sub.weight.numel()
+    return total
+
+
+def train_flops_per_token(module, *, seq_len: int, dense_input: bool, per_token_times: bool) -> float:
+    """Model FLOPs of one training token (forward + backward): 6·N + 12·n_layers·L·d (PaLM's formula; N from
+    ``matmul_params``; the attention term counts QKᵀ and AV over the full, non-causal L)."""
+    net = module.net.base if hasattr(module.net, "base") else module.net
+    n = matmul_params(module.net, dense_input=dense_input, per_token_times=per_token_times)
+    return 6.0 * n + 12.0 * len(net.blocks) * seq_len * net.d_model

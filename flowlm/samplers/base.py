@@ -73,15 +73,27 @@ def masked_start(prompt: Tensor, prompt_mask: Tensor, mask_id: int) -> tuple[Ten
     return torch.where(prompt_mask, prompt, mask_id), prompt_mask.float()
 
 
-def gumbel_argmax(log_probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """A categorical draw by Gumbel-max in float64 (float32 Gumbel noise biases low-probability tokens)."""
-    u = torch.rand(log_probs.shape, generator=generator, device=log_probs.device, dtype=torch.float64)
-    gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-    return (log_probs.double() + gumbel).argmax(dim=-1)
+def gumbel_argmax(log_probs: Tensor, generator: torch.Generator | None, *, uniforms: Tensor | None = None) -> Tensor:
+    """A categorical draw by Gumbel-max in float64 (float32 Gumbel noise biases low-probability tokens).
+
+    ``uniforms``: the float64 U(0, 1) draws to use (log_probs' shape), when the caller drew them itself, e.g. in full
+    to keep its random stream while it needs the draw at a few positions only."""
+    if uniforms is None:  # drawn here, so transformed in place
+        gumbel = torch.rand(log_probs.shape, generator=generator, device=log_probs.device, dtype=torch.float64)
+        gumbel = gumbel.clamp_min_(1e-300)
+    else:
+        gumbel = uniforms.clamp_min(1e-300)
+    # −log(−log u), in place: one (…, V) float64 buffer instead of four (the draw's cost at a text vocabulary).
+    gumbel = gumbel.log_().neg_().log_().neg_()
+    return gumbel.add_(log_probs).argmax(dim=-1)
 
 
-def pick_tokens(log_probs: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
-    """argmax at temperature 0, else a float64 Gumbel draw from softmax(log_probs / temperature)."""
+def pick_tokens(
+    log_probs: Tensor, temperature: float, generator: torch.Generator | None, *, uniforms: Tensor | None = None
+) -> Tensor:
+    """argmax at temperature 0, else a float64 Gumbel draw from softmax(log_probs / temperature) (``uniforms``: see
+    ``gumbel_argmax``)."""
     if temperature == 0:
         return log_probs.argmax(dim=-1)
-    return gumbel_argmax(log_probs.double() / temperature, generator)
+    log_probs = log_probs.double()  # a no-op for float64 scores; x / 1 == x exactly, so temperature 1 skips a copy
+    return gumbel_argmax(log_probs if temperature == 1 else log_probs / temperature, generator, uniforms=uniforms)

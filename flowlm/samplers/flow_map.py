@@ -19,7 +19,8 @@ def flow_jumps(model: FlowDenoiser, x: Tensor, pinned: Tensor, steps: int, *, eu
         s = torch.where(pinned, 1.0, torch.full_like(x[..., 0], k / steps))
         t_next = torch.where(pinned, 1.0, torch.full_like(x[..., 0], (k + 1) / steps))
         delta = model.fn(x, s, s if euler else t_next).exp()
-        x = flow_map(x, delta, s, t_next)
+        if k < steps - 1:  # the last jump's endpoint X_{s,1} is δ itself: no (B, L, |V|) map to compute
+            x = flow_map(x, delta, s, t_next)
     return delta
 
 
@@ -51,6 +52,6 @@ class FlowMapSampler(Sampler):
         delta = flow_jumps(
             model, torch.where(prompt_mask[..., None], onehot, noise), prompt_mask, nfe, euler=self.euler
         )
-        probs = torch.where(prompt_mask[..., None], onehot, delta)
-        confidence, tokens = probs.max(-1)
+        confidence, tokens = delta.max(-1)  # prompt positions: their one-hot, i.e. the prompt token at p = 1
+        confidence = torch.where(prompt_mask, 1.0, confidence)
         return SampleOutput(tokens=torch.where(prompt_mask, prompt, tokens), confidence=confidence, nfe=nfe)

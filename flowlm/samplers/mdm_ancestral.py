@@ -21,6 +21,8 @@ class AncestralSampler(Sampler):
     Under α_t = 1 − t that probability is (t − s)/t; the last step goes to s = 0, where it is 1, so every token
     is decoded within the budget and no extra "noise removal" call is spent. A step in which no token changed
     leaves the input unchanged, so a time-agnostic network's output is reused at no NFE (``ddpm_cache``).
+    Each step reads one number back from the device, how many tokens unmask: it decides whether the next step
+    spends an NFE (the cache, and the early exit once nothing is masked).
     """
 
     family = "mdm"
@@ -42,23 +44,42 @@ class AncestralSampler(Sampler):
         self.check_budget(nfe)
         x, confidence = masked_start(prompt, prompt_mask, model.mask_id)
         batch = x.shape[0]
-        log_p: Tensor | None = None
+        masked = x == model.mask_id
+        remaining = int(masked.sum())  # tracked on the host from here: drawn tokens are data ids, never [MASK]
+        cacheable = self.cache and not model.time_conditioned
+        logits: Tensor | None = None
         calls = 0
         for k in range(nfe):
             t, s = 1.0 - k / nfe, 1.0 - (k + 1) / nfe
-            masked = x == model.mask_id
-            if log_p is None:
-                log_p = torch.log_softmax(model.fn(x, torch.full((batch,), t, device=x.device)).double(), -1)
+            if logits is None:
+                logits = model.fn(x, torch.full((batch,), t, device=x.device))
                 calls += 1
-            draw = pick_tokens(log_p, self.temperature, generator)
+            # The step's draws, in their fixed stream order: the categorical draw's Gumbel uniforms over the whole
+            # (B, L, V), then the unmask coins. Only the positions that unmask need the draw itself, so the float64
+            # log-softmax, the Gumbel transform and the argmax run on those rows (each row's result is the one the
+            # whole-tensor computation gives).
+            uniforms = (
+                torch.rand(logits.shape, generator=generator, device=x.device, dtype=torch.float64)
+                if self.temperature > 0
+                else None
+            )
             p_unmask = (t - s) / t  # (α_s − α_t)/(1 − α_t) with α = 1 − t
             u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float64)
             unmask = masked & (u < p_unmask)
-            x = torch.where(unmask, draw, x)
-            confidence = torch.where(unmask, log_p.gather(-1, draw[..., None]).squeeze(-1).exp().float(), confidence)
-            if not (x == model.mask_id).any():
+            rows = unmask.nonzero(as_tuple=True)  # the step's one host read (how many positions unmask)
+            n_unmask = rows[0].numel()
+            if n_unmask:
+                log_p = torch.log_softmax(logits[rows].double(), -1)
+                draw = pick_tokens(
+                    log_p, self.temperature, generator, uniforms=None if uniforms is None else uniforms[rows]
+                )
+                x = x.index_put(rows, draw.to(x.dtype))
+                confidence = confidence.index_put(rows, log_p.gather(-1, draw[:, None]).squeeze(-1).exp().float())
+            masked = masked & ~unmask
+            remaining -= n_unmask
+            if remaining == 0:  # everything decoded: no further call
                 break
             # Cache: the next call would see the same input; exact only for a time-agnostic network.
-            if not (self.cache and not model.time_conditioned and not unmask.any()):
-                log_p = None
+            if not (cacheable and n_unmask == 0):
+                logits = None
         return SampleOutput(tokens=x, confidence=confidence, nfe=calls)

@@ -42,11 +42,10 @@ class ConfidenceSampler(Sampler):
         n_free = (~prompt_mask).sum(-1).clamp_min(1)
         positions = torch.arange(x.shape[1], device=x.device)
         calls = 0
-        for k in range(nfe):
+        most_masked = int((x == model.mask_id).sum(-1).max()) if x.numel() else 0  # the call's one host read
+        for k in range(decode_steps(most_masked, nfe)):
             masked = x == model.mask_id
             n_masked = masked.sum(-1)
-            if not n_masked.any():
-                break
             log_p = torch.log_softmax(model.fn(x, n_masked / n_free).double(), -1)
             calls += 1
             candidate = pick_tokens(log_p, self.temperature, generator)
@@ -59,3 +58,14 @@ class ConfidenceSampler(Sampler):
             x = torch.where(commit, candidate, x)
             confidence = torch.where(commit, score.exp().float(), confidence)
         return SampleOutput(tokens=x, confidence=confidence, nfe=calls)
+
+
+def decode_steps(n_masked: int, nfe: int) -> int:
+    """Steps until ⌈#masked / steps_left⌉ commits per step leave nothing masked, for the row with the most masked
+    positions (n ↦ n − ⌈n/m⌉ = ⌊n(m−1)/m⌋ is monotone, so that row is the last to finish): the sampler's loop length
+    and NFE, known before the loop, which then needs no host read per step."""
+    steps = 0
+    while n_masked > 0 and steps < nfe:
+        n_masked -= -(-n_masked // (nfe - steps))
+        steps += 1
+    return steps

@@ -15,6 +15,7 @@ trajectory); at t' = 1 the free positions take a draw from the last step's poste
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -148,13 +149,12 @@ class MLFMSampler(Sampler):
         m = model.mask_embedding.float()
         b = tokens.shape[0]
         process = model.process
-        grid = process.t_quantiles(steps) if self.grid == "density" else torch.linspace(0, 1, steps + 1)
-        grid = grid.tolist()
+        grid = time_grid(process, steps, self.grid)
         tokens, fixed, confidence = tokens.clone(), fixed.clone(), confidence.clone()
         clean = emb[tokens]
         z = torch.where(fixed[..., None], clean, m)  # t = 0: every free position at the [MASK] embedding
         nfe = 0
-        log_probs = None
+        logits = None
         for k in range(steps):
             t, t_next = grid[k], grid[k + 1]
             tt = torch.full((b,), t, device=z.device)
@@ -172,7 +172,6 @@ class MLFMSampler(Sampler):
                 # v_w = v + w·(v − v_corr) with v = (x̂₁ − z)/(1 − t) at the same z ⇔ x̂₁ + w·(x̂₁ − x̂₁,corr).
                 x1 = x1 + self.guidance * (x1 - x1_corr)
             z = process.ddpm_step(z, x1, t, t_next, generator)
-            log_probs = F.log_softmax(logits, -1)
             if promote and k < steps - 1:
                 pmax, mode = probs.max(-1)
                 new = ~fixed & (pmax >= 1 - self.otp_eps)
@@ -181,7 +180,17 @@ class MLFMSampler(Sampler):
                 fixed = fixed | new
                 clean = emb[tokens]
             z = torch.where(fixed[..., None], clean, z)  # clean positions are reset every step
+        log_probs = F.log_softmax(logits, -1)  # the last step's posterior (only the last one is read)
         return _Trajectory(tokens=tokens, fixed=fixed, confidence=confidence, final_log_probs=log_probs, nfe=nfe)
+
+
+@functools.lru_cache(maxsize=64)
+def time_grid(process: BridgeProcess, steps: int, grid: str) -> tuple[float, ...]:
+    """The k + 1 step times 0 → 1 (uniform, or equal quantiles of the training t density), as Python floats.
+    Cached: the density grid inverts the γ mixture's CDF by bisection, the same for every call with these
+    settings (the process is a frozen dataclass, so it is a key)."""
+    values = process.t_quantiles(steps) if grid == "density" else torch.linspace(0, 1, steps + 1)
+    return tuple(values.tolist())
 
 
 @dataclass

@@ -95,21 +95,23 @@ class PosteriorRefinementSampler(Sampler):
         tokens = prompt.clone()
         confidence = prompt_mask.float()
         positions = torch.arange(prompt.shape[1], device=device)
-        first_noise = self._noise(prompt.shape, v, generator, device)
-        noise = first_noise
+        noise = self._noise(prompt.shape, v, generator, device)
         calls = 0
         for r in range(rounds):
             onehot = F.one_hot(tokens.clamp(0, v - 1), v).float()
             x = torch.where(committed[..., None], onehot, noise)
             probs, calls = self._draft(model, x, committed, calls)
-            draft = pick_tokens(probs.clamp_min(1e-30).log(), self.temperature, generator)
+            if self.temperature == 0:  # argmax p = argmax log p: no (B, L, |V|) log for the greedy draft
+                draft = probs.argmax(dim=-1)
+            else:
+                draft = pick_tokens(probs.clamp_min(1e-30).log(), self.temperature, generator)
             p_draft = probs.gather(-1, draft[..., None]).squeeze(-1)
             open_ = ~committed
             commit = self._commit_mask(p_draft, open_, rounds - r, positions)
             tokens = torch.where(commit, draft, tokens)
             confidence = torch.where(commit, p_draft, confidence)
             committed = committed | commit
-            if self.noise == "fresh":  # re-noise every uncommitted position with fresh N(0, I)
+            if self.noise == "fresh" and r < rounds - 1:  # re-noise every uncommitted position with fresh N(0, I)
                 noise = self._noise(prompt.shape, v, generator, device)
         return SampleOutput(tokens=tokens, confidence=confidence, nfe=calls)
 

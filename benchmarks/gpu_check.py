@@ -1,0 +1,222 @@
+"""GPU performance check (issue 8), under 10 minutes on one H100/H200: training tokens/s and model FLOPs utilisation
+of the `small` backbone with and without ``torch.compile`` (bf16 autocast, SDPA), Lightning vs bare loop, and the
+sampler-overhead ratios, on the GPU.
+
+    bash benchmarks/gpu_check.sh                       # what to run on a GPU machine (checks CUDA, then this)
+    .venv/bin/python benchmarks/gpu_check.py --peak-tflops 165   # a card not in the table below
+    .venv/bin/python benchmarks/gpu_check.py --dry-run           # CPU, tiny sizes: exercises every path here
+
+MFU = tokens/s × FLOPs per token / peak, with FLOPs per training token = 6·N + 12·n_layers·L·d: N = the weights of
+the matmuls applied to every token (block qkv/out/MLP Linears and the output head; MDM reads ids, so the input
+embedding is a lookup without FLOPs, and its time-agnostic adaLN runs once per sequence), 12·n_layers·L·d the
+attention scores and weighted sum (QKᵀ and AV, 2·2·L·d per token and layer forward, ×3 with the backward; full
+non-causal L). Peak = the card's dense bf16 tensor throughput: H100 SXM and H200 989 TFLOP/s, A100 312; any other
+card needs ``--peak-tflops``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16, SXM parts (H100 PCIe: 756 via the flag)
+
+
+def fail(message: str) -> None:
+    """Stop with a clear message and a non-zero status."""
+    print(f"gpu_check: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def peak_tflops(name: str, override: float | None) -> float | None:
+    """The card's bf16 dense peak: ``--peak-tflops`` if given, else from the device name (None if unknown)."""
+    if override:
+        return override
+    for key, value in PEAK_TFLOPS.items():
+        if key in name.upper():
+            if key == "H100" and "PCIE" in name.upper():
+                return None  # 756 TFLOP/s dense: a different part; ask rather than overstate the MFU
+            return value
+    return None
+
+
+def sdpa_report(head_dim: int, device: torch.device) -> str:
+    """Which SDPA kernels are enabled, and whether the flash kernel runs for this head size in bf16."""
+    if device.type != "cuda":
+        return "SDPA: CPU (the DiT pins the math kernel on CPU); flash check n/a"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    enabled = {
+        "flash": torch.backends.cuda.flash_sdp_enabled(),
+        "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+        "math": torch.backends.cuda.math_sdp_enabled(),
+    }
+    q = torch.randn(2, 4, 128, head_dim, device=device, dtype=torch.bfloat16)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        flash = f"flash kernel runs for head_dim {head_dim} in bf16"
+    except RuntimeError as err:
+        flash = f"flash kernel NOT usable for head_dim {head_dim} in bf16 ({str(err).splitlines()[0][:120]})"
+    return f"SDPA enabled backends {enabled}; {flash}"
+
+
+def train_section(args, device, peak, log, deadline) -> dict:
+    """MDM training tokens/s and MFU in the bare loop, eager then compiled; then Lightning vs bare for the methods."""
+    import throughput as T
+    from common import build_module, synthetic_batch, train_flops_per_token
+
+    out: dict = {}
+    batches = [synthetic_batch(args.batch, args.seq_len, args.vocab, device=device, seed=k) for k in range(4)]
+    tokens = args.batch * args.seq_len
+    for compiled in (False, True) if not args.no_compile else (False,):
+        if time.monotonic() > deadline:
+            log("training: time budget spent, compiled run skipped")
+            break
+        module = build_module("mdm", backbone=args.backbone, vocab=args.vocab, seq_len=args.seq_len).to(device)
+        module.optim_cfg["warmup_steps"] = 1
+        flops = train_flops_per_token(module, seq_len=args.seq_len, dense_input=False, per_token_times=False)
+        label = "compiled" if compiled else "eager"
+        if compiled:
+            try:
+                module.net = torch.compile(module.net)
+            except Exception as err:  # noqa: BLE001 — any failure means: report it and keep the eager figures
+                log(f"torch.compile unavailable: {type(err).__name__}: {err}")
+                break
+        loss = T.loss_function("mdm", module)
+        kw = {"steps": args.steps, "warmup": args.warmup, "precision": args.precision, "device": device}
+        start = time.monotonic()
+        try:
+            T.run_bare(module, loss, batches, **kw)  # the first run compiles (and warms the allocator)
+            runs = [T.run_bare(module, loss, batches, **kw)[0] for _ in range(args.reps)]
+        except Exception as err:  # noqa: BLE001 — e.g. no C++/Triton toolchain for inductor
+            log(f"{label}: failed ({type(err).__name__}: {str(err).splitlines()[0][:200]})")
+            continue
+        sec = sorted(runs)[len(runs) // 2]
+        tok_s = tokens / sec
+        mfu = tok_s * flops / (peak * 1e12) if peak else None
+        out[label] = {"tokens_per_s": tok_s, "step_s": sec, "flops_per_token": flops, "mfu": mfu}
+        mfu_text = f"MFU {100 * mfu:.1f} %" if mfu is not None else "MFU n/a (no peak)"
+        log(
+            f"train mdm {label}: {tok_s:,.0f} tokens/s ({1e3 * sec:.1f} ms/step), {flops / 1e9:.3f} GFLOP/token, "
+            f"{mfu_text} [{time.monotonic() - start:.0f} s incl. warm-up/compile]"
+        )
+        del module
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "eager" in out and "compiled" in out:
+        log(
+            f"ratio compiled/eager tokens/s [mdm]: {out['compiled']['tokens_per_s'] / out['eager']['tokens_per_s']:.3f}"
+        )
+    if time.monotonic() < deadline:
+        targs = T.parser().parse_args(
+            [
+                *("--backbone", args.backbone, "--batch", str(args.batch), "--seq-len", str(args.seq_len)),
+                *("--vocab", str(args.vocab), "--steps", str(args.steps), "--warmup", str(args.warmup)),
+                *("--reps", str(args.reps), "--precision", args.precision, "--device", str(device)),
+                *("--methods", *args.methods),
+            ]
+        )
+        out["lightning_vs_bare"] = T.measure(targs, log=log)
+    else:
+        log("training: time budget spent, Lightning-vs-bare comparison skipped")
+    return out
+
+
+def sampler_section(args, device, log) -> dict:
+    """The sampler-overhead ratios on this device."""
+    import sampler_overhead as S
+
+    sargs = S.parser().parse_args(
+        [
+            *("--backbone", args.backbone, "--batch", str(args.sampler_batch), "--seq-len", str(args.seq_len)),
+            *("--vocab", str(args.vocab), "--nfe", str(args.sampler_nfe), "--reps", str(args.reps)),
+            *("--precision", args.precision, "--device", str(device)),
+        ]
+    )
+    return S.measure(sargs, log=log)
+
+
+def parser() -> argparse.ArgumentParser:
+    """Command-line options; ``--dry-run`` swaps in CPU-sized values."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--backbone", default="small")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=50257, help="GPT-2's vocabulary (OWT, TinyGSM)")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--methods", nargs="+", default=["mdm", "fmlm_plus", "mlfm"])
+    ap.add_argument("--precision", default="bf16-mixed")
+    ap.add_argument("--sampler-batch", type=int, default=16)
+    ap.add_argument("--sampler-nfe", type=int, default=16)
+    ap.add_argument("--peak-tflops", type=float, default=None, help="the card's dense bf16 peak, if not in the table")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile run")
+    ap.add_argument("--budget-s", type=float, default=540, help="skip later sections once this much time is spent")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny backbone and sizes: check the paths, not the GPU")
+    return ap
+
+
+def main() -> None:
+    """Check the device, then measure training and sampling; print figures and a README line."""
+    args = parser().parse_args()
+    if args.dry_run:
+        args.device, args.backbone, args.batch, args.seq_len, args.vocab = "cpu", "tiny", 2, 16, 32
+        args.steps, args.warmup, args.reps, args.sampler_batch, args.sampler_nfe = 4, 1, 1, 2, 4
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        fail(
+            "no CUDA device is visible to torch (torch.cuda.is_available() is False); run on a GPU machine with a "
+            "CUDA build of torch (README), or pass --dry-run for the CPU smoke mode"
+        )
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    peak = peak_tflops(name, args.peak_tflops)
+    if device.type == "cuda" and peak is None:
+        fail(f"unknown peak bf16 throughput for {name!r}; pass --peak-tflops (dense bf16 TFLOP/s of this card)")
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    from common import build_module
+    from throughput import quiet_lightning
+
+    quiet_lightning()
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 leftovers (optimizer, norms) on tensor cores
+    probe = build_module("mdm", backbone=args.backbone, vocab=args.vocab, seq_len=args.seq_len).net
+    version = f"torch {torch.__version__}" + (f", CUDA {torch.version.cuda}" if device.type == "cuda" else "")
+    log(
+        f"# gpu_check {datetime.date.today()} on {name} ({version}); peak bf16 "
+        f"{f'{peak:g} TFLOP/s' if peak else 'n/a'}; backbone {args.backbone} (d {probe.d_model} × "
+        f"{len(probe.blocks)} blocks, {sum(p.numel() for p in probe.parameters()) / 1e6:.1f}M parameters at vocab "
+        f"{args.vocab}), batch {args.batch} × seq {args.seq_len}, {args.precision}"
+        + (" (dry run)" if args.dry_run else "")
+    )
+    log(sdpa_report(probe.d_model // probe.blocks[0].n_heads, device))
+    del probe
+    figures = {"device": name, "peak_tflops": peak, "train": train_section(args, device, peak, log, deadline)}
+    if time.monotonic() < deadline:
+        figures["samplers"] = sampler_section(args, device, log)
+    else:
+        log("samplers: time budget spent, sampler-overhead ratios skipped")
+    log(f"# gpu_check done in {time.monotonic() - start:.0f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"lines": lines, **figures}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# GPU performance check (issue 8): training tokens/s and MFU of the `small` backbone with and without torch.compile
+# (bf16 autocast, SDPA), Lightning vs bare loop, and the sampler-overhead ratios, on one GPU; under 10 minutes on an
+# H100/H200 (a 600 s timeout stops it otherwise; the Python side also skips later sections past --budget-s).
+#
+#   bash benchmarks/gpu_check.sh                          # on a GPU machine (CUDA build of torch in .venv, README)
+#   bash benchmarks/gpu_check.sh --peak-tflops 165        # a card the script does not know
+#   bash benchmarks/gpu_check.sh --json runs/gpu_check.json
+#   bash benchmarks/gpu_check.sh --dry-run                # no GPU needed: CPU, tiny sizes, every code path
+#
+# Without a CUDA device (and without --dry-run / --device cpu) it stops at once with a message and status 2.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-.venv/bin/python}"
+[ -x "$PY" ] || PY="$(command -v python3)"
+export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-1}"
+
+cpu_mode=0
+for arg in "$@"; do
+  case "$arg" in --dry-run|cpu) cpu_mode=1 ;; esac
+done
+if [ "$cpu_mode" = 0 ]; then
+  if ! command -v nvidia-smi >/dev/null 2>&1 && [ ! -e /dev/nvidia0 ]; then
+    echo "gpu_check: no CUDA device on this machine (no nvidia-smi, no /dev/nvidia0); run it on a GPU machine, or pass --dry-run for the CPU smoke mode" >&2
+    exit 2
+  fi
+  if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "gpu_check: no CUDA device visible to torch ($("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo 'torch missing')); install a CUDA build of torch (README), or pass --dry-run" >&2
+    exit 2
+  fi
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+fi
+exec timeout 600 "$PY" benchmarks/gpu_check.py "$@"

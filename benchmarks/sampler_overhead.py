@@ -1,0 +1,249 @@
+"""Sampler overhead: wall time of one sample batch / (NFE actually spent × one bare forward of the same backbone).
+
+For every sampler of conf/sampler/ (plus CCFG + OTP and two-step PR variants), on an untrained model of its family
+(MDM, FMLM+, MLFM: conf/method/*.yaml on conf/backbone/<size>.yaml; zero-initialised layers given small random
+weights so outputs are not exactly uniform), under ``torch.no_grad()`` and the autocast the evaluation callback uses:
+
+    ratio = time(sampler(batch, budget)) / (NFE reported by the sampler × time(net(inputs)))
+
+where ``net(inputs)`` is the bare backbone on what the sampler's first call feeds it (ids at one time per sequence
+for MDM; vectors over the vocabulary at per-token times for FMLM+; bridge embeddings for MLFM). A ratio of 1 means
+the sampler costs exactly its network calls; the excess is its own bookkeeping (draws, scoring, commits) and any
+hidden passes or host syncs. Bare forwards and sampler calls alternate in every repetition; medians are compared
+(wall time, and on a CPU also process CPU time, which other processes on a shared machine do not stretch).
+
+    .venv/bin/python benchmarks/sampler_overhead.py       # tiny DiT, a 6×6 Sudoku evaluation batch, CPU
+    .venv/bin/python benchmarks/sampler_overhead.py --batch 16 --seq-len 128 --vocab 401 --nfe 16   # CPU TinyStories
+    .venv/bin/python benchmarks/sampler_overhead.py --device cuda --backbone small --seq-len 1024 --vocab 50257
+
+The last column, from one extra call with the network timed, splits the excess: the share of the sampler's time
+spent outside its network calls (its own work); the rest of any excess is network calls running slower inside the
+sampler than back to back (caches). The AR sampler is listed, not measured: with its KV cache a call processes one
+new position (benchmarks/ar_kv_cache.py compares it with full forwards).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from common import PRECISIONS, autocast, build_module, clock, elapsed, load_group_config, median, randomise_zero_init
+
+from runners.common import CONF_DIR, build
+
+FAMILY_METHOD = {"mdm": "mdm", "flow": "fmlm_plus", "mlfm": "mlfm"}
+# Samplers whose interface is being changed elsewhere (not measured; listed with the reason).
+# A KV-cached AR step processes one new position, not a full forward: its cost is measured against the uncached
+# decoder instead (benchmarks/ar_kv_cache.py).
+NOT_MEASURED = {"ar": "n/a (KV cache: one position per call; see benchmarks/ar_kv_cache.py)"}
+# Variants beyond conf/sampler/*.yaml: (name, config, overrides).
+VARIANTS = [
+    ("pr_n2", "pr", {"flow_steps": 2}),
+    ("mlfm_ccfg_otp", "mlfm", {"guidance": 2.0, "otp_eps": 0.05}),
+]
+
+
+def sampler_specs() -> list[tuple[str, str, dict]]:
+    """(name, conf/sampler file, overrides) of every sampler to measure, the configs first."""
+    names = sorted(p.stem for p in (Path(CONF_DIR) / "sampler").glob("*.yaml"))
+    return [(name, name, {}) for name in names] + VARIANTS
+
+
+def make_sampler(config: str, overrides: dict):
+    """A sampler from conf/sampler/<config>.yaml with overrides (``a_priori_temperature`` left at its default)."""
+    from omegaconf import OmegaConf
+
+    node = load_group_config("sampler", config)
+    for key, value in overrides.items():
+        node[key] = value
+    root = OmegaConf.create({"sampler": node})
+    return build(root.sampler)
+
+
+def bare_inputs(family: str, module, prompt: torch.Tensor, prompt_mask: torch.Tensor, nfe: int) -> tuple:
+    """What the sampler's first network call feeds the backbone, for the bare forward."""
+    b, length = prompt.shape
+    device = prompt.device
+    if family == "mdm":
+        return torch.where(prompt_mask, prompt, module.mask_id), torch.zeros(b, device=device)
+    if family == "flow":
+        v = module.data_vocab_size
+        onehot = torch.nn.functional.one_hot(prompt.clamp(0, v - 1), v).float()
+        x = torch.where(prompt_mask[..., None], onehot, torch.randn(b, length, v, device=device))
+        s = torch.where(prompt_mask, 1.0, torch.zeros(b, length, device=device))
+        t = torch.where(prompt_mask, 1.0, torch.full((b, length), 1.0 / nfe, device=device))
+        return x, s, t
+    emb = module.net.embeddings
+    z = torch.where(prompt_mask[..., None], emb[prompt], emb[module.mask_id])
+    t = torch.zeros(b, device=device)
+    return z, module.process.condition(t), t
+
+
+def measure_sampler(module, family: str, sampler, args, device, prompt, prompt_mask) -> dict:
+    """Bare-forward blocks and sampler calls alternate, B S B S … S B (after a warm-up of each): every sampler call
+    is compared with the mean of the two blocks around it (which cancels a drift of the machine's speed), and the
+    median of those per-call ratios is reported, with the medians of the times themselves."""
+    net, denoiser = module.net, module.denoiser()
+    inputs = bare_inputs(family, module, prompt, prompt_mask, args.nfe)
+    clocks = (0, 1) if device.type == "cpu" else (0,)  # wall; and process CPU time on a CPU
+
+    def bare_block(calls: int) -> tuple[float, float]:
+        start = clock(device)
+        for _ in range(calls):
+            net(*inputs)
+        wall, cpu = elapsed(start, device)
+        return wall / calls, cpu / calls
+
+    def sample(rep: int) -> tuple[tuple[float, float], int]:
+        gen = torch.Generator(device=device).manual_seed(args.seed + rep)
+        start = clock(device)
+        out = sampler(denoiser, prompt=prompt, prompt_mask=prompt_mask, nfe=args.nfe, generator=gen)
+        return elapsed(start, device), int(out.nfe)
+
+    with torch.no_grad(), autocast(args.precision, device):
+        _, calls = sample(-1)  # warm-up (and the NFE this sampler spends)
+        bare_block(max(calls, 1))
+        bares, samples, nfes = [bare_block(max(calls, 1))], [], []
+        for rep in range(args.reps):
+            spent, nfe = sample(rep)
+            samples.append(spent)
+            nfes.append(nfe)
+            bares.append(bare_block(max(calls, 1)))
+        inside, total = network_share(denoiser, sampler, args, device, prompt, prompt_mask)
+    row = {"nfe": median(nfes), "sample_s": median([x[0] for x in samples]), "forward_s": median([b[0] for b in bares])}
+    for i, key in zip(clocks, ("ratio", "ratio_cpu"), strict=False):
+        per_call = [
+            samples[r][i] / (nfes[r] * (bares[r][i] + bares[r + 1][i]) / 2) if nfes[r] else float("nan")
+            for r in range(len(samples))
+        ]
+        row[key] = median(per_call)
+    row["outside_share"] = 1 - inside / total  # the sampler's own work, outside its network calls
+    return row
+
+
+def network_share(denoiser, sampler, args, device, prompt, prompt_mask) -> tuple[float, float]:
+    """One diagnostic call (not among the timed ones: its timer syncs a GPU at every network call) with the
+    network timed: (seconds inside network calls, seconds in all). What is left is the sampler's own work."""
+    import dataclasses
+
+    spent = [0.0]
+    pick = 1 if device.type == "cpu" else 0
+
+    def timed(*inputs):
+        start = clock(device)
+        out = denoiser.fn(*inputs)
+        spent[0] += elapsed(start, device)[pick]
+        return out
+
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    start = clock(device)
+    sampler(
+        dataclasses.replace(denoiser, fn=timed), prompt=prompt, prompt_mask=prompt_mask, nfe=args.nfe, generator=gen
+    )
+    return spent[0], elapsed(start, device)[pick]
+
+
+def per_token_time_cost(module, args, device, prompt, prompt_mask) -> float:
+    """Flow models: a bare forward at per-token (B, L) times over one at per-sequence (B,) times (the DiT then runs
+    its time MLPs and adaLN once per token instead of once per sequence)."""
+    x, s, t = bare_inputs("flow", module, prompt, prompt_mask, args.nfe)
+    b = x.shape[0]
+    per_seq = (x, torch.zeros(b, device=device), torch.full((b,), 1.0 / args.nfe, device=device))
+    times: dict[str, list[float]] = {"token": [], "seq": []}
+    pick = 1 if device.type == "cpu" else 0
+    with torch.no_grad(), autocast(args.precision, device):
+        for rep in range(args.reps + 1):
+            for key, inputs in (("token", (x, s, t)), ("seq", per_seq)):
+                start = clock(device)
+                module.net(*inputs)
+                if rep:
+                    times[key].append(elapsed(start, device)[pick])
+    return median(times["token"]) / median(times["seq"])
+
+
+def measure(args, *, log=print) -> dict:
+    """Every sampler's overhead ratio; printed as a table and one ``ratio`` line per sampler."""
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    modules = {}
+    for family, method in FAMILY_METHOD.items():
+        module = build_module(method, backbone=args.backbone, vocab=args.vocab, seq_len=args.seq_len, seed=args.seed)
+        randomise_zero_init(module, seed=args.seed)
+        modules[family] = module.to(device).eval()
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=gen).to(device)
+    prompt_mask = torch.zeros(args.batch, args.seq_len, dtype=torch.bool, device=device)
+    prompt_mask[:, : args.prompt_len] = True
+    base = modules["mdm"].net
+    log(
+        f"# sampler overhead: backbone {args.backbone} (d {base.d_model} × {len(base.blocks)} blocks), batch "
+        f"{args.batch} × seq {args.seq_len} (prompt {args.prompt_len}), vocab {args.vocab}, NFE budget {args.nfe}, "
+        f"{args.precision}, {device.type}, {args.reps} interleaved reps, torch threads {torch.get_num_threads()}"
+    )
+    on_cpu = device.type == "cpu"
+    log(
+        "| sampler | family | NFE spent | ms / batch | ms / bare forward | ratio (wall) |"
+        + (" ratio (CPU time) |" if on_cpu else "")
+        + " outside network calls |"
+    )
+    log("|---|---|---|---|---|---|---|" + ("---|" if on_cpu else ""))
+    rows, lines = {}, []
+    for name, config, overrides in sampler_specs():
+        if args.samplers and name not in args.samplers:
+            continue
+        if name in NOT_MEASURED:
+            lines.append(f"ratio sampler/(NFE × forward) [{name}]: {NOT_MEASURED[name]}")
+            log(f"| {name} | — | — | — | — | {NOT_MEASURED[name]} |" + (" |" if on_cpu else "") + " |")
+            continue
+        sampler = make_sampler(config, overrides)
+        row = measure_sampler(modules[sampler.family], sampler.family, sampler, args, device, prompt, prompt_mask)
+        rows[name] = {"family": sampler.family, **row}
+        cpu_cell = f" {row['ratio_cpu']:.3f} |" if on_cpu else ""
+        log(
+            f"| {name} | {sampler.family} | {row['nfe']:g} | {1e3 * row['sample_s']:.2f} | "
+            f"{1e3 * row['forward_s']:.2f} | {row['ratio']:.3f} |{cpu_cell} {100 * row['outside_share']:.1f} % |"
+        )
+        note = f" (wall clock; process CPU time: {row['ratio_cpu']:.3f})" if on_cpu else " (wall clock)"
+        lines.append(f"ratio sampler/(NFE × forward) [{name}]: {row['ratio']:.3f}{note}")
+    for line in lines:
+        log(line)
+    if any(r["family"] == "flow" for r in rows.values()):
+        cost = per_token_time_cost(modules["flow"], args, device, prompt, prompt_mask)
+        rows["_flow_per_token_times"] = cost
+        log(
+            f"note: an FMLM+ forward at per-token (B, L) times costs {cost:.2f}× one at per-sequence (B,) times "
+            "(time MLPs and adaLN per token); flow samplers pin prompt/committed tokens at s = t = 1, so they pass "
+            "per-token times, and the denominator above uses them too"
+        )
+    return rows
+
+
+def parser() -> argparse.ArgumentParser:
+    """Command-line options (shared with gpu_check.py)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backbone", default="tiny", help="conf/backbone/<name>.yaml: tiny, mini, small")
+    # Defaults: an evaluation batch of the CPU demo (unconditional 6×6 Sudoku, 36 cells, 6 digits).
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=36)
+    ap.add_argument("--vocab", type=int, default=6, help="data vocabulary (MDM/MLFM add [MASK])")
+    ap.add_argument("--prompt-len", type=int, default=0, help="leading prompt positions")
+    ap.add_argument("--nfe", type=int, default=12, help="NFE budget of every sampler")
+    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (medians are compared)")
+    ap.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    ap.add_argument("--samplers", nargs="*", default=None, help="only these (names as printed)")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def main() -> None:
+    """Parse, check the device, measure."""
+    args = parser().parse_args()
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("sampler_overhead.py: --device cuda but no CUDA device is available")
+    measure(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The performance benchmarks run end to end in a tiny mode and print their ratio lines (no timing assertions)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RATIO = r"\d+\.\d{3}"
+COMMANDS = {
+    "throughput": [
+        "benchmarks/throughput.py",
+        *("--batch 2 --seq-len 8 --vocab 8 --steps 3 --warmup 1 --reps 1".split()),
+    ],
+    "sampler_overhead": [
+        "benchmarks/sampler_overhead.py",
+        *("--batch 2 --seq-len 12 --vocab 6 --nfe 2 --reps 1".split()),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def outputs() -> dict[str, subprocess.CompletedProcess]:
+    """Both scripts, started together (two processes: the imports dominate), each on one thread."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for name, args in COMMANDS.items()
+    }
+    done = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return done
+
+
+def test_throughput_prints_lightning_vs_bare_and_fmlm_cost_ratios(outputs):
+    run = outputs["throughput"]
+    assert run.returncode == 0, run.stderr[-3000:]
+    for method in ("mdm", "fmlm_plus", "mlfm"):
+        assert re.search(rf"^ratio lightning/bare \[{method}\]: {RATIO} ", run.stdout, re.M), run.stdout
+    assert re.search(rf"^ratio fmlm_plus/mdm step cost: {RATIO} \(bare loop\), {RATIO} \(Lightning\)", run.stdout, re.M)
+    assert "theory 1.333" in run.stdout  # batch 2: one diagonal row, one off-diagonal row → 1 + 2·(1/2)/3
+
+
+def test_sampler_overhead_prints_a_ratio_per_sampler(outputs):
+    run = outputs["sampler_overhead"]
+    assert run.returncode == 0, run.stderr[-3000:]
+    names = sorted(p.stem for p in (ROOT / "conf" / "sampler").glob("*.yaml") if p.stem != "ar")
+    for name in [*names, "pr_n2", "mlfm_ccfg_otp"]:
+        assert re.search(rf"^ratio sampler/\(NFE × forward\) \[{name}\]: {RATIO} ", run.stdout, re.M), run.stdout
+    assert re.search(r"^ratio sampler/\(NFE × forward\) \[ar\]: n/a", run.stdout, re.M)
+
+
+def test_gpu_check_fails_fast_without_cuda():
+    """Without a CUDA device the GPU script stops at once with a clear message (before importing the suite)."""
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    run = subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert run.returncode != 0
+    assert "no CUDA device" in run.stdout + run.stderr
