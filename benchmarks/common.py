@@ -197,3 +197,25 @@ def train_flops_per_token(module, *, seq_len: int, dense_input: bool, per_token_
     net = module.net.base if hasattr(module.net, "base") else module.net
     n = matmul_params(module.net, dense_input=dense_input, per_token_times=per_token_times)
     return 6.0 * n + 12.0 * len(net.blocks) * seq_len * net.d_model
+
+
+def add_model_args(ap, *, batch: int) -> None:
+    """The options every model benchmark shares: backbone, batch shape (default: the CPU demo's 6×6 Sudoku, 36 cells,
+    6 digits), repetitions, precision, device, seed."""
+    ap.add_argument("--backbone", default="tiny", help="conf/backbone/<name>.yaml: tiny, mini, small")
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--seq-len", type=int, default=36)
+    ap.add_argument("--vocab", type=int, default=6, help="data vocabulary (MDM/MLFM add [MASK])")
+    ap.add_argument("--prompt-len", type=int, default=0, help="leading prompt positions (never noised)")
+    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (medians are compared)")
+    ap.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def require_device(script: str, device: str) -> None:
+    """Stop with a clear message when a CUDA device is asked for and none is visible."""
+    import torch
+
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"{script}: --device cuda but no CUDA device is available")

@@ -28,7 +28,17 @@ import argparse
 from pathlib import Path
 
 import torch
-from common import PRECISIONS, autocast, build_module, clock, elapsed, load_group_config, median, randomise_zero_init
+from common import (
+    add_model_args,
+    autocast,
+    build_module,
+    clock,
+    elapsed,
+    load_group_config,
+    median,
+    randomise_zero_init,
+    require_device,
+)
 
 from runners.common import CONF_DIR, build
 
@@ -222,26 +232,16 @@ def measure(args, *, log=print) -> dict:
 def parser() -> argparse.ArgumentParser:
     """Command-line options (shared with gpu_check.py)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backbone", default="tiny", help="conf/backbone/<name>.yaml: tiny, mini, small")
-    # Defaults: an evaluation batch of the CPU demo (unconditional 6×6 Sudoku, 36 cells, 6 digits).
-    ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--seq-len", type=int, default=36)
-    ap.add_argument("--vocab", type=int, default=6, help="data vocabulary (MDM/MLFM add [MASK])")
-    ap.add_argument("--prompt-len", type=int, default=0, help="leading prompt positions")
+    add_model_args(ap, batch=128)  # an evaluation batch of the CPU demo
     ap.add_argument("--nfe", type=int, default=12, help="NFE budget of every sampler")
-    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (medians are compared)")
-    ap.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
-    ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     ap.add_argument("--samplers", nargs="*", default=None, help="only these (names as printed)")
-    ap.add_argument("--seed", type=int, default=0)
     return ap
 
 
 def main() -> None:
     """Parse, check the device, measure."""
     args = parser().parse_args()
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("sampler_overhead.py: --device cuda but no CUDA device is available")
+    require_device("sampler_overhead.py", args.device)
     measure(args)
 
 

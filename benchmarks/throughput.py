@@ -28,13 +28,14 @@ from collections.abc import Callable
 
 import torch
 from common import (
-    PRECISIONS,
+    add_model_args,
     autocast,
     build_module,
     clock,
     elapsed,
     load_group_config,
     median,
+    require_device,
     synthetic_batch,
 )
 from torch import Tensor
@@ -348,28 +349,18 @@ def fmlm_cost_report(args, modules, batches, result, device, log) -> dict:
 def parser() -> argparse.ArgumentParser:
     """Command-line options (shared with gpu_check.py)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backbone", default="tiny", help="conf/backbone/<name>.yaml: tiny, mini, small")
+    add_model_args(ap, batch=256)  # the demo's training batch
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    # Defaults: the demo's training batch (unconditional 6×6 Sudoku: 256 grids × 36 cells, 6 digits).
-    ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--seq-len", type=int, default=36)
-    ap.add_argument("--vocab", type=int, default=6, help="data vocabulary (MDM/MLFM add [MASK])")
-    ap.add_argument("--prompt-len", type=int, default=0, help="leading prompt positions (never noised)")
     ap.add_argument("--steps", type=int, default=20, help="optimiser steps per run")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each run")
-    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (medians are compared)")
-    ap.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
-    ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     ap.add_argument("--compile", action="store_true", help="torch.compile the module's network in both loops")
-    ap.add_argument("--seed", type=int, default=0)
     return ap
 
 
 def main() -> None:
     """Parse, check the device, measure."""
     args = parser().parse_args()
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("throughput.py: --device cuda but no CUDA device is available")
+    require_device("throughput.py", args.device)
     if args.steps < 2:
         raise SystemExit("throughput.py: --steps must be ≥ 2 (at least one timed step after the first)")
     quiet_lightning()

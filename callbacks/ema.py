@@ -15,8 +15,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 
-from lightning_modules.checkpoints import LIVE_KEY, is_sharded_checkpoint
-from lightning_modules.sharding import reshard_all
+from lightning_modules.checkpoints import LIVE_KEY, is_sharded_checkpoint, read_shard_index
+from lightning_modules.sharding import is_dtensor, reshard_all
 
 
 class EMA(WeightAveraging):
@@ -102,7 +102,7 @@ class EMA(WeightAveraging):
             }
         finally:
             self._swap_models(pl_module)
-        if any(_is_dtensor(v) for v in live.values()):
+        if any(is_dtensor(v) for v in live.values()):
             checkpoint["state_dict"] = {**average, LIVE_KEY: live}
         else:  # save_distributed_checkpoint=false: full tensors in one file written by rank 0
             checkpoint["state_dict"] = average
@@ -186,17 +186,9 @@ def _tensors(module: nn.Module) -> list[Tensor]:
 
 
 def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if _is_dtensor(tensor) else tensor
-
-
-def _is_dtensor(tensor: object) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def _has_live_shards(path: Path) -> bool:
-    from torch.distributed.checkpoint import FileSystemReader
-
     prefix = f"state_dict.{LIVE_KEY}."
-    return any(key.startswith(prefix) for key in FileSystemReader(path).read_metadata().state_dict_metadata)
+    return any(key.startswith(prefix) for key in read_shard_index(path).state_dict_metadata)

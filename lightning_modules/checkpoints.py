@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from lightning_modules.sharding import is_dtensor
+
 # Lightning's record of everything but weights and optimizer states in a sharded checkpoint folder.
 SHARDED_META = "meta.pt"
 # Inside a sharded checkpoint's weights the EMA callback keeps the live (non-averaged) weights under this key (the
@@ -63,7 +65,7 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
         read_checkpoint(path)  # memory-mapped: reads the archive's index, not the tensors
         return
     _read_sharded_meta(path)
-    metadata = _read_shard_index(path)
+    metadata = read_shard_index(path)
     sizes: dict[str, int] = {}
     for info in getattr(metadata, "storage_data", {}).values():
         name = info.relative_path
@@ -93,7 +95,7 @@ def consolidate_checkpoint(path: str | os.PathLike, *, optimizer: bool = False) 
 
     path = Path(path)
     ckpt = _read_sharded_meta(path)
-    tops = {key.split(".", 1)[0] for key in _read_shard_index(path).state_dict_metadata}
+    tops = {key.split(".", 1)[0] for key in read_shard_index(path).state_dict_metadata}
     weights_key = "state_dict" if "state_dict" in tops else "model"
     if weights_key not in tops:
         raise ValueError(f"{path} holds no weights (its shards hold {sorted(tops)})")
@@ -148,7 +150,8 @@ def _read_sharded_meta(path: Path) -> dict:
     return meta
 
 
-def _read_shard_index(path: Path):
+def read_shard_index(path: Path):
+    """The torch.distributed.checkpoint index (.metadata) of a sharded folder; ValueError when unreadable."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -207,7 +210,7 @@ def copy_backbone(net: nn.Module, state: dict[str, Tensor], *, prefix: str = "ne
             if source.shape != param.shape:
                 mismatched.append(f"{name}: MDM {tuple(source.shape)} vs {tuple(param.shape)}")
                 continue
-            if _is_dtensor(param):  # a sharded net (trainer=fsdp2): every rank keeps its own slice, no communication
+            if is_dtensor(param):  # a sharded net (trainer=fsdp2): every rank keeps its own slice, no communication
                 from torch.distributed.tensor import distribute_tensor
 
                 source = source.to(device=param.device, dtype=param.dtype)
@@ -217,9 +220,3 @@ def copy_backbone(net: nn.Module, state: dict[str, Tensor], *, prefix: str = "ne
     if mismatched:
         raise ValueError("the source checkpoint has another backbone size: " + "; ".join(mismatched[:6]))
     return report
-
-
-def _is_dtensor(tensor: Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)

@@ -61,9 +61,7 @@ def shard(module: nn.Module, mesh, *, precision: str | None = None) -> bool:
         return False
     names = mesh.mesh_dim_names or ()
     if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
-        raise NotImplementedError(
-            "tensor parallelism is not implemented for the DiT: use tensor_parallel_size=1 (trainer=fsdp2 does)"
-        )
+        raise ValueError("the DiT has no tensor-parallel plan: use tensor_parallel_size=1 (trainer=fsdp2 does)")
     dp_mesh = mesh["data_parallel"] if "data_parallel" in names else mesh
     frozen = {p for p in module.parameters() if not p.requires_grad}
     policy = mixed_precision_policy(precision)
@@ -75,7 +73,7 @@ def shard(module: nn.Module, mesh, *, precision: str | None = None) -> bool:
     for child in module.children():
         if any(True for _ in child.parameters()):
             fully_shard(child, mesh=dp_mesh, mp_policy=policy, ignored_params=frozen)
-    unmanaged = [name for name, p in module.named_parameters() if p.requires_grad and not _is_dtensor(p)]
+    unmanaged = [name for name, p in module.named_parameters() if p.requires_grad and not is_dtensor(p)]
     if unmanaged:  # their gradients would never be reduced: ranks would drift apart silently
         raise RuntimeError(f"trainable parameters outside every sharded module: {unmanaged[:4]}")
     return True
@@ -165,7 +163,8 @@ def _contains(outer: nn.Module, inner: nn.Module) -> bool:
     return any(m is inner for m in outer.modules())
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
+def is_dtensor(tensor: object) -> bool:
+    """A parameter/tensor sharded by FSDP2 (a DTensor)."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)

@@ -53,3 +53,14 @@ def compose_config(config_name: str = "train", overrides: list[str] | None = Non
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name=config_name, overrides=overrides or [])
+
+
+def random_ar_module(*, vocab: int, seq_len: int, seed: int = 0):
+    """A 2-block tiny AR model with every weight drawn from N(0, 0.2²) (zero-initialised layers too), in eval mode."""
+    from lightning_modules.ar import ARModule
+
+    torch.manual_seed(seed)
+    module = ARModule(data_vocab_size=vocab, seq_len=seq_len, backbone={"size": "tiny", "n_layers": 2}, optim={})
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return module.eval()

@@ -9,16 +9,13 @@ import torch
 from flowlm.backbones.dit import DiT
 from flowlm.samplers.autoregressive import AutoregressiveSampler, CausalDenoiser
 from lightning_modules.ar import ARModule
+from tests.conftest import random_ar_module
 
 V, L = 11, 16
 
 
-def random_ar(seed: int = 0) -> ARModule:
-    torch.manual_seed(seed)
-    module = ARModule(data_vocab_size=V, seq_len=L, backbone={"size": "tiny", "n_layers": 2}, optim={})
-    for p in module.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    return module.eval()
+def random_ar() -> ARModule:
+    return random_ar_module(vocab=V, seq_len=L)
 
 
 def random_causal_dit(**kw) -> DiT:
