@@ -1,6 +1,6 @@
-"""GPU performance check (issue 8), under 10 minutes on one H100/H200: training tokens/s and model FLOPs utilisation
-of the `small` backbone with and without ``torch.compile`` (bf16 autocast, SDPA), Lightning vs bare loop, and the
-sampler-overhead ratios, on the GPU.
+"""GPU performance check (issue 8), under 10 minutes on one H100/H200: host syncs per training step, training
+tokens/s and model FLOPs utilisation of the `small` backbone with and without ``torch.compile`` (bf16 autocast,
+SDPA), Lightning vs bare loop, and the sampler-overhead ratios, on the GPU.
 
     bash benchmarks/gpu_check.sh                       # what to run on a GPU machine (checks CUDA, then this)
     .venv/bin/python benchmarks/gpu_check.py --peak-tflops 165   # a card not in the table below
@@ -143,6 +143,58 @@ def sampler_section(args, device, log) -> dict:
     return S.measure(sargs, log=log)
 
 
+def sync_section(args, device, log) -> dict:
+    """Host syncs per training step (the module's loss with its draws, backward, clipping, AdamW) of each method,
+    counted by CUDA's sync debug mode over 3 steps after a warm-up one; on a CPU, tests/test_host_syncs.py counts
+    the ops that would sync (Lightning's loop and callbacks included)."""
+    if device.type != "cuda":
+        log("host syncs per training step: counted on CUDA only (on a CPU: tests/test_host_syncs.py)")
+        return {}
+    from common import build_module, synthetic_batch
+
+    out = {}
+    for method in args.methods:
+        module = build_module(method, backbone=args.backbone, vocab=args.vocab, seq_len=args.seq_len).to(device)
+        batch = synthetic_batch(args.batch, args.seq_len, args.vocab, prompt_len=args.seq_len // 8, device=device)
+        syncs = count_step_syncs(method, module, batch, steps=3)
+        out[method] = len(syncs) / 3
+        log(f"host syncs per training step [{method}]: {len(syncs) / 3:g}" + (f" ({syncs[0][:100]})" if syncs else ""))
+        del module
+        torch.cuda.empty_cache()
+    return out
+
+
+def count_step_syncs(method: str, module, batch: dict, *, steps: int) -> list[str]:
+    """The sync warnings of ``steps`` bf16 training steps (after one untimed), as CUDA's debug mode reports them."""
+    import warnings
+
+    from throughput import loss_function
+
+    loss_of = loss_function(method, module)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params)
+
+    def step(i: int) -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_of(batch, i)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(0)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for i in range(1, steps + 1):
+                step(i)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
+
+
 def parser() -> argparse.ArgumentParser:
     """Command-line options; ``--dry-run`` swaps in CPU-sized values."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -207,7 +259,8 @@ def main() -> None:
     )
     log(sdpa_report(probe.d_model // probe.blocks[0].n_heads, device))
     del probe
-    figures = {"device": name, "peak_tflops": peak, "train": train_section(args, device, peak, log, deadline)}
+    figures = {"device": name, "peak_tflops": peak, "syncs": sync_section(args, device, log)}
+    figures["train"] = train_section(args, device, peak, log, deadline)
     if time.monotonic() < deadline:
         figures["samplers"] = sampler_section(args, device, log)
     else:

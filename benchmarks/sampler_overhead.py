@@ -1,13 +1,14 @@
-"""Sampler overhead: wall time of one sample batch / (NFE actually spent × one bare forward of the same backbone).
+"""Sampler overhead: wall time of one sample batch / (NFE actually spent × one bare forward of the same model).
 
 For every sampler of conf/sampler/ (plus CCFG + OTP and two-step PR variants), on an untrained model of its family
 (MDM, FMLM+, MLFM: conf/method/*.yaml on conf/backbone/<size>.yaml; zero-initialised layers given small random
 weights so outputs are not exactly uniform), under ``torch.no_grad()`` and the autocast the evaluation callback uses:
 
-    ratio = time(sampler(batch, budget)) / (NFE reported by the sampler × time(net(inputs)))
+    ratio = time(sampler(batch, budget)) / (NFE reported by the sampler × time(model(inputs)))
 
-where ``net(inputs)`` is the bare backbone on what the sampler's first call feeds it (ids at one time per sequence
-for MDM; vectors over the vocabulary at per-token times for FMLM+; bridge embeddings for MLFM). A ratio of 1 means
+where ``model(inputs)`` is the module's forward (backbone and output head: FMLM+'s soft-capped log δ) on what the
+sampler's first call feeds it (ids at one time per sequence for MDM; vectors over the vocabulary at per-sequence
+times with the prompt pinned at s = t = 1 for FMLM+; bridge embeddings for MLFM). A ratio of 1 means
 the sampler costs exactly its network calls; the excess is its own bookkeeping (draws, scoring, commits) and any
 hidden passes or host syncs. Bare forwards and sampler calls alternate in every repetition; medians are compared
 (wall time, and on a CPU also process CPU time, which other processes on a shared machine do not stretch).
@@ -72,36 +73,34 @@ def make_sampler(config: str, overrides: dict):
 
 
 def bare_inputs(family: str, module, prompt: torch.Tensor, prompt_mask: torch.Tensor, nfe: int) -> tuple:
-    """What the sampler's first network call feeds the backbone, for the bare forward."""
+    """What the sampler's first network call feeds the model, for the bare forward: (args, keyword args)."""
     b, length = prompt.shape
     device = prompt.device
     if family == "mdm":
-        return torch.where(prompt_mask, prompt, module.mask_id), torch.zeros(b, device=device)
-    if family == "flow":
+        return (torch.where(prompt_mask, prompt, module.mask_id), torch.zeros(b, device=device)), {}
+    if family == "flow":  # as the flow samplers call it: per-sequence times, prompt tokens pinned at s = t = 1
         v = module.data_vocab_size
         onehot = torch.nn.functional.one_hot(prompt.clamp(0, v - 1), v).float()
         x = torch.where(prompt_mask[..., None], onehot, torch.randn(b, length, v, device=device))
-        s = torch.where(prompt_mask, 1.0, torch.zeros(b, length, device=device))
-        t = torch.where(prompt_mask, 1.0, torch.full((b, length), 1.0 / nfe, device=device))
-        return x, s, t
+        s, t = torch.zeros(b, device=device), torch.full((b,), 1.0 / nfe, device=device)
+        return (x, s, t), {"pinned": prompt_mask}
     emb = module.net.embeddings
     z = torch.where(prompt_mask[..., None], emb[prompt], emb[module.mask_id])
-    t = torch.zeros(b, device=device)
-    return z, module.process.condition(t), t
+    return (z, torch.zeros(b, device=device)), {}
 
 
 def measure_sampler(module, family: str, sampler, args, device, prompt, prompt_mask) -> dict:
     """Bare-forward blocks and sampler calls alternate, B S B S … S B (after a warm-up of each): every sampler call
     is compared with the mean of the two blocks around it (which cancels a drift of the machine's speed), and the
     median of those per-call ratios is reported, with the medians of the times themselves."""
-    net, denoiser = module.net, module.denoiser()
-    inputs = bare_inputs(family, module, prompt, prompt_mask, args.nfe)
+    denoiser = module.denoiser()
+    inputs, kwargs = bare_inputs(family, module, prompt, prompt_mask, args.nfe)
     clocks = (0, 1) if device.type == "cpu" else (0,)  # wall; and process CPU time on a CPU
 
     def bare_block(calls: int) -> tuple[float, float]:
         start = clock(device)
         for _ in range(calls):
-            net(*inputs)
+            module(*inputs, **kwargs)
         wall, cpu = elapsed(start, device)
         return wall / calls, cpu / calls
 
@@ -140,36 +139,42 @@ def network_share(denoiser, sampler, args, device, prompt, prompt_mask) -> tuple
     spent = [0.0]
     pick = 1 if device.type == "cpu" else 0
 
-    def timed(*inputs):
-        start = clock(device)
-        out = denoiser.fn(*inputs)
-        spent[0] += elapsed(start, device)[pick]
-        return out
+    def timed(fn):
+        def call(*inputs):
+            start = clock(device)
+            out = fn(*inputs)
+            spent[0] += elapsed(start, device)[pick]
+            return out
 
+        return call
+
+    fns = {"fn": timed(denoiser.fn)}
+    if getattr(denoiser, "pinned_fn", None) is not None:
+        fns["pinned_fn"] = timed(denoiser.pinned_fn)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     start = clock(device)
-    sampler(
-        dataclasses.replace(denoiser, fn=timed), prompt=prompt, prompt_mask=prompt_mask, nfe=args.nfe, generator=gen
-    )
+    sampler(dataclasses.replace(denoiser, **fns), prompt=prompt, prompt_mask=prompt_mask, nfe=args.nfe, generator=gen)
     return spent[0], elapsed(start, device)[pick]
 
 
-def per_token_time_cost(module, args, device, prompt, prompt_mask) -> float:
-    """Flow models: a bare forward at per-token (B, L) times over one at per-sequence (B,) times (the DiT then runs
-    its time MLPs and adaLN once per token instead of once per sequence)."""
-    x, s, t = bare_inputs("flow", module, prompt, prompt_mask, args.nfe)
-    b = x.shape[0]
-    per_seq = (x, torch.zeros(b, device=device), torch.full((b,), 1.0 / args.nfe, device=device))
-    times: dict[str, list[float]] = {"token": [], "seq": []}
+def per_token_time_cost(module, args, device, prompt, prompt_mask) -> tuple[float, float]:
+    """Flow models: a bare forward at dense per-token (B, L) times, and one in the pinned form the samplers use
+    (times per sequence, prompt tokens pinned at s = t = 1), each over one at per-sequence times (no token pinned)."""
+    (x, s, t), kwargs = bare_inputs("flow", module, prompt, prompt_mask, args.nfe)
+    pinned = kwargs["pinned"]
+    dense = (x, torch.where(pinned, 1.0, s[:, None]), torch.where(pinned, 1.0, t[:, None]))
+    forms = {"token": (dense, {}), "pinned": ((x, s, t), kwargs), "seq": ((x, s, t), {})}
+    times: dict[str, list[float]] = {key: [] for key in forms}
     pick = 1 if device.type == "cpu" else 0
     with torch.no_grad(), autocast(args.precision, device):
         for rep in range(args.reps + 1):
-            for key, inputs in (("token", (x, s, t)), ("seq", per_seq)):
+            for key, (inputs, kw) in forms.items():
                 start = clock(device)
-                module.net(*inputs)
+                module.net(*inputs, **kw)
                 if rep:
                     times[key].append(elapsed(start, device)[pick])
-    return median(times["token"]) / median(times["seq"])
+    seq = median(times["seq"])
+    return median(times["token"]) / seq, median(times["pinned"]) / seq
 
 
 def measure(args, *, log=print) -> dict:
@@ -219,12 +224,13 @@ def measure(args, *, log=print) -> dict:
     for line in lines:
         log(line)
     if any(r["family"] == "flow" for r in rows.values()):
-        cost = per_token_time_cost(modules["flow"], args, device, prompt, prompt_mask)
-        rows["_flow_per_token_times"] = cost
+        dense, pinned = per_token_time_cost(modules["flow"], args, device, prompt, prompt_mask)
+        rows["_flow_per_token_times"], rows["_flow_pinned_times"] = dense, pinned
         log(
-            f"note: an FMLM+ forward at per-token (B, L) times costs {cost:.2f}× one at per-sequence (B,) times "
-            "(time MLPs and adaLN per token); flow samplers pin prompt/committed tokens at s = t = 1, so they pass "
-            "per-token times, and the denominator above uses them too"
+            f"note: over an FMLM+ forward at per-sequence (B,) times, one at dense per-token (B, L) times (time MLPs "
+            f"and adaLN per token) costs {dense:.2f}×, one in the pinned form the flow samplers use (prompt and "
+            f"committed tokens at s = t = 1, two adaLN rows per sequence) {pinned:.2f}×; the denominator above is "
+            "the pinned form"
         )
     return rows
 

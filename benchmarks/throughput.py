@@ -47,12 +47,13 @@ def loss_function(method: str, module) -> Callable[[dict, int], Tensor]:
     """The module's loss on a batch with the draws its ``training_step`` makes (without the logging)."""
 
     def mdm(batch: dict, i: int) -> Tensor:
-        t = module.sample_times(batch["tokens"].shape[0], i).to(module.device)
+        t = module.sample_times(batch["tokens"].shape[0], i).to(module.device, non_blocking=True)
         return module.mdm_loss(batch, t, module.step_generator(1, i, shared=False, device=module.device))
 
     def fmlm_plus(batch: dict, i: int) -> Tensor:
-        kinds, s, t = (x.to(module.device) for x in module.sample_pairs(batch["tokens"].shape[0], i))
+        kinds, s, t = module.sample_pairs(batch["tokens"].shape[0], i)  # kinds stay on the host
         gen = module.step_generator(1, i, shared=False, device=module.device)
+        s, t = (x.to(module.device, non_blocking=True) for x in (s, t))
         return module.flow_loss(batch, kinds, s, t, gen)["loss"]
 
     def mlfm(batch: dict, i: int) -> Tensor:
@@ -173,21 +174,23 @@ def run_bare(
     return wall / (steps - warmup), cpu / (steps - warmup)
 
 
-def net_inputs(method: str, module, batch: dict) -> tuple:
-    """What ``training_step`` feeds the network: ids at per-sequence times (MDM), vectors over the vocabulary at
-    per-token times (FMLM+: context and prompt pinned at 1), bridge embeddings at per-sequence times (MLFM)."""
+def net_inputs(method: str, module, batch: dict) -> tuple[tuple, dict]:
+    """What ``training_step`` feeds the network, (args, keyword args): ids at per-sequence times (MDM), vectors over
+    the vocabulary at per-sequence times with about half the tokens pinned at s = t = 1 (FMLM+: the context),
+    bridge embeddings at per-sequence times (MLFM)."""
     tokens = batch["tokens"]
     b, length = tokens.shape
     gen = torch.Generator(device=tokens.device).manual_seed(0)
     if method == "mdm":
-        return tokens, torch.zeros(b, device=tokens.device)
+        return (tokens, torch.zeros(b, device=tokens.device)), {}
     if method == "fmlm_plus":
         x = torch.randn(b, length, module.data_vocab_size, generator=gen, device=tokens.device)
-        s = torch.rand(b, length, generator=gen, device=tokens.device)
-        return x, s, (s + 0.1).clamp(max=1)
+        s = torch.rand(b, generator=gen, device=tokens.device)
+        pinned = torch.rand(b, length, generator=gen, device=tokens.device) < 0.5
+        return (x, s, (s + 0.1).clamp(max=1)), {"pinned": pinned}
     emb = module.net.embeddings
     t = torch.rand(b, generator=gen, device=tokens.device)
-    return emb[tokens].detach(), module.process.condition(t), torch.zeros_like(t)
+    return (emb[tokens].detach(), module.process.condition(t), torch.zeros_like(t)), {}
 
 
 def forward_costs(modules: dict, batches: dict, *, reps: int, precision: str, device) -> dict[str, dict]:
@@ -198,15 +201,15 @@ def forward_costs(modules: dict, batches: dict, *, reps: int, precision: str, de
     times: dict[str, dict[str, list]] = {m: {"fwd": [], "fwdbwd": [], "nograd": []} for m in modules}
     for _ in range(reps + 1):  # the first round warms up
         for method, module in modules.items():
-            net, inputs = module.net, net_inputs(method, module, batches[method])
+            net, (inputs, kwargs) = module.net, net_inputs(method, module, batches[method])
             module.train()
             start = clock(device)
             with torch.no_grad(), autocast(precision, device):
-                net(*inputs)
+                net(*inputs, **kwargs)
             nograd = elapsed(start, device)[pick]
             start = clock(device)
             with autocast(precision, device):
-                out = net(*inputs)
+                out = net(*inputs, **kwargs)
             fwd = elapsed(start, device)[pick]
             out.float().mean().backward()
             fwdbwd = elapsed(start, device)[pick]
@@ -332,7 +335,7 @@ def fmlm_cost_report(args, modules, batches, result, device, log) -> dict:
     )
     log(
         f"  with this machine's network costs: backward/forward k = {k_mdm:.2f} (MDM), {k_fm:.2f} (FMLM+); FMLM+ "
-        f"forward = {fm_c['fwd'] / mdm_c['fwd']:.2f}× MDM's (dense |V| input, per-token times) → "
+        f"forward = {fm_c['fwd'] / mdm_c['fwd']:.2f}× MDM's (dense |V| input; per-token times, pinned form) → "
         f"(fwdbwd_FMLM+ + 2·share·fwd_nograd_FMLM+)/fwdbwd_MDM = {theory_measured:.3f}"
     )
     return {

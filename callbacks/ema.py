@@ -51,7 +51,7 @@ class EMA(WeightAveraging):
             return
         # WeightAveraging.setup without its configure_model call (and warning): FlowLMModule.configure_model adds no
         # layers, it only shards (not here) or compiles in place, so the average is a copy of the plain module.
-        self._average_model = AveragedModel(
+        self._average_model = HostCountedAverage(
             model=pl_module, device=self._device or pl_module.device, use_buffers=self._use_buffers, **self._kwargs
         )
 
@@ -61,8 +61,8 @@ class EMA(WeightAveraging):
             self._average_model = ShardedAverage(pl_module, self._update)
 
     @torch.no_grad()
-    def _update(self, averaged: list, current: list, num_averaged: torch.Tensor) -> None:
-        n = float(num_averaged)
+    def _update(self, averaged: list, current: list, num_averaged: int | Tensor) -> None:
+        n = float(num_averaged)  # a host int from HostCountedAverage / ShardedAverage: no device read
         decay = min(self.decay, (1.0 + n) / (10.0 + n)) if self.warmup else self.decay
         floats = [(a, c) for a, c in zip(averaged, current, strict=True) if a.is_floating_point()]
         if floats:
@@ -142,6 +142,40 @@ class EMA(WeightAveraging):
         self._average_model.n_averaged = n_averaged
 
 
+class HostCountedAverage(AveragedModel):
+    """AveragedModel whose update reads no device value: torch's ``update_parameters`` tests its on-device count
+    twice per update (``n_averaged == 0``, ``> 0``), two host syncs per training step on a GPU. The count is
+    mirrored on the host (read once after construction or a checkpoint load); the buffer stays the checkpointed
+    truth and is incremented on its device."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._host_n: int | None = None
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:  # noqa: D102 - a loaded count is re-read once
+        super()._load_from_state_dict(*args, **kwargs)
+        self._host_n = None
+
+    @torch.no_grad()
+    def update_parameters(self, model: nn.Module) -> None:
+        """A copy the first time, then ``multi_avg_fn`` with the count as a host int (parameters and buffers)."""
+        if self._host_n is None:
+            self._host_n = int(self.n_averaged)
+        averaged = _tensors(self.module) if self.use_buffers else list(self.parameters())
+        current = _tensors(model) if self.use_buffers else list(model.parameters())
+        pairs = [(a.detach(), c.detach().to(a.device)) for a, c in zip(averaged, current, strict=True)]
+        if self._host_n == 0:
+            for a, c in pairs:
+                a.copy_(c)
+        else:
+            self.multi_avg_fn([a for a, _ in pairs], [c for _, c in pairs], self._host_n)
+        if not self.use_buffers:  # as AveragedModel: buffers follow the model
+            for b_avg, b_model in zip(self.module.buffers(), model.buffers(), strict=True):
+                b_avg.detach().copy_(b_model.detach().to(b_avg.device))
+        self.n_averaged += 1
+        self._host_n += 1
+
+
 class ShardedAverage:
     """AveragedModel's part for a sharded (FSDP2) module: a copy of every parameter and buffer as the module holds
     it (DTensor shards stay DTensor shards), updated elementwise on the local shards: no communication, and the
@@ -171,7 +205,7 @@ class ShardedAverage:
                 average.copy_(current)
         else:
             averages, currents = zip(*pairs, strict=True)
-            self.multi_avg_fn(list(averages), list(currents), torch.tensor(self.n_averaged))
+            self.multi_avg_fn(list(averages), list(currents), self.n_averaged)
         self.n_averaged += 1
 
     @torch.no_grad()

@@ -12,7 +12,12 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class FiniteLossGuard(Callback):
-    """Checks the loss before backward on every rank (one all-reduced flag, so all ranks decide together).
+    """Checks the losses of each optimizer step before its update, on every rank (one all-reduced flag, so all ranks
+    decide together).
+
+    The micro-batches' losses are collected on their device and read once, just before the optimizer step, when
+    the backward passes are already queued: one host sync per step (reading each loss before its backward would
+    stall a GPU once per micro-batch with nothing queued behind it).
 
     ``action="stop"``: the step's update never happens, so the weights, the EMA and every checkpoint on disk stay as
     they were; the message names the step and the last checkpoint to resume from (e.g. with a lower learning rate).
@@ -27,32 +32,32 @@ class FiniteLossGuard(Callback):
             raise ValueError(f"FiniteLossGuard action must be 'stop' or 'skip', got {action!r}")
         self.action = action
         self.max_consecutive_skips = max_consecutive_skips
-        self._bad_step = False
+        self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, on their device
         self.consecutive = 0
         self.skipped = 0
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:  # noqa: D102
-        bad = not bool(torch.isfinite(loss.detach()).all())
+        self._losses.append(loss.detach())
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: D102
+        losses, self._losses = self._losses, []
+        if not losses:
+            return
+        bad = not bool(torch.isfinite(torch.stack(losses)).all())  # the step's one host read
         if trainer.world_size > 1:
             bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
         if not bad:
-            return
-        if self.action == "skip" and self.consecutive < self.max_consecutive_skips:
-            self._bad_step = True  # dropped in on_before_optimizer_step, after the whole accumulation group
-            return
-        ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or "none saved yet"
-        after = f" after {self.consecutive} skipped steps in a row" if self.action == "skip" else ""
-        raise NonFiniteLossError(
-            f"non-finite training loss at step {trainer.global_step}{after} (this rank: {loss.item()}); the step "
-            f"was not applied. Last checkpoint: {ckpt}. Lower method.optim.lr or raise trainer.gradient_clip_val and "
-            "relaunch the same command to resume from it."
-        )
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: D102
-        if not self._bad_step:
             self.consecutive = 0
             return
-        self._bad_step = False
+        if self.action == "stop" or self.consecutive >= self.max_consecutive_skips:
+            ckpt = getattr(trainer.checkpoint_callback, "last_model_path", "") or "none saved yet"
+            after = f" after {self.consecutive} skipped steps in a row" if self.action == "skip" else ""
+            mine = ", ".join(f"{value:g}" for value in torch.stack(losses).tolist())
+            raise NonFiniteLossError(
+                f"non-finite training loss at step {trainer.global_step}{after} (this rank's micro-batch losses: "
+                f"{mine}); the step was not applied. Last checkpoint: {ckpt}. Lower method.optim.lr or raise "
+                "trainer.gradient_clip_val and relaunch the same command to resume from it."
+            )
         for group in optimizer.param_groups:
             for param in group["params"]:
                 param.grad = None

@@ -110,6 +110,12 @@ class FlowLMModule(L.LightningModule):
         gen = self.step_generator(stream, batch_idx, shared=True, device=self.device)
         return torch.rand((n_global, *shape[1:]), generator=gen, device=self.device)[offset : offset + shape[0]]
 
+    def logs_this_step(self) -> bool:
+        """Whether Lightning sends this training step's logged values to the loggers: extra metrics that need a
+        host read are computed only then (Lightning reads the logged values back at that step anyway)."""
+        connector = getattr(self._trainer, "_logger_connector", None)
+        return connector is None or bool(connector.should_update_logs)
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Seed the global RNG (dropout) from the step too, so a resumed run repeats the interrupted one exactly."""
         torch.manual_seed(hash((self.seed, self.global_step, batch_idx, self.global_rank, -1)) & 0x7FFF_FFFF_FFFF_FFFF)

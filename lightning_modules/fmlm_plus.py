@@ -70,13 +70,14 @@ class FMLMPlusModule(FlowLMModule):
         self._teacher = None  # a frozen MDM, kept out of the state dict
 
     # ------------------------------------------------------------------------------------------------ network
-    def forward(self, x: Tensor, s: Tensor, t: Tensor) -> Tensor:
-        """log δ_{s,t}(x): (B, L, |V|) log-probabilities, soft-capped at 30."""
-        return log_delta(self.net(x, s, t))
+    def forward(self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor | None = None) -> Tensor:
+        """log δ_{s,t}(x): (B, L, |V|) log-probabilities, soft-capped at 30, at per-token times (s, t); or, with
+        ``pinned`` (B, L), at per-sequence times (s, t) with the pinned tokens at s = t = 1 (cheaper, see DiT)."""
+        return log_delta(self.net(x, s, t, pinned=pinned))
 
     def denoiser(self) -> FlowDenoiser:
         """This model as flow samplers see it."""
-        return FlowDenoiser(fn=self, vocab_size=self.data_vocab_size)
+        return FlowDenoiser(fn=self, vocab_size=self.data_vocab_size, pinned_fn=self)
 
     # ------------------------------------------------------------------------------------------ MDM sources
     def validate_inputs(self) -> None:
@@ -121,12 +122,16 @@ class FMLMPlusModule(FlowLMModule):
         return self.init_report
 
     # ---------------------------------------------------------------------------------------------- training
-    def flow_loss(self, batch: dict, kinds: Tensor, s: Tensor, t: Tensor, gen: torch.Generator | None) -> dict:
-        """Loss of one batch for given pair kinds and per-sequence times (B,); returns the loss and its parts."""
+    def flow_loss(
+        self, batch: dict, kinds: Tensor, s: Tensor, t: Tensor, gen: torch.Generator | None, *, parts: bool = False
+    ) -> dict:
+        """Loss of one batch for given pair kinds (on the host: they pick the rows of the teacher passes without a
+        device read) and per-sequence times (B,); with ``parts`` also each kind's mean per-token loss."""
         tokens, prompt = batch["tokens"], batch["prompt_mask"]
         b, length = tokens.shape
         v = self.data_vocab_size
-        onehot = F.one_hot(tokens, v).float()
+        # one_hot would read min/max of the tokens back to the host to check them; a comparison does not
+        onehot = (tokens[..., None] == torch.arange(v, device=tokens.device)).float()
         if self.context:  # context set: each non-prompt token is clean with probability f ~ U(0, 1)
             f = torch.rand(b, 1, generator=gen, device=tokens.device)
             ctx = (torch.rand(b, length, generator=gen, device=tokens.device) < f) & ~prompt
@@ -137,40 +142,49 @@ class FMLMPlusModule(FlowLMModule):
         t_tok = torch.where(active, t[:, None], 1.0)
         noise = torch.randn(onehot.shape, generator=gen, device=tokens.device)
         x_s = torch.where(active[..., None], noisy_state(onehot, noise, s_tok), onehot)
-        log_d = self(x_s, s_tok, t_tok)
+        log_d = self(x_s, s, t, pinned=~active)  # = self(x_s, s_tok, t_tok), with two adaLN rows per sequence
 
-        target = self.targets(batch, kinds, x_s, s_tok, t_tok, onehot, active)
+        target = self.targets(batch, kinds, x_s, (s, t), (s_tok, t_tok), onehot, active)
         scored = active & batch.get("loss_mask", active)  # text data may leave PAD out of the loss
         loss, per_token = soft_cross_entropy(log_d, target, scored)
-        parts = {"loss": loss}
-        with torch.no_grad():
-            for kind, name in enumerate(KIND_NAMES):
-                rows = (kinds == kind)[:, None] & scored
-                if rows.any():
-                    parts[name] = per_token[rows].mean()
-        return parts
+        out = {"loss": loss}
+        if parts:  # one host read for all kinds; a kind whose rows score no token this step is left out
+            with torch.no_grad():
+                on_device = kinds.to(tokens.device, non_blocking=True)
+                rows = on_device[None, :] == torch.arange(len(KIND_NAMES), device=tokens.device)[:, None]
+                weight = rows[:, :, None] & scored  # (kinds, B, L)
+                sums = torch.stack([(weight * per_token).sum((1, 2)), weight.sum((1, 2)).float()]).tolist()
+            out.update({name: num / den for name, num, den in zip(KIND_NAMES, *sums, strict=True) if den > 0})
+        return out
 
     @torch.no_grad()
-    def targets(self, batch, kinds, x_s, s_tok, t_tok, onehot, active) -> Tensor:
+    def targets(self, batch, kinds, x_s, times, token_times, onehot, active) -> Tensor:
         """Per-token target distributions: one-hot (diagonal), semigroup midpoint (off-diagonal and boundary),
-        MDM teacher probabilities (distill)."""
+        MDM teacher probabilities (distill). ``times``: (s, t) per sequence; ``token_times``: the same per token
+        (1 off the active set)."""
+        (s_seq, t_seq), (s_tok, t_tok) = times, token_times
         target = onehot.clone()
-        jump = (kinds != DIAGONAL) & (kinds != DISTILL)
-        if jump.any():
-            idx = jump.nonzero().squeeze(-1)
+        device = onehot.device
+        # kinds are host data (sample_pairs draws them on the CPU): the rows of each pass are chosen on the host and
+        # their indices copied to the device without a stream sync
+        host = kinds.tolist()
+        jump = [i for i, kind in enumerate(host) if kind not in (DIAGONAL, DISTILL)]
+        if jump:
+            idx = torch.tensor(jump).to(device, non_blocking=True)
             x, s, t, act = x_s[idx], s_tok[idx], t_tok[idx], active[idx]
-            u = torch.where(act, (s + t) / 2, 1.0)
+            u_seq = (s_seq[idx] + t_seq[idx]) / 2
+            u = torch.where(act, u_seq[:, None], 1.0)  # = (s + t) / 2 on the active tokens
             was_training = self.training
             self.train(self.teacher_train_mode)  # the released code runs these passes in train mode (dropout)
-            d1 = self(x, s, u).exp()  # D1 = δ_{s,u}(x_s)
+            d1 = self(x, s_seq[idx], u_seq, pinned=~act).exp()  # D1 = δ_{s,u}(x_s)
             x_u = flow_map(x, d1, s, u)  # X_u = X_{s,u}(x_s)
-            d2 = self(x_u, u, t).exp()  # D2 = δ_{u,t}(X_u)
+            d2 = self(x_u, u_seq, t_seq[idx], pinned=~act).exp()  # D2 = δ_{u,t}(X_u)
             self.train(was_training)
             gamma = torch.where(act, semigroup_gamma(s, u, t), 0.0)
             target[idx] = semigroup_target(d1, d2, gamma)
-        distill = kinds == DISTILL
-        if distill.any():
-            idx = distill.nonzero().squeeze(-1)
+        distill = [i for i, kind in enumerate(host) if kind == DISTILL]
+        if distill:
+            idx = torch.tensor(distill).to(device, non_blocking=True)
             tokens, act = batch["tokens"][idx], active[idx]
             teacher = self._teacher
             masked_in = torch.where(act, teacher.mask_id, tokens)  # teacher sees the active tokens as [MASK]
@@ -191,9 +205,10 @@ class FMLMPlusModule(FlowLMModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         """Diagonal CE + semigroup self-distillation (+ MDM distillation) on active tokens."""
-        kinds, s, t = (x.to(self.device) for x in self.sample_pairs(batch["tokens"].shape[0], batch_idx))
+        kinds, s, t = self.sample_pairs(batch["tokens"].shape[0], batch_idx)  # on the host
         gen = self.step_generator(1, batch_idx, shared=False, device=self.device)
-        parts = self.flow_loss(batch, kinds, s, t, gen)
+        s, t = (x.to(self.device, non_blocking=True) for x in (s, t))  # a blocking copy would sync the stream
+        parts = self.flow_loss(batch, kinds, s, t, gen, parts=self.logs_this_step())
         self.log("train/loss", parts["loss"], prog_bar=True)
         for name in KIND_NAMES:
             if name in parts:
@@ -205,7 +220,7 @@ class FMLMPlusModule(FlowLMModule):
         b = batch["tokens"].shape[0]
         gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + batch_idx)
         s = (torch.arange(b, device=self.device) + 0.5) / b
-        kinds = torch.full((b,), DIAGONAL, device=self.device)
+        kinds = torch.full((b,), DIAGONAL)
         loss = self.flow_loss(batch, kinds, s, s, gen)["loss"]
         self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=b)
         return loss

@@ -67,7 +67,7 @@ class MDMModule(FlowLMModule):
         """Stratified t and the masks' uniforms drawn over the global batch (any world size: same draws), then
         the ELBO."""
         tokens = batch["tokens"]
-        t = self.sample_times(tokens.shape[0], batch_idx).to(self.device)
+        t = self.sample_times(tokens.shape[0], batch_idx).to(self.device, non_blocking=True)
         loss = self.mdm_loss(batch, t, None, u=self.global_rand(tuple(tokens.shape), batch_idx, stream=1))
         self.log("train/loss", loss, prog_bar=True)
         return loss

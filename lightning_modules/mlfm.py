@@ -119,15 +119,15 @@ class MLFMModule(FlowLMModule):
         b, length = tokens.shape
         s = self.process.mask_prob(b, generator=gen_cpu, device=tokens.device)
         if self.full_response_mask_prob > 0:  # the paper's SFT option: the whole response masked
-            full = torch.rand(b, generator=gen_cpu).to(tokens.device) < self.full_response_mask_prob
+            full = torch.rand(b, generator=gen_cpu).to(tokens.device, non_blocking=True) < self.full_response_mask_prob
             s = torch.where(full, 1.0, s)
         free = ~prompt
         masked = (torch.rand(b, length, generator=gen, device=tokens.device) < s[:, None]) & free
-        # Every sequence with a response gets at least one masked position (the released code does the same).
+        # Every sequence with a response gets at least one masked position (the released code does the same): a
+        # uniformly picked free one, drawn for every row so that no device value decides what runs
         empty = ~masked.any(-1) & free.any(-1)
-        if empty.any():
-            pick = torch.rand(b, length, generator=gen, device=tokens.device).masked_fill(~free, -1).argmax(-1)
-            masked[empty, pick[empty]] = True
+        pick = torch.rand(b, length, generator=gen, device=tokens.device).masked_fill(~free, -1).argmax(-1)
+        masked |= empty[:, None] & (torch.arange(length, device=tokens.device) == pick[:, None])
         t = self.process.sample_t(b, generator=gen_cpu, device=tokens.device)
         emb = self.net.embeddings
         z = self.process.sample(emb[self.mask_id], emb[tokens], t, masked, gen)

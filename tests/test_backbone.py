@@ -54,3 +54,30 @@ def test_named_sizes():
     assert net.d_model == 128 and len(net.blocks) == 4
     with pytest.raises(ValueError, match="unknown backbone size"):
         build_dit(size="huge", vocab_size=10)
+
+
+@pytest.mark.parametrize("two_times", [False, True])
+def test_pinned_times_equal_dense_per_token_times_with_gradients(two_times):
+    """The pinned form (times per sequence, pinned tokens at s = t = 1: two adaLN rows per sequence) computes the
+    dense per-token forward, values and gradients, with random (non-zero) modulations."""
+    net = _net(two_times=two_times)
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randint(0, 7, (3, 6))
+    pinned = torch.rand(3, 6) < 0.4
+    pinned[0] = True  # a row with nothing free
+    s, t = torch.rand(3), torch.rand(3)
+    s_tok, t_tok = torch.where(pinned, 1.0, s[:, None]), torch.where(pinned, 1.0, t[:, None])
+    second = (t_tok,) if two_times else ()
+    dense = net(x, s_tok, *second)
+    grads_dense = torch.autograd.grad(dense.square().sum(), list(net.parameters()))
+    compact = net(x, s, *((t,) if two_times else ()), pinned=pinned)
+    grads_compact = torch.autograd.grad(compact.square().sum(), list(net.parameters()))
+    torch.testing.assert_close(compact, dense, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads_compact, grads_dense, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))  # float32 summation order
+    scalar = net(x, torch.tensor(0.25), *((torch.tensor(0.5),) if two_times else ()), pinned=pinned)
+    full = net(x, torch.where(pinned, 1.0, 0.25), *((torch.where(pinned, 1.0, 0.5),) if two_times else ()))
+    torch.testing.assert_close(scalar, full, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="per sequence"):
+        net(x, s_tok, *second, pinned=pinned)

@@ -98,7 +98,9 @@ class _MDMAsFlow(torch.nn.Module):
         super().__init__()
         self.mdm, self.seen = mdm, []
 
-    def forward(self, x, s, t):
+    def forward(self, x, s, t, pinned=None):
+        if pinned is not None:  # the pinned form: per-sequence times, pinned tokens at s = t = 1
+            s, t = torch.where(pinned, 1.0, s[:, None]), torch.where(pinned, 1.0, t[:, None])
         ids = torch.where(s == 0, self.mdm.mask_id, x.argmax(-1))
         self.seen.append((ids, s.clone(), t.clone()))
         return F.log_softmax(self.mdm(ids, torch.zeros(x.shape[0]))[..., : self.mdm.mask_id].float(), -1)
@@ -296,3 +298,28 @@ def test_block_sampler_budget_error():
     with pytest.raises(ValueError, match="above the budget"):
         BlockFlowSampler(block_size=2, steps_per_block=2)(net.view(), prompt=prompt, prompt_mask=mask, nfe=7)
     assert not net.calls
+
+
+@pytest.mark.parametrize(
+    ("sampler", "nfe"),
+    [
+        (FlowMapSampler(), 3),
+        (FlowMapSampler(euler=True), 2),
+        (PosteriorRefinementSampler(rounds=2, flow_steps=2), 4),
+        (PosteriorRefinementSampler(rounds=3, confidence="a_priori"), 3),
+    ],
+)
+def test_samplers_on_the_pinned_form_match_dense_per_token_times(sampler, nfe):
+    """Flow samplers call the model with times per sequence and pinned tokens (FlowDenoiser.at); a denoiser
+    without that form gets the same calls as dense per-token times, with the same samples."""
+    torch.manual_seed(0)
+    flow = FMLMPlusModule(data_vocab_size=5, seq_len=9, backbone=BACKBONE, optim={}).eval()
+    for p in flow.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    prompt, mask = _prompt()
+    fast, dense = flow.denoiser(), FlowDenoiser(fn=flow, vocab_size=5)
+    with torch.no_grad():
+        a = sampler(fast, prompt=prompt, prompt_mask=mask, nfe=nfe, generator=torch.Generator().manual_seed(4))
+        b = sampler(dense, prompt=prompt, prompt_mask=mask, nfe=nfe, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(a.tokens, b.tokens) and a.nfe == b.nfe == nfe
+    torch.testing.assert_close(a.confidence, b.confidence, rtol=1e-5, atol=1e-6)

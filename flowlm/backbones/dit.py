@@ -6,6 +6,7 @@ Reads top to bottom: time embedding → rotary → KV cache → block → final 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,27 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     """adaLN: x · (1 + scale) + shift, all per token."""
     return x * (1 + scale) + shift
+
+
+class PinnedCondition(NamedTuple):
+    """The conditioning of tokens that sit either at their sequence's times or pinned at s = t = 1 (prompt,
+    context and committed tokens of the flow models): every adaLN Linear runs on B + 1 rows instead of B·L and each
+    token looks its row up. Per-token conditioning otherwise costs each block cond_dim · 6·d multiply-adds per
+    token, 50 % of a `tiny` block's, 8 % of a `small` one's."""
+
+    free: Tensor  # (B, 1, cond_dim)
+    pinned: Tensor  # (1, 1, cond_dim)
+    rows: Tensor  # (B, L) long: 2·b + [token pinned], a row of the (2B, ·) table [free_b; pinned] per token
+
+
+def modulation(linear: nn.Module, c: Tensor | PinnedCondition) -> Tensor:
+    """An adaLN Linear applied to the conditioning: per token/sequence, or looked up from the two rows of each
+    sequence (an embedding lookup: on a CPU 4–5× faster than a broadcast ``where`` over (B, L, 6·d))."""
+    if isinstance(c, PinnedCondition):
+        free = linear(c.free)  # (B, 1, k)
+        table = torch.cat([free, linear(c.pinned).expand_as(free)], dim=1)  # (B, 2, k)
+        return F.embedding(c.rows, table.reshape(-1, table.shape[-1]))
+    return linear(c)
 
 
 def attention(
@@ -135,7 +157,7 @@ class DiTBlock(nn.Module):
     def forward(
         self,
         x: Tensor,
-        c: Tensor,
+        c: Tensor | PinnedCondition,
         causal: bool = False,
         extra: Tensor | None = None,
         cache: KVCache | None = None,
@@ -145,7 +167,7 @@ class DiTBlock(nn.Module):
         act after the block's modulation and its gate in the (1 + gate) form, so extra = 0 leaves the block as is.
         ``cache``: x holds only the new positions cache.length …; they attend causally to the cached ones too and
         their keys/values are stored as layer ``layer`` (the caller advances cache.length)."""
-        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = self.adaLN_modulation(c).chunk(6, dim=-1)
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = modulation(self.adaLN_modulation, c).chunk(6, dim=-1)
         if extra is not None:
             x_shift_a, x_scale_a, x_gate_a, x_shift_m, x_scale_m, x_gate_m = extra.chunk(6, dim=-1)
             gate_a, gate_m = gate_a * (1 + x_gate_a), gate_m * (1 + x_gate_m)
@@ -182,9 +204,9 @@ class FinalLayer(nn.Module):
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
 
-    def forward(self, x: Tensor, c: Tensor, extra: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, c: Tensor | PinnedCondition, extra: Tensor | None = None) -> Tensor:
         """``extra`` (…, 2·d): an adapter's shift/scale applied after this layer's own (zero = unchanged)."""
-        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
+        shift, scale = modulation(self.adaLN_modulation, c).chunk(2, dim=-1)
         h = modulate(self.norm(x), shift, scale)
         if extra is not None:
             h = modulate(h, *extra.chunk(2, dim=-1))
@@ -228,13 +250,23 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList(DiTBlock(d_model, n_heads, cond_dim, mlp_ratio, dropout) for _ in range(n_layers))
         self.final = FinalLayer(d_model, cond_dim, vocab_size)
 
-    def condition(self, s: Tensor, t: Tensor | None, batch: int, length: int) -> Tensor:
-        """c = SiLU(emb_s(s) + emb_t(t)), shape (B, L, cond_dim), or (B, 1, cond_dim) for per-sequence times."""
+    def condition(
+        self, s: Tensor, t: Tensor | None, batch: int, length: int, pinned: Tensor | None = None
+    ) -> Tensor | PinnedCondition:
+        """c = SiLU(emb_s(s) + emb_t(t)), shape (B, L, cond_dim), or (B, 1, cond_dim) for per-sequence times; with
+        ``pinned`` (B, L), s and t are the other tokens' times (per sequence) and pinned tokens sit at s = t = 1."""
         if (t is not None) != self.two_times:
             raise ValueError(
                 "this DiT was built with two_times="
                 f"{self.two_times} but was called {'with' if t is not None else 'without'} a second time t"
             )
+        if pinned is not None:
+            if pinned.shape != (batch, length) or any(time.dim() > 1 for time in (s, t) if time is not None):
+                raise ValueError("with `pinned` (B, L), the times are per sequence: (B,) or scalars")
+            one = torch.ones(1, 1, device=pinned.device)
+            rows = 2 * torch.arange(batch, device=pinned.device)[:, None] + pinned.long()
+            free = self.condition(s, t, batch, length)
+            return PinnedCondition(free, self.condition(one, None if t is None else one, 1, 1), rows)
         s = _per_token(s, batch, length)
         if t is not None:
             t = _per_token(t, batch, length)
@@ -253,17 +285,24 @@ class DiT(nn.Module):
             raise ValueError(f"continuous input has last dim {x.shape[-1]}, expected |V|={self.vocab_size}")
         return x.to(self.embed.weight.dtype) @ self.embed.weight
 
-    def forward(self, x: Tensor, s: Tensor, t: Tensor | None = None) -> Tensor:
-        """Logits (B, L, |V|) for ids or vectors x at per-token times (s[, t])."""
-        return self.forward_embeddings(self.input_embeddings(x), s, t)
+    def forward(self, x: Tensor, s: Tensor, t: Tensor | None = None, *, pinned: Tensor | None = None) -> Tensor:
+        """Logits (B, L, |V|) for ids or vectors x at per-token times (s[, t]); or, with ``pinned`` (B, L), at the
+        per-sequence times (s[, t]) with the pinned tokens at s = t = 1 (the same logits, cheaper)."""
+        return self.forward_embeddings(self.input_embeddings(x), s, t, pinned=pinned)
 
     def forward_embeddings(
-        self, h: Tensor, s: Tensor, t: Tensor | None = None, *, extra: list[Tensor] | None = None
+        self,
+        h: Tensor,
+        s: Tensor,
+        t: Tensor | None = None,
+        *,
+        extra: list[Tensor] | None = None,
+        pinned: Tensor | None = None,
     ) -> Tensor:
         """Logits for inputs given directly as embeddings h (B, L, d) (MLFM feeds these); ``extra`` holds an
         adapter's modulation for every block and then the final layer (see DiTBlock.forward)."""
         b, length, _ = h.shape
-        c = self.condition(s, t, b, length)
+        c = self.condition(s, t, b, length, pinned)
         if extra is not None and len(extra) != len(self.blocks) + 1:
             raise ValueError(f"extra modulation for {len(extra)} layers, expected {len(self.blocks) + 1}")
         for i, block in enumerate(self.blocks):

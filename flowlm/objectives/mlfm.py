@@ -36,4 +36,4 @@ def _per_sequence_mean(values: Tensor, masked: Tensor) -> Tensor:
     count = masked.sum(-1)
     per_seq = torch.where(masked, values, torch.zeros_like(values)).sum(-1) / count.clamp_min(1)
     has = count > 0
-    return per_seq[has].mean() if has.any() else per_seq.sum() * 0
+    return (per_seq * has).sum() / has.sum().clamp_min(1)  # 0 (with zero gradient) when no sequence has any

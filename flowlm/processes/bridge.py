@@ -96,7 +96,7 @@ class BridgeProcess:
             t = self.t_min + (1 - 2 * self.t_min) * u
         else:
             t = t_of_gamma(self.gamma_quantile(u), self.sigma)
-        return t.clamp(self.t_min, 1 - self.t_min).float().to(device)
+        return t.clamp(self.t_min, 1 - self.t_min).float().to(device, non_blocking=True)
 
     def gamma_quantile(self, u: Tensor) -> Tensor:
         """Inverse CDF of the γ distribution (γ-based ``time_dist`` only); monotone in u."""
@@ -148,7 +148,7 @@ class BridgeProcess:
     def mask_prob(self, n: int, *, generator: torch.Generator | None, device: torch.device | str = "cpu") -> Tensor:
         """Per-sequence masking probabilities s from the clipped cosine schedule."""
         u = torch.rand(n, generator=generator)
-        return cosine_mask_prob(u, s_min=self.s_min).to(device)
+        return cosine_mask_prob(u, s_min=self.s_min).to(device, non_blocking=True)
 
     # ---------------------------------------------------------------------------------------------- sampling
     def ddpm_step(self, z: Tensor, x1: Tensor, t: float, t_next: float, generator: torch.Generator | None) -> Tensor:

@@ -78,7 +78,7 @@ def batch_kinds_and_times(
     distill: s = t = 0 (δ_{0,0} against an MDM teacher).
     """
     counts = split_counts(global_batch, diagonal=diagonal, boundary=boundary, distill=distill)
-    kinds = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))
+    kinds = torch.repeat_interleave(torch.arange(4), torch.tensor(counts), output_size=global_batch)
     kinds = kinds[torch.randperm(global_batch, generator=generator)]
     u1 = torch.rand(global_batch, generator=generator, dtype=torch.float64)
     u2 = torch.rand(global_batch, generator=generator, dtype=torch.float64)

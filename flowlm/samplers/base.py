@@ -37,10 +37,24 @@ class FlowDenoiser:
     """A two-time flow model as samplers see it: ``fn(x (B, L, V) float, s (B, L), t (B, L)) → log δ_{s,t}(x)``.
 
     Times are per token; positions at s = t = 1 are clean one-hot vectors (prompt, context, committed tokens).
+    ``pinned_fn(x, s, t, pinned)``, when the model has it, computes the same with the times of the unpinned tokens
+    given once (scalars or per sequence) and the pinned ones at s = t = 1, cheaper; samplers call ``at``.
     """
 
     fn: Callable[[Tensor, Tensor, Tensor], Tensor]
     vocab_size: int
+    pinned_fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
+
+    def at(self, x: Tensor, s: float | Tensor, t: float | Tensor, pinned: Tensor) -> Tensor:
+        """log δ_{s,t}(x) with the unpinned tokens at (s, t) (scalars or (B,)) and the pinned ones at s = t = 1."""
+        b = x.shape[0]
+        s, t = (
+            time.to(x.dtype).expand(b) if isinstance(time, Tensor) else x.new_full((b,), time)  # no host copy
+            for time in (s, t)
+        )
+        if self.pinned_fn is not None:
+            return self.pinned_fn(x, s, t, pinned)
+        return self.fn(x, torch.where(pinned, 1.0, s[:, None]), torch.where(pinned, 1.0, t[:, None]))
 
 
 class Sampler(ABC):

@@ -16,10 +16,10 @@ def flow_jumps(model: FlowDenoiser, x: Tensor, pinned: Tensor, steps: int, *, eu
     denoiser δ_{t_k,t_k} = D_{t_k} in the jump (FLM's Euler step of the velocity (D − z)/(1 − t))."""
     delta = x
     for k in range(steps):
-        s = torch.where(pinned, 1.0, torch.full_like(x[..., 0], k / steps))
-        t_next = torch.where(pinned, 1.0, torch.full_like(x[..., 0], (k + 1) / steps))
-        delta = model.fn(x, s, s if euler else t_next).exp()
+        delta = model.at(x, k / steps, k / steps if euler else (k + 1) / steps, pinned).exp()
         if k < steps - 1:  # the last jump's endpoint X_{s,1} is δ itself: no (B, L, |V|) map to compute
+            s = torch.where(pinned, 1.0, torch.full_like(x[..., 0], k / steps))
+            t_next = torch.where(pinned, 1.0, torch.full_like(x[..., 0], (k + 1) / steps))
             x = flow_map(x, delta, s, t_next)
     return delta
 

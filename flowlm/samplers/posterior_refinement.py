@@ -118,8 +118,7 @@ class PosteriorRefinementSampler(Sampler):
     def _draft(self, model: FlowDenoiser, x: Tensor, committed: Tensor, calls: int) -> tuple[Tensor, int]:
         """δ_{0,1} of the uncommitted tokens in N flow-map jumps (PR), or δ_{0,0} (a-priori)."""
         if self.confidence == "a_priori":
-            zeros = torch.where(committed, 1.0, torch.zeros_like(committed, dtype=x.dtype))
-            return model.fn(x, zeros, zeros).exp(), calls + 1
+            return model.at(x, 0.0, 0.0, committed).exp(), calls + 1
         return flow_jumps(model, x, committed, self.flow_steps), calls + self.flow_steps
 
     def _commit_mask(self, score: Tensor, open_: Tensor, rounds_left: int, positions: Tensor) -> Tensor:
