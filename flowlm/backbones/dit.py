@@ -88,10 +88,12 @@ def modulation(linear: nn.Module, c: Tensor | PinnedCondition) -> Tensor:
 def attention(
     q: Tensor, k: Tensor, v: Tensor, *, dropout_p: float, is_causal: bool, attn_mask: Tensor | None = None
 ) -> Tensor:
-    """PyTorch SDPA; on CPU pinned to the math kernel, whose backward beat the CPU flash kernel by ≈ 1.7× on
-    `tiny` Sudoku batches with bf16 autocast (256×36 tokens: 0.32 vs 0.56 s per training step). On GPU SDPA picks
-    the flash / memory-efficient kernels itself."""
-    if q.device.type == "cpu":
+    """PyTorch SDPA. On CPU with autograd on it is pinned to the math kernel, whose backward beat the CPU flash
+    kernel by ≈ 1.7× on `tiny` Sudoku batches with bf16 autocast (256×36 tokens: 0.32 vs 0.56 s per training step);
+    without autograd (sampling, evaluation) SDPA's own choice, the CPU flash kernel, is faster: a `tiny` no-grad
+    forward 1.08× (128×36 tokens) and 1.17× (16×128) in bf16 (benchmarks/sampler_overhead.py prints it). On GPU
+    SDPA picks the flash / memory-efficient kernels itself."""
+    if q.device.type == "cpu" and torch.is_grad_enabled():
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal
