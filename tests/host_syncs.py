@@ -53,9 +53,11 @@ class HostSyncs(TorchDispatchMode):
 
 
 def _inside_torch_optim(stack) -> bool:
-    """Whether torch.optim code runs between the last frame outside torch and the op."""
+    """Whether an optimiser's code runs between the last frame outside torch and the op (not swa_utils: its
+    ``AveragedModel`` keeps its count on the model's device)."""
     last_outside = max((i for i, f in enumerate(stack) if "/torch/" not in f.filename), default=-1)
-    return any("/torch/optim/" in f.filename for f in stack[last_outside + 1 :])
+    inner = stack[last_outside + 1 :]
+    return any("/torch/optim/" in f.filename and not f.filename.endswith("swa_utils.py") for f in inner)
 
 
 def _has_bool_index(args) -> bool:
