@@ -27,6 +27,7 @@ from flowlm.processes.gaussian_flow import (
     batch_kinds_and_times,
     flow_map,
     noisy_state,
+    one_hot,
     semigroup_gamma,
     semigroup_target,
 )
@@ -130,8 +131,7 @@ class FMLMPlusModule(FlowLMModule):
         tokens, prompt = batch["tokens"], batch["prompt_mask"]
         b, length = tokens.shape
         v = self.data_vocab_size
-        # one_hot would read min/max of the tokens back to the host to check them; a comparison does not
-        onehot = (tokens[..., None] == torch.arange(v, device=tokens.device)).float()
+        onehot = one_hot(tokens, v)
         if self.context:  # context set: each non-prompt token is clean with probability f ~ U(0, 1)
             f = torch.rand(b, 1, generator=gen, device=tokens.device)
             ctx = (torch.rand(b, length, generator=gen, device=tokens.device) < f) & ~prompt

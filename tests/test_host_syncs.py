@@ -10,6 +10,14 @@ from torch.optim.swa_utils import AveragedModel
 
 from callbacks.ema import EMA, HostCountedAverage
 from flowlm.processes.gaussian_flow import BOUNDARY, DIAGONAL, DISTILL, KIND_NAMES, OFF_DIAGONAL
+from flowlm.samplers import (
+    AncestralSampler,
+    BlockFlowSampler,
+    ConfidenceSampler,
+    FlowMapSampler,
+    PosteriorRefinementSampler,
+)
+from flowlm.samplers.mlfm import MLFMSampler
 from lightning_modules.fmlm_plus import FMLMPlusModule
 from runners.train import train
 from tests.conftest import FAST, compose_config
@@ -145,3 +153,37 @@ def test_host_counted_average_matches_torchs_averaged_model_and_survives_a_load(
     reference.update_parameters(model)
     for a, b in zip(reference.state_dict().values(), restored.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("family", "sampler", "reads"),
+    [
+        ("flow", FlowMapSampler(), 0),
+        ("flow", FlowMapSampler(euler=True), 0),
+        ("flow", PosteriorRefinementSampler(), 0),
+        ("flow", PosteriorRefinementSampler(flow_steps=2), 0),
+        ("flow", PosteriorRefinementSampler(confidence="a_priori"), 0),
+        ("flow", BlockFlowSampler(block_size=3), 1),  # the plan: the longest response
+        ("mdm", ConfidenceSampler(), 1),  # the loop length: the most masked row
+        ("mdm", AncestralSampler(), 1 + 8),  # and one per step: how many positions unmask
+        ("mlfm", MLFMSampler(guidance=1.0, otp_eps=0.05), 0),
+        ("mlfm", MLFMSampler(otp_eps=0.05, otp_mode="rounds", rounds=2), 0),
+    ],
+)
+def test_samplers_read_the_device_at_most_once_per_call(family, sampler, reads):
+    """No host read inside the sampling loops (the ancestral sampler's one per step excepted, by design)."""
+    mdm = random_mdm()
+    mlfm = adapted(mdm)
+    perturb_adapter(mlfm)
+    flow = FMLMPlusModule(data_vocab_size=V, seq_len=L, backbone=BB, optim={})
+    for p in flow.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    model = {"flow": flow, "mdm": mdm, "mlfm": mlfm}[family].eval().denoiser()
+    prompt = torch.randint(0, V, (3, L), generator=torch.Generator().manual_seed(0))
+    mask = torch.arange(L).expand(3, L) < 3
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        sampler(model, prompt=prompt, prompt_mask=mask, nfe=8, generator=gen)  # warms cached host-side grids
+        with HostSyncs() as syncs:
+            out = sampler(model, prompt=prompt, prompt_mask=mask, nfe=8, generator=gen)
+    assert out.nfe <= 8 and syncs.count == reads, syncs.where

@@ -12,6 +12,13 @@ DIAGONAL, BOUNDARY, OFF_DIAGONAL, DISTILL = 0, 1, 2, 3
 KIND_NAMES = ("diagonal", "boundary", "off_diagonal", "distill")
 
 
+def one_hot(ids: Tensor, num_classes: int) -> Tensor:
+    """Float one-hot vectors (…, num_classes) of ids, zero for ids outside [0, num_classes). By comparison:
+    ``F.one_hot`` range-checks the ids by reading their min and max back to the host (two syncs per call on a GPU,
+    every round of a sampler)."""
+    return (ids[..., None] == torch.arange(num_classes, device=ids.device)).float()
+
+
 def noisy_state(onehot: Tensor, noise: Tensor, time: Tensor) -> Tensor:
     """x_t = (1 − t)·ε + t·onehot(y), with per-token times (B, L)."""
     time = time[..., None].to(onehot.dtype)

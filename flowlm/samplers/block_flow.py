@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from flowlm.processes.gaussian_flow import one_hot
 from flowlm.samplers.base import FlowDenoiser, SampleOutput, Sampler
 from flowlm.samplers.flow_map import flow_jumps
 
@@ -64,7 +64,7 @@ class BlockFlowSampler(Sampler):
         tokens, committed, confidence = prompt.clone(), prompt_mask.clone(), prompt_mask.float()
         calls = 0
         for b in range(n_blocks):
-            z = torch.where(committed[..., None], F.one_hot(tokens.clamp(0, v - 1), v).float(), noise)
+            z = torch.where(committed[..., None], one_hot(tokens, v), noise)
             delta = flow_jumps(model, z, committed, steps)
             calls += steps
             p_max, argmax = delta.max(-1)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from flowlm.processes.gaussian_flow import flow_map
+from flowlm.processes.gaussian_flow import flow_map, one_hot
 from flowlm.samplers.base import FlowDenoiser, SampleOutput, Sampler
 
 
@@ -47,7 +46,7 @@ class FlowMapSampler(Sampler):
     ) -> SampleOutput:
         """Sample with exactly ``nfe`` network calls."""
         self.check_budget(nfe)
-        onehot = F.one_hot(prompt.clamp(0, model.vocab_size - 1), model.vocab_size).float()
+        onehot = one_hot(prompt, model.vocab_size)
         noise = torch.randn(onehot.shape, generator=generator, device=prompt.device, dtype=torch.float64).float()
         delta = flow_jumps(
             model, torch.where(prompt_mask[..., None], onehot, noise), prompt_mask, nfe, euler=self.euler

@@ -125,7 +125,7 @@ class MLFMSampler(Sampler):
                 pmax, mode = out.final_log_probs.exp().max(-1)
                 pmax = torch.where(free, pmax, -1.0)
                 new = free & (pmax >= 1 - self.otp_eps)
-                best = F.one_hot(pmax.argmax(-1), pmax.shape[-1]).bool() & free
+                best = (torch.arange(pmax.shape[-1], device=pmax.device) == pmax.argmax(-1, keepdim=True)) & free
                 new = new | (best & ~new.any(-1, keepdim=True))
                 tokens = torch.where(new, mode, tokens)
                 confidence = torch.where(new, pmax, confidence)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from flowlm.processes.gaussian_flow import one_hot
 from flowlm.samplers.base import FlowDenoiser, SampleOutput, Sampler, check_temperature, pick_tokens
 from flowlm.samplers.flow_map import flow_jumps
 
@@ -98,7 +98,7 @@ class PosteriorRefinementSampler(Sampler):
         noise = self._noise(prompt.shape, v, generator, device)
         calls = 0
         for r in range(rounds):
-            onehot = F.one_hot(tokens.clamp(0, v - 1), v).float()
+            onehot = one_hot(tokens, v)
             x = torch.where(committed[..., None], onehot, noise)
             probs, calls = self._draft(model, x, committed, calls)
             if self.temperature == 0:  # argmax p = argmax log p: no (B, L, |V|) log for the greedy draft
