@@ -7,8 +7,9 @@ below the Python layer, so the count holds for any code path; ``torch.cuda.set_s
 
 Not seen here (everything is on the CPU in the tests): ``.tolist()``/``.numpy()`` (no aten op: the code uses them
 on host-only data, e.g. FMLM+'s pair kinds) and blocking host→device copies (``.to(device)`` of a CPU tensor
-syncs a CUDA stream; the training code passes ``non_blocking=True``). Ops inside ``torch.optim`` are not counted:
-its step counters live on the host for GPU parameters unless the optimiser is fused or capturable.
+syncs a CUDA stream; the training code passes ``non_blocking=True``). Ops inside ``torch.optim``'s optimisers are
+not counted: their step counters live on the host for GPU parameters unless fused or capturable (``swa_utils``'
+AveragedModel is counted: its count lives on the model's device).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _ALWAYS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim"}
-_ALWAYS |= {"unique_consecutive", "nonzero_static_fallback", "masked_scatter_backward"}
+_ALWAYS |= {"unique_consecutive", "masked_scatter_backward"}
 _BOOL_INDEX = {"index", "index_put", "index_put_", "_index_put_impl_"}
 
 
