@@ -157,44 +157,53 @@ def network_share(denoiser, sampler, args, device, prompt, prompt_mask) -> tuple
     return spent[0], elapsed(start, device)[pick]
 
 
+def interleaved_medians(calls: dict, reps: int, device) -> dict[str, float]:
+    """Median seconds of each no-argument call, the calls interleaved over ``reps`` rounds after an untimed one
+    (process CPU time on a CPU, wall time on a GPU)."""
+    times: dict[str, list[float]] = {key: [] for key in calls}
+    pick = 1 if device.type == "cpu" else 0
+    for rep in range(reps + 1):
+        for key, call in calls.items():
+            start = clock(device)
+            call()
+            if rep:
+                times[key].append(elapsed(start, device)[pick])
+    return {key: median(values) for key, values in times.items()}
+
+
 def per_token_time_cost(module, args, device, prompt, prompt_mask) -> tuple[float, float]:
     """Flow models: a bare forward at dense per-token (B, L) times, and one in the pinned form the samplers use
     (times per sequence, prompt tokens pinned at s = t = 1), each over one at per-sequence times (no token pinned)."""
     (x, s, t), kwargs = bare_inputs("flow", module, prompt, prompt_mask, args.nfe)
     pinned = kwargs["pinned"]
     dense = (x, torch.where(pinned, 1.0, s[:, None]), torch.where(pinned, 1.0, t[:, None]))
-    forms = {"token": (dense, {}), "pinned": ((x, s, t), kwargs), "seq": ((x, s, t), {})}
-    times: dict[str, list[float]] = {key: [] for key in forms}
-    pick = 1 if device.type == "cpu" else 0
     with torch.no_grad(), autocast(args.precision, device):
-        for rep in range(args.reps + 1):
-            for key, (inputs, kw) in forms.items():
-                start = clock(device)
-                module.net(*inputs, **kw)
-                if rep:
-                    times[key].append(elapsed(start, device)[pick])
-    seq = median(times["seq"])
-    return median(times["token"]) / seq, median(times["pinned"]) / seq
+        times = interleaved_medians(
+            {
+                "token": lambda: module.net(*dense),
+                "pinned": lambda: module.net(x, s, t, **kwargs),
+                "seq": lambda: module.net(x, s, t),
+            },
+            args.reps,
+            device,
+        )
+    return times["token"] / times["seq"], times["pinned"] / times["seq"]
 
 
 def cpu_attention_speedup(module, args, device, prompt, prompt_mask) -> float:
     """On a CPU: an FMLM+ no-grad forward with SDPA's math kernel (what a training pass uses there) over one with
     SDPA's own choice (the flash kernel), which the DiT lets SDPA make when autograd is off."""
-    import contextlib
-
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     inputs, kwargs = bare_inputs("flow", module, prompt, prompt_mask, args.nfe)
-    times: dict[str, list[float]] = {"math": [], "default": []}
+
+    def math() -> None:
+        with sdpa_kernel(SDPBackend.MATH):
+            module(*inputs, **kwargs)
+
     with torch.no_grad(), autocast(args.precision, device):
-        for rep in range(args.reps + 1):
-            for key in times:
-                with sdpa_kernel(SDPBackend.MATH) if key == "math" else contextlib.nullcontext():
-                    start = clock(device)
-                    module(*inputs, **kwargs)
-                    if rep:
-                        times[key].append(elapsed(start, device)[1])
-    return median(times["math"]) / median(times["default"])
+        times = interleaved_medians({"math": math, "default": lambda: module(*inputs, **kwargs)}, args.reps, device)
+    return times["math"] / times["default"]
 
 
 def measure(args, *, log=print) -> dict:

@@ -164,11 +164,7 @@ class HostCountedAverage(AveragedModel):
         averaged = _tensors(self.module) if self.use_buffers else list(self.parameters())
         current = _tensors(model) if self.use_buffers else list(model.parameters())
         pairs = [(a.detach(), c.detach().to(a.device)) for a, c in zip(averaged, current, strict=True)]
-        if self._host_n == 0:
-            for a, c in pairs:
-                a.copy_(c)
-        else:
-            self.multi_avg_fn([a for a, _ in pairs], [c for _, c in pairs], self._host_n)
+        _average_step(pairs, self._host_n, self.multi_avg_fn)
         if not self.use_buffers:  # as AveragedModel: buffers follow the model
             for b_avg, b_model in zip(self.module.buffers(), model.buffers(), strict=True):
                 b_avg.detach().copy_(b_model.detach().to(b_avg.device))
@@ -199,13 +195,7 @@ class ShardedAverage:
     @torch.no_grad()
     def update_parameters(self, module: nn.Module) -> None:
         """As AveragedModel.update_parameters: a copy the first time, then ``multi_avg_fn``."""
-        pairs = self.pairs(module)
-        if self.n_averaged == 0:
-            for average, current in pairs:
-                average.copy_(current)
-        else:
-            averages, currents = zip(*pairs, strict=True)
-            self.multi_avg_fn(list(averages), list(currents), self.n_averaged)
+        _average_step(self.pairs(module), self.n_averaged, self.multi_avg_fn)
         self.n_averaged += 1
 
     @torch.no_grad()
@@ -213,6 +203,15 @@ class ShardedAverage:
         """The average := the module's current weights."""
         for average, current in self.pairs(module):
             average.copy_(current)
+
+
+def _average_step(pairs: list[tuple[Tensor, Tensor]], n_averaged: int, multi_avg_fn) -> None:
+    """AveragedModel's update on (average, current) pairs: a copy the first time, then ``multi_avg_fn``."""
+    if n_averaged == 0:
+        for average, current in pairs:
+            average.copy_(current)
+    else:
+        multi_avg_fn([a for a, _ in pairs], [c for _, c in pairs], n_averaged)
 
 
 def _tensors(module: nn.Module) -> list[Tensor]:
