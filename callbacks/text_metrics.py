@@ -17,8 +17,8 @@ from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 
 from datamodules.text import project_path
-from flowlm.metrics.gsm8k import ExecResult, answers_match, extract_answer, run_programs
-from flowlm.metrics.text import GenerativePerplexity, check_evaluator, unigram_entropy
+from flowlm.metrics.gsm8k import ExecResult, answers_match, check_extraction, execute_responses, extract_answer
+from flowlm.metrics.text import GenerativePerplexity, check_convention, check_evaluator, unigram_entropy
 
 
 def _decode(tokenizer, ids: Tensor, keep: Tensor, skip_special_tokens: bool = False) -> str:
@@ -36,7 +36,10 @@ class GenPPLMetric(Metric):
 
     Each generated row loses its PAD and any leftover [MASK] tokens, is decoded with ``datamodule.tokenizer`` and
     scored by ``GenerativePerplexity`` (re-tokenised with the evaluator's tokenizer, truncated to ``max_length``
-    evaluator tokens, BOS-prefixed). ``gen_ppl`` = exp(Σ NLL / Σ tokens) over all samples of all ranks;
+    evaluator tokens; ``convention="released"`` scores every token after the first but EOS beyond the row's first,
+    as the released FMLM+/MDLM code, ``"bos_prefix"`` prepends BOS and scores every token, EOS included; the
+    convention is in the run's params, ``eval/metric/convention``, and in every JSONL row).
+    ``gen_ppl`` = exp(Σ NLL / Σ tokens) over all samples of all ranks;
     ``entropy`` = mean over samples of the unigram entropy (nats) of the *model's* token ids without pad (low
     entropy flags degenerate repetition: report it beside gen-PPL); ``num_samples`` counts scored samples.
 
@@ -57,10 +60,11 @@ class GenPPLMetric(Metric):
         max_length: int | None = None,
         batch_size: int = 8,
         dtype: str | torch.dtype = "float32",
-        add_bos: bool = True,
+        convention: str = "released",
         skip_special_tokens: bool = False,
     ) -> None:
         super().__init__()
+        check_convention(convention)  # a typo fails here, before the evaluator is looked up or anything sampled
         local = project_path(evaluator)  # a local folder: from the working directory, else the project root
         evaluator = str(local) if local.exists() else evaluator
         check_evaluator(evaluator)  # fail before sampling, not after it
@@ -70,7 +74,7 @@ class GenPPLMetric(Metric):
         self.max_length = max_length if max_length is not None else getattr(datamodule, "seq_len", None)
         self.batch_size = batch_size
         self.eval_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        self.add_bos = add_bos
+        self.convention = convention
         self.skip_special_tokens = skip_special_tokens
         self._scorer: GenerativePerplexity | None = None
         self._rows: list[dict] = []
@@ -87,7 +91,7 @@ class GenPPLMetric(Metric):
                 batch_size=self.batch_size,
                 device=device,
                 dtype=self.eval_dtype,
-                add_bos=self.add_bos,
+                convention=self.convention,
             )
         return self._scorer
 
@@ -107,7 +111,14 @@ class GenPPLMetric(Metric):
         self.entropy.append(entropy.to(self.device))
         for text, nll, n, h in zip(texts, scores.nll.tolist(), scores.tokens.tolist(), entropy.tolist(), strict=True):
             self._rows.append(
-                {"text": text, "nll": nll, "eval_tokens": n, "ppl": math.exp(nll / max(n, 1)), "entropy": h}
+                {
+                    "text": text,
+                    "nll": nll,
+                    "eval_tokens": n,
+                    "ppl": math.exp(nll / max(n, 1)),
+                    "entropy": h,
+                    "convention": self.convention,
+                }
             )
 
     def compute(self) -> dict[str, Tensor]:  # noqa: D102
@@ -148,7 +159,16 @@ class GSM8KAccuracy(Metric):
 
     ``scorer="extract"`` reads the final number of a natural-language answer (``#### N``, else the last number;
     MLFM/SMDM protocol); ``scorer="execute"`` runs the response as a TinyGSM-style Python function in the
-    sandbox (FMLM+ protocol) with a ``timeout_s`` limit. A response ends at its first EOS. Also reported:
+    sandbox (FMLM+ protocol). A response ends at its first EOS.
+
+    Execute options, defaults = the released TinyGSM scorer of FMLM+ (``utils_gsm8k.score_sample``):
+    ``extract_code="released"`` cuts the program out of the response (from the first ``def ``, inside a Markdown
+    fence, trailing lines dropped until it compiles; ``flowlm.metrics.gsm8k.extract_program``), ``"raw"`` runs
+    the response as is; ``entry_fallback=False`` calls ``simple_math_problem()`` only (``True``: else the last
+    argument-free function, or a global ``result``/``answer``); ``timeout_s=5.0``. Matching: |pred − gold| ≤
+    max(``rel_tol`` · max(|pred|, |gold|), ``abs_tol``), by default absolute 1e-3 for ``execute`` (released)
+    and 1e-6 absolute or relative for ``extract``. The suite's earlier execute behaviour is ``extract_code=raw
+    entry_fallback=true timeout_s=2 abs_tol=1e-6 rel_tol=1e-6``. Also reported:
     ``num_problems``, and counts of ``no_gold`` (gold unknown: counted as wrong), ``no_answer`` (no number
     found), ``errors`` (exception, syntax error, non-numeric return), ``timeouts`` and ``forbidden`` (sandbox
     whitelist violations).
@@ -167,16 +187,42 @@ class GSM8KAccuracy(Metric):
     higher_is_better = True
 
     def __init__(
-        self, *, datamodule, scorer: str = "extract", timeout_s: float = 2.0, memory_mb: int = 512, workers: int = 4
+        self,
+        *,
+        datamodule,
+        scorer: str = "extract",
+        extract_code: str = "released",
+        entry_fallback: bool = False,
+        timeout_s: float = 5.0,
+        memory_mb: int = 512,
+        workers: int = 4,
+        abs_tol: float | None = None,
+        rel_tol: float | None = None,
     ) -> None:
         super().__init__()
         if scorer not in _SCORERS:
             raise ValueError(f"GSM8K scorer must be one of {sorted(_SCORERS)}, got {scorer!r}")
+        check_extraction(extract_code)
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        default_abs, default_rel = _TOLERANCES[scorer]
+        self.tolerance = {
+            "abs_tol": default_abs if abs_tol is None else float(abs_tol),
+            "rel_tol": default_rel if rel_tol is None else float(rel_tol),
+        }
+        if min(self.tolerance.values()) < 0:
+            raise ValueError(f"tolerances must be ≥ 0, got {self.tolerance}")
         self.datamodule = datamodule
         self.tokenizer = datamodule.tokenizer
         self.pad_id, self.mask_id = int(datamodule.pad_id), int(datamodule.mask_id)
         self.scorer = scorer
-        self.sandbox = {"timeout_s": timeout_s, "memory_mb": memory_mb, "workers": workers}
+        self.sandbox = {
+            "extract": extract_code,
+            "entry_fallback": bool(entry_fallback),
+            "timeout_s": timeout_s,
+            "memory_mb": memory_mb,
+            "workers": workers,
+        }
         self._rows: list[dict] = []
         for name in ("total", *_COUNTS):
             self.add_state(name, default=torch.tensor(0), dist_reduce_fx="sum")
@@ -200,10 +246,10 @@ class GSM8KAccuracy(Metric):
         texts = self._decode_rows(pred_tokens, response)
         prompts = self._decode_rows(target_tokens, ~response)
         golds = self.gold(target_tokens, response)
-        results = _SCORERS[self.scorer](texts, **self.sandbox)
+        programs, results = _SCORERS[self.scorer](texts, **self.sandbox)
         counts = dict.fromkeys(_COUNTS, 0)
-        for prompt, text, gold, result in zip(prompts, texts, golds, results, strict=True):
-            ok = answers_match(result.value, gold)
+        for prompt, text, program, gold, result in zip(prompts, texts, programs, golds, results, strict=True):
+            ok = answers_match(result.value, gold, **self.tolerance)
             counts["correct"] += ok
             counts["no_gold"] += gold is None
             counts["no_answer"] += result.status == "ok" and result.value is None
@@ -211,6 +257,8 @@ class GSM8KAccuracy(Metric):
             counts["timeouts"] += result.status == "timeout"
             counts["forbidden"] += result.status == "forbidden"
             row = {"prompt": prompt, "response": text, "pred": result.value, "gold": gold, "correct": ok}
+            if program is not None:  # what the sandbox ran, after extraction (execute scorer)
+                row["program"] = program
             self._rows.append({**row, "status": result.status, "message": result.message})
         self.total += len(texts)
         for name, count in counts.items():
@@ -233,20 +281,23 @@ class GSM8KAccuracy(Metric):
         return _decode(self.tokenizer, tokens, _content(tokens, self.pad_id, self.mask_id))
 
     def artifact_rows(self) -> list[dict]:
-        """This rank's problems: prompt, response, predicted and gold numbers, correctness, status, message."""
+        """This rank's problems: prompt, response, (execute) extracted program, pred and gold, correctness, status."""
         return list(self._rows)
 
 
-def _extract(texts: list[str], **_sandbox) -> list[ExecResult]:
-    """Natural-language answers: the extracted number (status ok, value None when there is none)."""
-    return [ExecResult("ok", extract_answer(text)) for text in texts]
+def _extract(texts: list[str], **_sandbox) -> tuple[list[None], list[ExecResult]]:
+    """Natural-language answers: no program; the extracted number (status ok, value None when there is none)."""
+    return [None] * len(texts), [ExecResult("ok", extract_answer(text)) for text in texts]
 
 
-def _execute(texts: list[str], *, timeout_s: float, memory_mb: int, workers: int) -> list[ExecResult]:
-    """Generated programs: the sandboxed return value."""
-    return run_programs(texts, workers=workers, timeout_s=timeout_s, memory_mb=memory_mb)
+def _execute(texts: list[str], **sandbox) -> tuple[list[str], list[ExecResult]]:
+    """Generated programs: the extracted code and its sandboxed return value."""
+    return execute_responses(texts, **sandbox)
 
 
 _SCORERS = {"extract": _extract, "execute": _execute}
+# Default (abs_tol, rel_tol) per scorer: the released TinyGSM scorer's absolute 1e-3 for executed programs; for
+# extracted numbers the suite's float-noise tolerance (12 vs 12.0, 0.1 + 0.2 vs 0.3).
+_TOLERANCES = {"execute": (1e-3, 0.0), "extract": (1e-6, 1e-6)}
 # Per-problem outcome counts kept as summed states (besides ``total``); all but ``correct`` are reported as is.
 _COUNTS = ("correct", "no_gold", "no_answer", "errors", "timeouts", "forbidden")

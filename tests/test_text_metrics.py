@@ -51,7 +51,7 @@ def direct_nll(texts: list[str], max_length: int) -> tuple[list[float], list[int
 
 
 def test_gen_ppl_matches_transformers_and_scores_the_last_partial_batch(evaluator_dir):
-    scorer = GenerativePerplexity(str(evaluator_dir), max_length=16, batch_size=2)
+    scorer = GenerativePerplexity(str(evaluator_dir), max_length=16, batch_size=2, convention="bos_prefix")
     calls = []
     hook = scorer.model.register_forward_hook(lambda module, args, out: calls.append(1))
     try:
@@ -68,12 +68,12 @@ def test_gen_ppl_matches_transformers_and_scores_the_last_partial_batch(evaluato
 
 
 def test_evaluator_is_loaded_once_and_missing_one_explains_offline_use(evaluator_dir):
-    first = GenerativePerplexity(str(evaluator_dir), batch_size=4)
+    first = GenerativePerplexity(str(evaluator_dir), batch_size=4, convention="bos_prefix")
     second = GenerativePerplexity(str(evaluator_dir), batch_size=8)
     assert first.model is second.model and load_evaluator(str(evaluator_dir))[0] is first.model
-    assert first.max_length == 63  # context 64 minus the BOS position
-    with pytest.warns(UserWarning, match="context of 64"):
-        assert GenerativePerplexity(str(evaluator_dir), max_length=64).max_length == 63
+    assert first.max_length == 63 and second.max_length == 64  # context 64, minus the BOS position if prefixed
+    with pytest.warns(UserWarning, match="context of 64 tokens with the BOS prefix"):
+        assert GenerativePerplexity(str(evaluator_dir), max_length=64, convention="bos_prefix").max_length == 63
     with pytest.raises(EvaluatorUnavailableError, match="HF_HUB_OFFLINE") as err:
         GenerativePerplexity("flowlm-test/no-such-evaluator")
     assert "local copy" in str(err.value)
@@ -102,6 +102,18 @@ def test_unigram_entropy_is_exact():
         ("3 + 4 = 7, then 7 * 2 = 14. The answer is 14.", 14.0),
         ("#### 16\nand 99 more words", 16.0),
         ("5-3 is what remains", 3.0),  # a hyphen between numbers is not a sign
+        ("5 - 3 is what remains", 3.0),  # nor a spaced one
+        ("5\u22123 and 5 \u2013 3", 3.0),  # nor a Unicode minus or en dash there
+        ("The temperature drops to \u22125 degrees.", -5.0),  # U+2212 MINUS SIGN
+        ("#### \u20135", -5.0),  # U+2013 EN DASH, as typesetting writes a minus
+        ("#### \u2212$5", -5.0),
+        ("#### 5e3", 5000.0),
+        ("The answer is 5E3.", 5000.0),
+        ("#### 1.5e-3", 0.0015),
+        ("#### 2.5e\u22122", 0.025),
+        ("#### \u22121e+2", -100.0),
+        ("#### 3eggs", 3.0),  # an 'e' without digits is not an exponent
+        ("costs 1,250.5 dollars", 1250.5),
         ("no number here", None),
     ],
 )

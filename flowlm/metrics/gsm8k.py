@@ -8,10 +8,18 @@ no core dumps), a wall-clock timeout that kills the whole process group, whiteli
 AST check against private attributes and frame access. It guards against accidents of generated code (infinite
 loops, memory bombs, stray file or network access); it is not a security boundary against a determined
 adversary: run untrusted code at scale inside a container as well.
+
+What is fed to the sandbox (``prepare_program``, ``execute_responses``) follows the released TinyGSM scorer of
+FMLM+ by default (``extract="released"``): the program starts at the first ``def ``, ends at the first textual
+stop marker, is taken from inside a Markdown fence if one follows, and loses trailing lines until it compiles; it
+runs with ``math`` available unimported; only ``simple_math_problem()`` is called (no fallback entry point); the
+answer matches the gold within an absolute 1e-3 (``answers_match(..., rel_tol=0, abs_tol=1e-3)``); timeout 5 s.
+``extract="raw"`` runs the response as generated (the suite's earlier behaviour, with ``entry_fallback=True``).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
@@ -20,33 +28,56 @@ import signal
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["ExecResult", "answers_match", "extract_answer", "parse_gold", "run_program", "run_programs"]
+__all__ = [
+    "CODE_EXTRACTIONS",
+    "ExecResult",
+    "answers_match",
+    "check_extraction",
+    "defines_name",
+    "execute_responses",
+    "extract_answer",
+    "extract_program",
+    "parse_gold",
+    "prepare_program",
+    "run_program",
+    "run_programs",
+]
 
-# A number as written in answers: optional sign (before or after '$'), thousands commas, decimals; not the tail
-# of a word or of another number ('x2', '5-3' gives 5 and 3, not 5 and -3).
+# Characters read as a minus sign: ASCII hyphen-minus, U+2212 MINUS SIGN, U+2012 FIGURE DASH, U+2013 EN DASH (what
+# typesetting and some tokenizers turn "-5" into) and U+FF0D FULLWIDTH HYPHEN-MINUS. Not the em dash: "the answer—5"
+# is punctuation.
+_MINUS = "-\u2212\u2012\u2013\uff0d"
+# A number as written in answers: optional sign (before or after '$'), thousands commas, decimals, an exponent
+# ('5e3', '1.5E-3'); not the tail of a word or of another number ('x2', '5e3' is one number, '5-3' and '5 - 3'
+# give 5 and 3, not 5 and -3: a dash after a number, spaced or not, is a binary minus or a range).
 _NUMBER = re.compile(
-    r"(?<![\w.])(?P<sign>-\s?)?\$?\s?(?P<sign2>-)?"
-    r"(?P<num>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?!\d)"
+    rf"(?<![\w.])(?P<sign>(?<![\d.]\s)[{_MINUS}]\s?)?\$?\s?(?P<sign2>(?<![\d.]\s)[{_MINUS}])?"
+    rf"(?P<num>(?:\d{{1,3}}(?:,\d{{3}})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:[eE][{_MINUS}+]?\d+)?)(?!\d)"
 )
 _FINAL = re.compile(r"####\s*(?P<rest>[^\n]*)")
+_TO_ASCII_MINUS = str.maketrans(dict.fromkeys(_MINUS, "-"))
 
 
 def _to_float(match: re.Match) -> float:
-    value = float(match["num"].replace(",", ""))
+    value = float(match["num"].replace(",", "").translate(_TO_ASCII_MINUS))
     return -value if match["sign"] or match["sign2"] else value
 
 
 def extract_answer(text: str) -> float | None:
     """The answer of a generated solution: the first number after ``####`` if present, else the last number.
 
-    Handles thousands commas (``1,234``), signs (``-5``, ``-$5``, ``$-5``), decimals (``3.50``), currency
-    (``$12``) and trailing text or a full stop (``#### 12 apples.``). None when there is no number.
+    Handles thousands commas (``1,234``), signs (``-5``, ``-$5``, ``$-5``, and the Unicode minus ``−5`` or en dash
+    ``–5``), decimals (``3.50``), exponents (``5e3``, ``1.5E-3``), currency (``$12``) and trailing text or a full
+    stop (``#### 12 apples.``). A dash right after a number is not a sign (``5-3``, ``5 - 3``). None when there
+    is no number.
     """
     final = _FINAL.search(text)
     if final:
@@ -69,10 +100,172 @@ def parse_gold(answer: str | float | int) -> float:
 
 
 def answers_match(pred: float | None, gold: float | None, *, rel_tol: float = 1e-6, abs_tol: float = 1e-6) -> bool:
-    """Equal up to a small tolerance (floating-point noise of executed programs, 12 vs 12.0); None never matches."""
-    if pred is None or gold is None or not math.isfinite(pred):
+    """|pred − gold| ≤ max(rel_tol · max(|pred|, |gold|), abs_tol), both read as the decimals they print as.
+
+    The difference is taken between the shortest decimal forms (``repr``), not the binary floats, so a bound is
+    met exactly as written (100.001 vs 100 is within 1e-3, as in the released TinyGSM scorer, whereas the float
+    difference is 0.0010000000000047748). None, NaN and infinities never match.
+    """
+    if pred is None or gold is None or not (math.isfinite(pred) and math.isfinite(gold)):
         return False
-    return math.isclose(pred, gold, rel_tol=rel_tol, abs_tol=abs_tol)
+    p, g = Decimal(repr(float(pred))), Decimal(repr(float(gold)))
+    bound = max(Decimal(repr(float(rel_tol))) * max(abs(p), abs(g)), Decimal(repr(float(abs_tol))))
+    return abs(p - g) <= bound
+
+
+CODE_EXTRACTIONS = ("released", "raw")
+# Textual end markers the released scorer cuts at (its decoded samples keep special tokens as text).
+_STOP_MARKERS = ("<|endoftext|>", "<|eot_id|>", "</s>")
+_FENCE = "`" * 3
+# The released scorer tries at most this many trailing-line cuts before giving up on compiling.
+_MAX_LINE_CUTS = 50
+
+
+def check_extraction(extract: str) -> None:
+    """Raise ValueError unless ``extract`` names a known code extraction."""
+    if extract not in CODE_EXTRACTIONS:
+        raise ValueError(f"code extraction must be one of {list(CODE_EXTRACTIONS)}, got {extract!r}")
+
+
+def _from_def(text: str) -> str:
+    start = text.find("def ")
+    return text if start < 0 else text[start:]
+
+
+def _fenced(text: str) -> str | None:
+    """Inside of the first fenced block (after an optional ``python`` tag and whitespace), None without one."""
+    opening = text.find(_FENCE)
+    if opening < 0:
+        return None
+    start = opening + len(_FENCE)
+    if text[start : start + 6].lower() == "python":
+        start += 6
+    while start < len(text) and text[start].isspace():
+        start += 1
+    closing = text.find(_FENCE, start)
+    return None if closing < 0 else text[start:closing]
+
+
+def _compiles(code: str) -> bool:
+    try:
+        with warnings.catch_warnings():  # generated code's SyntaxWarnings ('is' with a literal) are noise here
+            warnings.simplefilter("ignore")
+            compile(code, "<generated>", "exec", dont_inherit=True)
+    except (SyntaxError, ValueError, OverflowError, RecursionError, MemoryError):
+        return False
+    return True
+
+
+def extract_program(text: str, extract: str = "released") -> str:
+    """The program in a generated response: the released TinyGSM extraction, or the response as is (``raw``).
+
+    Released extraction, in its order: keep from the first ``def `` on; cut at the first end marker
+    (``<|endoftext|>``, ``<|eot_id|>``, ``</s>``); if a fenced block (three backticks … three backticks) follows,
+    keep its inside; keep from its first ``def `` on; strip; then drop trailing lines (up to 49) until the rest
+    compiles. A text that never compiles comes back whole (stripped), so the sandbox reports its syntax error.
+    Because the cut at ``def `` comes first, the opening fence of a fenced function is already gone and its closing
+    fence is dropped by the compile step; the fence step only acts when two more fences follow the ``def `` (then
+    the text between them is what runs, as in the released scorer).
+    """
+    check_extraction(extract)
+    if extract == "raw":
+        return text
+    text = _from_def(text)
+    for marker in _STOP_MARKERS:
+        text = text.split(marker, 1)[0]
+    inside = _fenced(text)
+    text = _from_def(text if inside is None else inside).strip()
+    lines = text.splitlines()
+    for cut in range(min(_MAX_LINE_CUTS, len(lines))):
+        candidate = "\n".join(lines[: len(lines) - cut]).strip()
+        if candidate and _compiles(candidate):
+            return candidate
+    return text
+
+
+def defines_name(code: str, name: str) -> bool | None:
+    """Whether module-level code binds ``name`` (def, class, assignment, import, loop target); None if unparsable.
+
+    Bodies of functions, classes, lambdas and comprehensions are other scopes and are not searched; the blocks of
+    ``if``/``for``/``while``/``try``/``with``/``match`` at module level are.
+    """
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError, OverflowError, RecursionError, MemoryError):
+        return None
+    scopes = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+    stack: list[ast.AST] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            if node.name == name:
+                return True
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id == name:
+            return True
+        if isinstance(node, ast.alias) and (node.asname or node.name.split(".")[0]) == name:
+            return True
+        if not isinstance(node, scopes):
+            stack.extend(ast.iter_child_nodes(node))
+    return False
+
+
+def _with_math(code: str) -> str:
+    """``import math`` placed first (after any ``from __future__`` imports, which must lead)."""
+    try:
+        body = ast.parse(code).body
+    except (SyntaxError, ValueError, OverflowError, RecursionError, MemoryError):
+        return "import math\n" + code
+    after = 0
+    for i, node in enumerate(body):
+        if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            after = node.end_lineno or 0
+        elif not (i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+            break  # past the docstring and the __future__ imports
+    lines = code.splitlines(keepends=True)
+    return "".join([*lines[:after], "import math\n", *lines[after:]])
+
+
+def prepare_program(text: str, extract: str = "released") -> str:
+    """The code the sandbox runs for a response: ``extract_program``, plus ``import math`` when released.
+
+    The released scorer executes in a namespace that already holds ``math``, so a program whose ``import math``
+    stood before its ``def`` (and was cut away with the text there) still runs; the import reproduces that.
+    """
+    code = extract_program(text, extract)
+    return _with_math(code) if extract == "released" else code
+
+
+def execute_responses(
+    texts: Sequence[str],
+    *,
+    extract: str = "released",
+    entry: str = "simple_math_problem",
+    entry_fallback: bool = False,
+    timeout_s: float = 5.0,
+    memory_mb: int = 512,
+    workers: int = 4,
+) -> tuple[list[str], list[ExecResult]]:
+    """Extract the program of each response and run it in the sandbox: (extracted programs, results).
+
+    Defaults are the released TinyGSM protocol: released extraction, only ``entry`` is called (a program that
+    does not define it at module level is an ``error`` without running), 5 s timeout. ``entry_fallback=True``
+    lets the sandbox call the last argument-free function (or a global ``result``/``answer``) instead.
+    """
+    check_extraction(extract)
+    programs = [extract_program(text, extract) for text in texts]
+    results: list[ExecResult | None] = [None] * len(programs)
+    todo = []
+    for i, code in enumerate(programs):
+        if not entry_fallback and defines_name(code, entry) is False:
+            results[i] = ExecResult("error", None, f"no function {entry!r} defined (entry_fallback is off)")
+        else:
+            todo.append(i)
+    codes = [_with_math(programs[i]) if extract == "released" else programs[i] for i in todo]
+    ran = run_programs(codes, workers=workers, timeout_s=timeout_s, memory_mb=memory_mb, entry=entry)
+    for i, result in zip(todo, ran, strict=True):
+        results[i] = result
+    return programs, results
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,18 @@
 """Text metrics (methods.md §7): generative perplexity under an evaluator causal LM, and unigram entropy.
 
-Gen-PPL follows the MDLM convention: decode a sample, re-tokenise it with the evaluator's tokenizer, truncate to
-the sample length L (in evaluator tokens), score it, and report ``exp(Σ NLL / Σ tokens)`` over *all* tokens of
-all samples (a token-weighted mean, not a mean of per-sample perplexities). The evaluator (GPT-2 Large in the
-configs) is loaded once per (name, device, dtype) and reused; every batch is scored, the last partial one too.
+Gen-PPL: decode a sample, re-tokenise it with the evaluator's tokenizer, truncate to the sample length L (in
+evaluator tokens), score it, and report ``exp(Σ NLL / Σ tokens)`` over the scored tokens of all samples (a
+token-weighted mean, not a mean of per-sample perplexities). Which tokens are scored is the ``convention``:
+
+- ``released`` (default; the released FMLM+ code, ``metrics.py`` ``Metrics.record_generative_perplexity``, which
+  is MDLM's): the text is tokenised as the evaluator's tokenizer does by default (GPT-2 adds no BOS); its first
+  token is context only; every later token is scored except EOS tokens, of which only the first one of the row
+  is scored (when it is not the first token). A sample ``[BOS=EOS] story [EOS]`` thus scores its story only.
+- ``bos_prefix``: the evaluator's BOS is prepended (unless the text starts with it), so every token of the text,
+  EOS included, is scored: ``p(x_1 | BOS) Π p(x_i | x_<i)``; the BOS takes one position of the context.
+
+The evaluator (GPT-2 Large in the configs) is loaded once per (name, device, dtype) and reused; every batch is
+scored, the last partial one too.
 """
 
 from __future__ import annotations
@@ -19,15 +28,26 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
+    "GEN_PPL_CONVENTIONS",
     "EvaluatorUnavailableError",
     "GenerativePerplexity",
     "TextScores",
+    "check_convention",
     "check_evaluator",
     "clear_evaluator_cache",
     "load_evaluator",
     "mean_entropy",
     "unigram_entropy",
 ]
+
+
+GEN_PPL_CONVENTIONS = ("released", "bos_prefix")
+
+
+def check_convention(convention: str) -> None:
+    """Raise ValueError unless ``convention`` names a known gen-PPL convention."""
+    if convention not in GEN_PPL_CONVENTIONS:
+        raise ValueError(f"gen-PPL convention must be one of {list(GEN_PPL_CONVENTIONS)}, got {convention!r}")
 
 
 class EvaluatorUnavailableError(OSError):
@@ -101,16 +121,14 @@ class TextScores:
 class GenerativePerplexity:
     """Scores texts under an evaluator causal LM: per-sample NLL and token counts, and gen-PPL.
 
-    Each text is re-tokenised with the evaluator's tokenizer (no special tokens added), truncated to
-    ``max_length`` tokens (the sample length L; ``None`` = as many as the context allows) and prefixed with the
-    evaluator's BOS (GPT-2: ``<|endoftext|>``) unless it already starts with it: a causal LM has no prediction
-    for the first token otherwise, so with BOS every sample token is scored, ``p(x_1 | BOS) Π p(x_i | x_<i)``.
-    The prefix takes one position of the context: L ≤ context − 1 (1023 for GPT-2; a larger ``max_length``, e.g.
-    OpenWebText's L = 1024, is clipped to that with a warning). With ``add_bos=False`` the
-    first token is context only (MDLM's choice) and an n-token text scores n − 1 tokens.
-    Batches are right-padded with an attention mask; per-token NLL comes from a float32 log-softmax (logits
-    upcast from bf16/fp16 evaluators) and is summed per sample in float64, so totals over 10⁵+ tokens keep
-    their precision.
+    Each text is re-tokenised with the evaluator's tokenizer and truncated to ``max_length`` tokens (the sample
+    length L; ``None`` = as many as the context allows). ``convention`` says which tokens are scored (module
+    docstring): ``released`` (first token context only, EOS after the row's first one not scored; L ≤ context,
+    1024 for GPT-2) or ``bos_prefix`` (BOS prepended, every token scored; L ≤ context − 1, 1023 for GPT-2). A
+    larger ``max_length`` is clipped to what fits, with a warning.
+    Batches are right-padded with an attention mask (padding is never scored); per-token NLL comes from a float32
+    log-softmax (logits upcast from bf16/fp16 evaluators) and is summed per sample in float64, so totals over
+    10⁵+ tokens keep their precision.
     """
 
     def __init__(
@@ -121,20 +139,23 @@ class GenerativePerplexity:
         batch_size: int = 8,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str = torch.float32,
-        add_bos: bool = True,
+        convention: str = "released",
     ) -> None:
+        check_convention(convention)
         if batch_size < 1:
             raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"max_length must be ≥ 1, got {max_length}")
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.model, self.tokenizer = load_evaluator(evaluator, device=device, dtype=dtype)
         self.device = torch.device(device)
         self.batch_size = batch_size
-        self.add_bos = add_bos
+        self.convention = convention
+        add_bos = convention == "bos_prefix"
         self.bos_id = self._bos_id() if add_bos else None
+        self.eos_id = self.tokenizer.eos_token_id
         context = getattr(self.model.config, "n_positions", None) or self.model.config.max_position_embeddings
         room = context - int(add_bos)  # the BOS prefix takes one position of the context
-        if max_length is not None and max_length < 1:
-            raise ValueError(f"max_length must be ≥ 1, got {max_length}")
         if max_length is not None and max_length > room:
             warnings.warn(
                 f"gen-PPL max_length={max_length} exceeds the evaluator's context of {context} tokens"
@@ -147,16 +168,28 @@ class GenerativePerplexity:
         for token_id in (self.tokenizer.bos_token_id, self.tokenizer.eos_token_id, self.model.config.bos_token_id):
             if token_id is not None:
                 return int(token_id)
-        raise ValueError("the evaluator defines no BOS/EOS token to prefix samples with; pass add_bos=False")
+        raise ValueError("the evaluator defines no BOS/EOS token to prefix samples with; use convention='released'")
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        """Evaluator token ids of each text: truncated to ``max_length``, BOS-prefixed when ``add_bos``."""
+        """Evaluator token ids of each text, truncated to ``max_length`` (BOS-prefixed under ``bos_prefix``)."""
+        if self.convention == "released":
+            # the tokenizer's own special tokens, as the released code calls it (GPT-2 adds none)
+            return self.tokenizer(list(texts), truncation=True, max_length=self.max_length)["input_ids"]
         ids = self.tokenizer(list(texts), add_special_tokens=False, truncation=True, max_length=self.max_length)[
             "input_ids"
         ]
-        if self.add_bos:
-            ids = [row if row[:1] == [self.bos_id] else [self.bos_id, *row] for row in ids]
-        return ids
+        return [row if row[:1] == [self.bos_id] else [self.bos_id, *row] for row in ids]
+
+    def scored_mask(self, ids: Tensor, mask: Tensor) -> Tensor:
+        """(B, n − 1) bool: which targets ``ids[:, 1:]`` count, given the (B, n) attention mask of real tokens."""
+        scored = mask[:, 1:].bool()
+        if self.convention == "released" and self.eos_id is not None:
+            # EOS tokens are left out, except the first EOS of each row (wherever it is; if it is the first
+            # token it is context only, so then no EOS of the row counts)
+            eos = ids == self.eos_id
+            first_eos = eos & (eos.cumsum(1) == 1)
+            scored = scored & (~eos | first_eos)[:, 1:]
+        return scored
 
     @torch.inference_mode()
     def score(self, texts: Sequence[str]) -> TextScores:
@@ -167,7 +200,7 @@ class GenerativePerplexity:
         for start in range(0, len(encoded), self.batch_size):  # the last, partial batch is scored too
             rows = encoded[start : start + self.batch_size]
             width = max(len(r) for r in rows)
-            if width < 2:  # nothing has a prefix to be predicted from (empty texts without BOS)
+            if width < 2:  # nothing has a prefix to be predicted from (texts of at most one token)
                 continue
             ids = torch.zeros(len(rows), width, dtype=torch.long)  # pad id is irrelevant: masked everywhere
             mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -176,9 +209,9 @@ class GenerativePerplexity:
                 mask[i, : len(row)] = 1
             ids, mask = ids.to(self.device), mask.to(self.device)
             logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-            # NLL_i = Σ_{j≥1} −log p(x_j | x_<j), over real (unpadded) targets only
+            # NLL_i = Σ_{j≥1, scored} −log p(x_j | x_<j)
             token_nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-            scored = mask[:, 1:].bool()
+            scored = self.scored_mask(ids, mask)
             nll[start : start + len(rows)] = (token_nll.double() * scored).sum(1).cpu()
             counts[start : start + len(rows)] = scored.sum(1).cpu()
         return TextScores(nll=nll, tokens=counts)
