@@ -8,7 +8,7 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from flowlm.backbones.dit import DiT, build_dit
+from flowlm.backbones.dit import RELEASED_OPTIONS, DiT, build_dit
 from lightning_modules.sharding import compile_blocks, shard
 
 # Parameter names that never get weight decay (besides every vector: biases, norm gains).
@@ -134,7 +134,11 @@ class FlowLMModule(L.LightningModule):
             compile_blocks(self)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Record what this checkpoint is, so loaders can refuse the wrong kind before any compute."""
+        """Record what this checkpoint is, so loaders can refuse the wrong kind before any compute; the backbone
+        config is saved with every DiT option it was built with, so a later change of a default cannot change it."""
+        hparams = checkpoint.get("hyper_parameters")
+        if isinstance(hparams, dict) and "backbone" in hparams:
+            hparams["backbone"] = {**RELEASED_OPTIONS, **plain(hparams["backbone"])}
         checkpoint.setdefault("flowlm", {}).update(
             {
                 "family": self.family,

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from flowlm.backbones.dit import RELEASED_OPTIONS, legacy_backbone_options
 from lightning_modules.sharding import is_dtensor
 
 # Lightning's record of everything but weights and optimizer states in a sharded checkpoint folder.
@@ -122,16 +123,47 @@ def consolidate_checkpoint(path: str | os.PathLike, *, optimizer: bool = False) 
 
 def load_module(path: str | os.PathLike, *, map_location: str | torch.device = "cpu"):
     """The LightningModule a checkpoint (file or sharded folder) holds, built from its hyper-parameters, with the
-    checkpoint's ``state_dict`` (the EMA weights when an EMA ran), on ``map_location``."""
+    checkpoint's ``state_dict`` (the EMA weights when an EMA ran), on ``map_location``. A backbone saved before an
+    option of the DiT existed is built as it was then (``legacy_backbone_options``)."""
     path = Path(path)
     if not path.is_dir():
-        cls = import_class(read_checkpoint_meta(path)["class_path"])
-        return cls.load_from_checkpoint(path, map_location=map_location)
+        ckpt = read_checkpoint(path)  # memory-mapped: the tensors are read once, by Lightning
+        cls = import_class(ckpt["flowlm"]["class_path"])
+        return cls.load_from_checkpoint(path, map_location=map_location, **_backbone_kwargs(ckpt))
     from lightning.pytorch.core.saving import _load_state  # what load_from_checkpoint runs once the dict is read
 
     ckpt = read_checkpoint(path)
     cls = import_class(ckpt["flowlm"]["class_path"])
-    return _load_state(cls, ckpt, strict=True).to(map_location)
+    return _load_state(cls, ckpt, strict=True, **_backbone_kwargs(ckpt)).to(map_location)
+
+
+def checkpoint_backbone(ckpt: dict) -> dict:
+    """The backbone config a checkpoint was trained with, options it predates filled in as they were then."""
+    return legacy_backbone_options(dict(ckpt.get("hyper_parameters", {}).get("backbone") or {}))
+
+
+def _backbone_kwargs(ckpt: dict) -> dict:
+    return {"backbone": checkpoint_backbone(ckpt)} if "backbone" in ckpt.get("hyper_parameters", {}) else {}
+
+
+def check_backbone_options(
+    ckpt: dict, backbone: dict, path: str | os.PathLike, *, role: str, time_conditioned: bool
+) -> None:
+    """Refuse, before any compute, a source checkpoint whose DiT would compute another function with its weights
+    in a network built from ``backbone``: another attention soft-cap or head count (same shapes), or, when the
+    source read its time (``time_conditioned``), another time-feature scale."""
+    source, target = checkpoint_backbone(ckpt), {**RELEASED_OPTIONS, **backbone}  # a new DiT's defaults
+    keys = ("attn_softcap", "n_heads") + (("time_scale",) if time_conditioned else ())
+    diff = [
+        f"{key}={source[key]!r} there, {target[key]!r} here"
+        for key in keys
+        if key in source and key in target and source[key] != target[key]
+    ]
+    if diff:
+        raise ValueError(
+            f"{role} {path} was trained with another backbone ({'; '.join(diff)}): set backbone.<option> to the "
+            "checkpoint's value"
+        )
 
 
 def _read_sharded_meta(path: Path) -> dict:

@@ -19,21 +19,56 @@ SIZES: dict[str, dict[str, int]] = {
     "small": {"d_model": 768, "n_layers": 12, "n_heads": 12, "cond_dim": 128},
 }
 
+# Choices of the released FMLM+ DiT (MananAg007/posterior-refinement, models/dit.py) that change training dynamics,
+# the defaults of every DiT here (docs/protocol.md): token embedding kaiming-uniform (a = √5), std 1/√(3d); the time
+# sinusoid of the raw t ∈ [0, 1]; no dropout on attention probabilities (dropout only on the residual branches);
+# attention logits soft-capped at 50 (flash-attn's softcap); the continuous input x·E in float32 under autocast.
+RELEASED_OPTIONS: dict[str, object] = {
+    "embed_init": "kaiming_uniform",
+    "time_scale": 1.0,
+    "attn_dropout": 0.0,
+    "attn_softcap": 50.0,
+    "input_fp32": True,
+}
+# What this suite did before these options existed (N(0, 1) embedding, 1000·t, attention dropout = the residual
+# dropout, no soft-cap, x·E in the autocast dtype): checkpoints written then are read with these values
+# (``legacy_backbone_options``), and any of them can still be chosen for a new run.
+LEGACY_OPTIONS: dict[str, object] = {
+    "embed_init": "normal",
+    "time_scale": 1000.0,
+    "attn_dropout": None,  # = the residual dropout
+    "attn_softcap": 0.0,
+    "input_fp32": False,
+}
+EMBED_INITS = ("kaiming_uniform", "normal")
+
+
+def legacy_backbone_options(backbone: dict) -> dict:
+    """A saved backbone config with the options it was written without filled in as they were then
+    (``LEGACY_OPTIONS``), so a checkpoint from before the released defaults computes what it was trained to."""
+    filled = {key: value for key, value in LEGACY_OPTIONS.items() if key not in backbone}
+    if "attn_dropout" in filled:
+        filled["attn_dropout"] = float(backbone.get("dropout", 0.0))
+    return {**backbone, **filled}
+
 
 class TimeEmbedding(nn.Module):
-    """Sinusoidal(freq_dim) features of a time in [0, 1] → Linear → SiLU → Linear."""
+    """Sinusoidal(freq_dim) features of ``scale`` · t, t ∈ [0, 1] → Linear → SiLU → Linear.
 
-    def __init__(self, cond_dim: int, freq_dim: int = 256, max_period: float = 10_000.0) -> None:
+    scale = 1 (the released FMLM+ DiT) feeds the raw time: arguments t·ω ≤ 1 rad for every frequency ω ≤ 1;
+    scale = 1000 (DiT/MDLM habit for integer diffusion steps) spreads them over many periods."""
+
+    def __init__(self, cond_dim: int, freq_dim: int = 256, max_period: float = 10_000.0, scale: float = 1.0) -> None:
         super().__init__()
         self.freq_dim = freq_dim
+        self.scale = float(scale)
         half = freq_dim // 2
         freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32) / half)
         self.register_buffer("freqs", freqs, persistent=False)
         self.mlp = nn.Sequential(nn.Linear(freq_dim, cond_dim), nn.SiLU(), nn.Linear(cond_dim, cond_dim))
 
     def forward(self, t: Tensor) -> Tensor:
-        # Times live in [0, 1]; scale by 1000 so the low frequencies still resolve small steps (DiT/MDLM habit).
-        args = (1000.0 * t.float())[..., None] * self.freqs
+        args = (self.scale * t.float())[..., None] * self.freqs
         return self.mlp(torch.cat([torch.cos(args), torch.sin(args)], dim=-1))
 
 
@@ -86,19 +121,71 @@ def modulation(linear: nn.Module, c: Tensor | PinnedCondition) -> Tensor:
 
 
 def attention(
-    q: Tensor, k: Tensor, v: Tensor, *, dropout_p: float, is_causal: bool, attn_mask: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    dropout_p: float,
+    is_causal: bool,
+    attn_mask: Tensor | None = None,
+    softcap: float = 0.0,
 ) -> Tensor:
-    """PyTorch SDPA. On CPU with autograd on it is pinned to the math kernel, whose backward beat the CPU flash
-    kernel by ≈ 1.7× on `tiny` Sudoku batches with bf16 autocast (256×36 tokens: 0.32 vs 0.56 s per training step);
+    """softmax(q·kᵀ/√d) v, or with ``softcap`` > 0 softmax(cap · tanh(q·kᵀ/(√d · cap))) v (``capped_attention``).
+
+    Without a cap: PyTorch SDPA. On CPU with autograd on it is pinned to the math kernel, whose backward beat the CPU
+    flash kernel by ≈ 1.7× on `tiny` Sudoku batches with bf16 autocast (256×36 tokens: 0.32 vs 0.56 s a training step);
     without autograd (sampling, evaluation) SDPA's own choice, the CPU flash kernel, is faster: a `tiny` no-grad
     forward 1.08× (128×36 tokens) and 1.17× (16×128) in bf16 (benchmarks/sampler_overhead.py prints it). On GPU
     SDPA picks the flash / memory-efficient kernels itself."""
+    if softcap > 0:
+        return capped_attention(q, k, v, cap=softcap, dropout_p=dropout_p, is_causal=is_causal, attn_mask=attn_mask)
     if q.device.type == "cpu" and torch.is_grad_enabled():
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal
             )
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+
+
+def capped_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, cap: float, dropout_p: float, is_causal: bool, attn_mask: Tensor | None
+) -> Tensor:
+    """Attention with soft-capped logits, cap · tanh(score / cap), as the released FMLM+ DiT (flash-attn's
+    ``softcap``, 50). SDPA has no cap, so it is written out: scores in the inputs' dtype, cap and softmax in float32.
+    On CUDA, without dropout or a mask, FlexAttention computes the same fused (``flex_capped_attention``)."""
+    if q.is_cuda and dropout_p == 0 and attn_mask is None:
+        return flex_capped_attention(q, k, v, cap=cap, is_causal=is_causal)
+    scores = (q @ k.transpose(-2, -1)).float() * q.shape[-1] ** -0.5
+    scores = cap * torch.tanh(scores / cap)
+    if is_causal:
+        attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, -math.inf)
+    probs = F.dropout(scores.softmax(-1), dropout_p) if dropout_p > 0 else scores.softmax(-1)
+    return probs.to(v.dtype) @ v
+
+
+_FLEX: dict[str, object] = {}
+
+
+def flex_capped_attention(q: Tensor, k: Tensor, v: Tensor, *, cap: float, is_causal: bool) -> Tensor:
+    """``capped_attention`` through FlexAttention with a tanh ``score_mod``, compiled once per process (the fused
+    kernel on a GPU; FlexAttention has no backward on CPU). Not measured on a GPU yet: benchmarks/gpu_check.py
+    compares it with the written-out form."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return cap * torch.tanh(score / cap)
+
+    block_mask = None
+    if is_causal:
+        block_mask = create_block_mask(
+            lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, q.shape[-2], k.shape[-2], device=q.device
+        )
+    return _FLEX["fn"](q, k, v, score_mod=score_mod, block_mask=block_mask)
 
 
 class KVCache:
@@ -135,7 +222,16 @@ class KVCache:
 class DiTBlock(nn.Module):
     """Pre-norm transformer block with per-token adaLN shift/scale/gate on attention and MLP."""
 
-    def __init__(self, d_model: int, n_heads: int, cond_dim: int, mlp_ratio: int, dropout: float) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        cond_dim: int,
+        mlp_ratio: int,
+        dropout: float,
+        attn_dropout: float = 0.0,
+        softcap: float = 0.0,
+    ) -> None:
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
@@ -149,7 +245,9 @@ class DiTBlock(nn.Module):
             nn.GELU(approximate="tanh"),
             nn.Linear(mlp_ratio * d_model, d_model),
         )
-        self.dropout = dropout
+        self.dropout = dropout  # on the attention and MLP residual branches
+        self.attn_dropout = attn_dropout  # on the attention probabilities
+        self.softcap = softcap
         self.rotary = Rotary(d_model // n_heads)
         # Zero-initialised modulation: every block starts as the identity map on the residual stream.
         self.adaLN_modulation = nn.Linear(cond_dim, 6 * d_model)
@@ -179,13 +277,14 @@ class DiTBlock(nn.Module):
             h = modulate(h, x_shift_a, x_scale_a)
         q, k, v = self.qkv(h).view(b, length, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         drop = self.dropout if self.training else 0.0
+        attn_drop = self.attn_dropout if self.training else 0.0
         if cache is None:
             q, k = self.rotary(q, k)
-            attn = attention(q, k, v, dropout_p=drop, is_causal=causal)
+            attn = attention(q, k, v, dropout_p=attn_drop, is_causal=causal, softcap=self.softcap)
         else:
             q, k = self.rotary(q, k, offset=cache.length)
             k, v, mask = cache.update(layer, k, v)
-            attn = attention(q, k, v, dropout_p=drop, is_causal=False, attn_mask=mask)
+            attn = attention(q, k, v, dropout_p=attn_drop, is_causal=False, attn_mask=mask, softcap=self.softcap)
         attn = attn.transpose(1, 2).reshape(b, length, d)
         x = x + gate_a * F.dropout(self.attn_out(attn), drop, self.training)
         h = modulate(self.norm2(x), shift_m, scale_m)
@@ -224,6 +323,14 @@ class DiT(nn.Module):
       s: time(s) of shape (B,) (one per sequence, broadcast) or (B, L) (per token).
       t: second time, same shapes; required iff the model was built with ``two_times=True``.
     Output: logits (B, L, |V|).
+
+    Options (defaults: the released FMLM+ DiT, ``RELEASED_OPTIONS``; earlier choices: ``LEGACY_OPTIONS``):
+      embed_init: "kaiming_uniform" (a = √5: U(±1/√d)) or "normal" (N(0, 1)); with a continuous input h = x·E the
+        per-dimension input scale is ‖x‖ · std, ≈ √|V| · std for Gaussian noise.
+      time_scale: the sinusoid reads time_scale · t.
+      attn_dropout: dropout on the attention probabilities (``dropout`` acts on the residual branches).
+      attn_softcap: cap · tanh(score / cap) on the attention logits (0: none).
+      input_fp32: x·E in float32 under autocast (the released code); else in the autocast dtype.
     """
 
     def __init__(
@@ -238,18 +345,36 @@ class DiT(nn.Module):
         dropout: float = 0.0,
         two_times: bool = False,
         causal: bool = False,
+        embed_init: str = "kaiming_uniform",
+        time_scale: float = 1.0,
+        attn_dropout: float = 0.0,
+        attn_softcap: float = 50.0,
+        input_fp32: bool = True,
     ) -> None:
         super().__init__()
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be ≥ 2, got {vocab_size}")
+        if embed_init not in EMBED_INITS:
+            raise ValueError(f"embed_init must be one of {EMBED_INITS}, got {embed_init!r}")
+        if attn_softcap < 0 or time_scale <= 0 or not 0 <= attn_dropout < 1:
+            raise ValueError(
+                f"need attn_softcap ≥ 0, time_scale > 0, 0 ≤ attn_dropout < 1; got {attn_softcap}, {time_scale}, "
+                f"{attn_dropout}"
+            )
         self.vocab_size = vocab_size
         self.d_model = d_model
         self.two_times = two_times
         self.causal = causal
-        self.embed = nn.Embedding(vocab_size, d_model)
-        self.emb_s = TimeEmbedding(cond_dim)
-        self.emb_t = TimeEmbedding(cond_dim) if two_times else None
-        self.blocks = nn.ModuleList(DiTBlock(d_model, n_heads, cond_dim, mlp_ratio, dropout) for _ in range(n_layers))
+        self.input_fp32 = input_fp32
+        self.embed = nn.Embedding(vocab_size, d_model)  # N(0, 1), torch's default
+        if embed_init == "kaiming_uniform":
+            nn.init.kaiming_uniform_(self.embed.weight, a=math.sqrt(5))  # U(±1/√d): fan_in = d for a (|V|, d) matrix
+        self.emb_s = TimeEmbedding(cond_dim, scale=time_scale)
+        self.emb_t = TimeEmbedding(cond_dim, scale=time_scale) if two_times else None
+        self.blocks = nn.ModuleList(
+            DiTBlock(d_model, n_heads, cond_dim, mlp_ratio, dropout, attn_dropout, attn_softcap)
+            for _ in range(n_layers)
+        )
         self.final = FinalLayer(d_model, cond_dim, vocab_size)
 
     def condition(
@@ -285,6 +410,9 @@ class DiT(nn.Module):
             return self.embed(x)
         if x.shape[-1] != self.vocab_size:
             raise ValueError(f"continuous input has last dim {x.shape[-1]}, expected |V|={self.vocab_size}")
+        if self.input_fp32:  # the released code: a (B·L) × |V| × d product whose inputs are noise, kept in float32
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                return x.float() @ self.embed.weight.float()
         return x.to(self.embed.weight.dtype) @ self.embed.weight
 
     def forward(self, x: Tensor, s: Tensor, t: Tensor | None = None, *, pinned: Tensor | None = None) -> Tensor:

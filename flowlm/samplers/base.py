@@ -82,6 +82,17 @@ def check_temperature(temperature: float) -> float:
     return temperature
 
 
+SCORES = ("max_prob", "sampled")
+
+
+def check_score(score: str) -> str:
+    """How a commit loop ranks positions at temperature > 0: by the max probability ("max_prob") or by the
+    probability of the token drawn ("sampled"); at temperature 0 they coincide."""
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    return score
+
+
 def masked_start(prompt: Tensor, prompt_mask: Tensor, mask_id: int) -> tuple[Tensor, Tensor]:
     """The all-[MASK] state with the prompt in place, and its confidence (1 on the prompt, 0 elsewhere)."""
     return torch.where(prompt_mask, prompt, mask_id), prompt_mask.float()

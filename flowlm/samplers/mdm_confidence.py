@@ -9,6 +9,7 @@ from flowlm.samplers.base import (
     MaskedDenoiser,
     SampleOutput,
     Sampler,
+    check_score,
     check_temperature,
     masked_start,
     pick_tokens,
@@ -18,14 +19,18 @@ from flowlm.samplers.base import (
 class ConfidenceSampler(Sampler):
     """At each of ``nfe`` steps commit the ⌈#masked / steps_left⌉ most confident masked positions; never remask.
 
-    Confidence of a position = probability of its candidate token (its max-probability at temperature 0).
-    The network sees the fraction of still-masked non-prompt tokens as its time, if it is time-conditioned.
+    Candidates: argmax at temperature 0, else a float64 Gumbel draw from softmax(logits / T). Positions are ranked
+    by ``score``: "max_prob", max_v p_θ(v) (MaskGIT, the released MDLM confidence sampler; the default), or
+    "sampled", p_θ(candidate) (LLaDA's low-confidence remasking); the two agree at T = 0. The reported confidence
+    of a committed token is p_θ(token). The network sees the fraction of still-masked non-prompt tokens as its
+    time, if it is time-conditioned.
     """
 
     family = "mdm"
 
-    def __init__(self, *, temperature: float = 0.0) -> None:
+    def __init__(self, *, temperature: float = 0.0, score: str = "max_prob") -> None:
         self.temperature = check_temperature(temperature)
+        self.score = check_score(score)
 
     def __call__(
         self,
@@ -49,14 +54,15 @@ class ConfidenceSampler(Sampler):
             log_p = torch.log_softmax(model.fn(x, n_masked / n_free).double(), -1)
             calls += 1
             candidate = pick_tokens(log_p, self.temperature, generator)
-            score = log_p.gather(-1, candidate[..., None]).squeeze(-1)
+            p_candidate = log_p.gather(-1, candidate[..., None]).squeeze(-1)
+            score = log_p.amax(-1) if self.score == "max_prob" else p_candidate  # log-probabilities: same order
             score = torch.where(masked, score, -torch.inf)
             n_commit = torch.div(n_masked + (nfe - k) - 1, nfe - k, rounding_mode="floor")  # ⌈masked/left⌉
             order = score.argsort(dim=-1, descending=True)
             rank = torch.empty_like(order).scatter_(-1, order, positions.expand_as(order))
             commit = masked & (rank < n_commit[:, None])
             x = torch.where(commit, candidate, x)
-            confidence = torch.where(commit, score.exp().float(), confidence)
+            confidence = torch.where(commit, p_candidate.exp().float(), confidence)
         return SampleOutput(tokens=x, confidence=confidence, nfe=calls)
 
 

@@ -8,7 +8,14 @@ import torch
 from torch import Tensor
 
 from flowlm.processes.gaussian_flow import one_hot
-from flowlm.samplers.base import FlowDenoiser, SampleOutput, Sampler, check_temperature, pick_tokens
+from flowlm.samplers.base import (
+    FlowDenoiser,
+    SampleOutput,
+    Sampler,
+    check_score,
+    check_temperature,
+    pick_tokens,
+)
 from flowlm.samplers.flow_map import flow_jumps
 
 
@@ -21,7 +28,12 @@ class PosteriorRefinementSampler(Sampler):
     as an MDM would: one NFE per round). Commit rule: p_max ≥ ``threshold`` plus at least ⌈#uncommitted /
     rounds_left⌉ top tokens (``commit="uniform"``) or exactly the top ``top_k`` (``commit="top_k"``, plus the
     threshold); the last round commits everything. Committed tokens become one-hot at s = 1 and are never revisited.
-    NFE = R × N. ``rounds=None`` takes R = budget // N, so one config serves an NFE sweep.
+    NFE = R × N. ``rounds=None`` takes R = budget // N, ``flow_steps=None`` N = budget // R (the released text
+    settings: R = 4 and N = 8 at 32 NFE on TinyStories, N = 32 at 128 on OWT), so one config serves an NFE sweep.
+
+    The draft is the argmax (the released code) or, at ``temperature`` > 0, a float64 Gumbel draw; it is scored by
+    ``score``: "max_prob", p_max (methods' step 3; the default) or "sampled", the draft token's probability. The
+    reported confidence of a committed token is its probability.
     """
 
     family = "flow"
@@ -33,10 +45,11 @@ class PosteriorRefinementSampler(Sampler):
         threshold: float = 0.999,
         commit: str = "uniform",
         top_k: int | None = None,
-        flow_steps: int = 1,
+        flow_steps: int | None = 1,
         noise: str = "fresh",
         confidence: str = "posterior",
         temperature: float = 0.0,
+        score: str = "max_prob",
     ) -> None:
         if rounds is not None and rounds < 1:
             raise ValueError(f"PR needs rounds ≥ 1, got {rounds}")
@@ -46,7 +59,9 @@ class PosteriorRefinementSampler(Sampler):
             raise ValueError(f"commit must be 'uniform' or 'top_k', got {commit!r}")
         if commit == "top_k" and (top_k is None or top_k < 1):
             raise ValueError("commit='top_k' needs top_k ≥ 1")
-        if flow_steps < 1:
+        if flow_steps is None and rounds is None:
+            raise ValueError("PR needs rounds or flow_steps (or both); the other then follows from the NFE budget")
+        if flow_steps is not None and flow_steps < 1:
             raise ValueError(f"flow_steps must be ≥ 1, got {flow_steps}")
         if noise not in ("fresh", "reuse"):
             raise ValueError(f"noise must be 'fresh' or 'reuse', got {noise!r}")
@@ -57,27 +72,28 @@ class PosteriorRefinementSampler(Sampler):
         self.rounds, self.threshold, self.commit, self.top_k = rounds, threshold, commit, top_k
         self.flow_steps, self.noise, self.confidence = flow_steps, noise, confidence
         self.temperature = check_temperature(temperature)
+        self.score = check_score(score)
 
-    def plan(self, nfe: int) -> int:
-        """The number of rounds R for an NFE budget (R × N ≤ budget), or a clear error."""
+    def plan(self, nfe: int) -> tuple[int, int]:
+        """Rounds R and flow steps per round N for an NFE budget (R × N ≤ budget), or a clear error."""
         self.check_budget(nfe)
-        rounds = self.rounds if self.rounds is not None else nfe // self.flow_steps
-        if rounds < 1 or rounds * self.flow_steps > nfe:
-            raise ValueError(
-                f"PR with {self.rounds or rounds} rounds × {self.flow_steps} flow steps needs "
-                f"{max(rounds, 1) * self.flow_steps} NFE, above the budget of {nfe}"
-            )
-        return rounds
+        if self.rounds is not None and self.flow_steps is not None:
+            return self.rounds, self.flow_steps
+        if self.rounds is None:
+            return nfe // self.flow_steps, self.flow_steps
+        return self.rounds, nfe // self.rounds
 
     def check_budget(self, nfe: int, *, free_positions: int | None = None) -> None:  # noqa: D102
         super().check_budget(nfe)
-        if self.rounds is not None and self.rounds * self.flow_steps > nfe:
+        if self.rounds is not None and self.flow_steps is not None and self.rounds * self.flow_steps > nfe:
             raise ValueError(
                 f"PR with R = {self.rounds} rounds × N = {self.flow_steps} flow steps spends "
                 f"{self.rounds * self.flow_steps} NFE, above the budget of {nfe}"
             )
         if self.rounds is None and nfe < self.flow_steps:
             raise ValueError(f"NFE budget {nfe} is below one round of {self.flow_steps} flow steps")
+        if self.flow_steps is None and nfe < self.rounds:
+            raise ValueError(f"NFE budget {nfe} is below {self.rounds} rounds of at least one flow step")
 
     def __call__(
         self,
@@ -89,7 +105,7 @@ class PosteriorRefinementSampler(Sampler):
         generator: torch.Generator | None = None,
     ) -> SampleOutput:
         """Sample with exactly R × N network calls."""
-        rounds = self.plan(nfe)
+        rounds, steps = self.plan(nfe)
         v, device = model.vocab_size, prompt.device
         committed = prompt_mask.clone()
         tokens = prompt.clone()
@@ -100,14 +116,15 @@ class PosteriorRefinementSampler(Sampler):
         for r in range(rounds):
             onehot = one_hot(tokens, v)
             x = torch.where(committed[..., None], onehot, noise)
-            probs, calls = self._draft(model, x, committed, calls)
+            probs, calls = self._draft(model, x, committed, calls, steps)
             if self.temperature == 0:  # argmax p = argmax log p: no (B, L, |V|) log for the greedy draft
                 draft = probs.argmax(dim=-1)
             else:
                 draft = pick_tokens(probs.clamp_min(1e-30).log(), self.temperature, generator)
             p_draft = probs.gather(-1, draft[..., None]).squeeze(-1)
+            score = probs.amax(-1) if self.score == "max_prob" and self.temperature > 0 else p_draft  # p_max
             open_ = ~committed
-            commit = self._commit_mask(p_draft, open_, rounds - r, positions)
+            commit = self._commit_mask(score, open_, rounds - r, positions)
             tokens = torch.where(commit, draft, tokens)
             confidence = torch.where(commit, p_draft, confidence)
             committed = committed | commit
@@ -115,11 +132,11 @@ class PosteriorRefinementSampler(Sampler):
                 noise = self._noise(prompt.shape, v, generator, device)
         return SampleOutput(tokens=tokens, confidence=confidence, nfe=calls)
 
-    def _draft(self, model: FlowDenoiser, x: Tensor, committed: Tensor, calls: int) -> tuple[Tensor, int]:
+    def _draft(self, model: FlowDenoiser, x: Tensor, committed: Tensor, calls: int, steps: int) -> tuple[Tensor, int]:
         """δ_{0,1} of the uncommitted tokens in N flow-map jumps (PR), or δ_{0,0} (a-priori)."""
         if self.confidence == "a_priori":
             return model.at(x, 0.0, 0.0, committed).exp(), calls + 1
-        return flow_jumps(model, x, committed, self.flow_steps), calls + self.flow_steps
+        return flow_jumps(model, x, committed, steps), calls + steps
 
     def _commit_mask(self, score: Tensor, open_: Tensor, rounds_left: int, positions: Tensor) -> Tensor:
         """Threshold ∪ top-k (uniform budget ⌈open / rounds_left⌉ or a fixed k); everything on the last round."""
