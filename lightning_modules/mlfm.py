@@ -19,7 +19,7 @@ from flowlm.objectives.mlfm import mlfm_loss
 from flowlm.processes.bridge import BridgeProcess
 from flowlm.samplers.mlfm import BridgeDenoiser
 from lightning_modules.base import FlowLMModule
-from lightning_modules.checkpoints import check_family, copy_backbone, read_checkpoint
+from lightning_modules.checkpoints import check_backbone_options, check_family, copy_backbone, read_checkpoint
 
 
 class MLFMModule(FlowLMModule):
@@ -83,6 +83,7 @@ class MLFMModule(FlowLMModule):
                 f"init_from {self.init_from} is a time-conditioned MDM; MLFM feeds the MDM's conditioning a constant "
                 "and needs a time-agnostic one (method.time_conditioning=false, the default)"
             )
+        check_backbone_options(ckpt, self.backbone_cfg, self.init_from, role="init_from", time_conditioned=False)
         self._copy_mdm(copy.deepcopy(self.net), ckpt["state_dict"])  # a dry run: another size fails here
 
     def on_fit_start(self) -> None:
@@ -114,11 +115,12 @@ class MLFMModule(FlowLMModule):
 
     # ---------------------------------------------------------------------------------------------- training
     def mlfm_loss(self, batch: dict, gen_cpu: torch.Generator, gen: torch.Generator | None) -> dict[str, Tensor]:
-        """Mask with s from the clipped cosine schedule, bridge at t from the training distribution, CE (+ MSE)."""
+        """Mask with s from the cosine schedule (``bridge.mask_schedule``), the whole response with probability
+        ``full_response_mask_prob``; bridge at t from the training distribution; CE (+ MSE)."""
         tokens, prompt = batch["tokens"], batch["prompt_mask"]
         b, length = tokens.shape
         s = self.process.mask_prob(b, generator=gen_cpu, device=tokens.device)
-        if self.full_response_mask_prob > 0:  # the paper's SFT option: the whole response masked
+        if self.full_response_mask_prob > 0:  # the released SFT's sft_full_response_mask_prob: s = 1 for the row
             full = torch.rand(b, generator=gen_cpu).to(tokens.device, non_blocking=True) < self.full_response_mask_prob
             s = torch.where(full, 1.0, s)
         free = ~prompt

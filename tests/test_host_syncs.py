@@ -166,7 +166,9 @@ def test_host_counted_average_matches_torchs_averaged_model_and_survives_a_load(
         ("flow", BlockFlowSampler(block_size=3), 1),  # the plan: the longest response
         ("mdm", ConfidenceSampler(), 1),  # the loop length: the most masked row
         ("mdm", AncestralSampler(), 1 + 8),  # and one per step: how many positions unmask
-        ("mlfm", MLFMSampler(guidance=1.0, otp_eps=0.05), 0),
+        ("mlfm", MLFMSampler(guidance=1.0, otp_eps=0.05), 1),  # CCFG: does the batch have a prompt to corrupt
+        ("mlfm", MLFMSampler(guidance=1.0, otp_eps=0.05, check_context=False), 0),
+        ("mlfm", MLFMSampler(otp_eps=0.05), 0),
         ("mlfm", MLFMSampler(otp_eps=0.05, otp_mode="rounds", rounds=2), 0),
     ],
 )

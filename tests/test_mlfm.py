@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from flowlm.backbones.adapters import MLFMAdapter
 from flowlm.backbones.dit import build_dit
-from flowlm.processes.bridge import BridgeProcess, gamma_of_t, t_of_gamma
+from flowlm.processes.bridge import BridgeProcess, cosine_mask_prob, gamma_of_t, t_of_gamma
 from flowlm.samplers.mlfm import BridgeDenoiser, MLFMSampler
 from lightning_modules.mdm import MDMModule
 from lightning_modules.mlfm import MLFMModule
@@ -98,6 +98,36 @@ def test_ddpm_step_is_the_bridge_to_the_endpoint():
     assert torch.equal(bridge.ddpm_step(z, x1, t, 1.0, None), x1)  # the last step lands on x̂₁
     with pytest.raises(ValueError, match="t < t'"):
         bridge.ddpm_step(z, x1, 0.5, 0.5, None)
+
+
+def test_mask_probability_schedules_exact_values():
+    u = torch.tensor([0.0, 0.5, 0.9, 0.98, 1.0], dtype=torch.float64)
+    # released (affine): s = 0.05 + 0.95·cos(πu/2); the suite's earlier (clip): cos(πu/2) clipped to [0.05, 1]
+    affine = torch.tensor([1.0, 0.7217514421272202, 0.19861274178821936, 0.07984022112422198, 0.05], dtype=u.dtype)
+    clip = torch.tensor([1.0, 0.7071067811865476, 0.15643446504023092, 0.05, 0.05], dtype=u.dtype)
+    torch.testing.assert_close(cosine_mask_prob(u), affine, rtol=0, atol=1e-12)
+    torch.testing.assert_close(cosine_mask_prob(u, schedule="clip"), clip, rtol=0, atol=1e-12)
+    torch.testing.assert_close(cosine_mask_prob(u, s_min=0.2)[1], torch.tensor(0.2 + 0.8 * 0.5**0.5, dtype=u.dtype))
+    # The training draw uses the configured form on u ~ U(0, 1) (released by default).
+    draws = torch.rand(64, generator=torch.Generator().manual_seed(5))
+    for bridge, form in ((BridgeProcess(), "affine"), (BridgeProcess(mask_schedule="clip"), "clip")):
+        s = bridge.mask_prob(64, generator=torch.Generator().manual_seed(5))
+        torch.testing.assert_close(s, cosine_mask_prob(draws, schedule=form))
+    assert BridgeProcess().mask_prob(4096, generator=torch.Generator()).min() > 0.05  # affine: no mass at s_min
+    with pytest.raises(ValueError, match="mask schedule"):
+        BridgeProcess(mask_schedule="cosine")
+
+
+def test_bridge_noise_can_be_drawn_in_float64():
+    bridge = BridgeProcess(sigma=0.2)
+    m, e_y, t = torch.randn(8), torch.randn(2, 5, 8), torch.full((2,), 0.3)
+    noised = torch.ones(2, 5, dtype=torch.bool)
+    mean, std = bridge.mean_std(m, e_y, t)
+    z = bridge.sample(m, e_y, t, noised, torch.Generator().manual_seed(3), noise_dtype=torch.float64)
+    eps64 = torch.randn(e_y.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    assert z.dtype == torch.float32 and torch.equal(z, mean + std * eps64.float())
+    z32 = bridge.sample(m, e_y, t, noised, torch.Generator().manual_seed(3))  # the training default: E's dtype
+    assert not torch.allclose(z, z32)
 
 
 # ----------------------------------------------------------------------------------------------------- adapter
@@ -192,6 +222,28 @@ def test_auxiliary_mse_and_empty_rows():
     assert out["ce"].item() > 10
 
 
+def test_full_response_masking_masks_every_response_position(monkeypatch):
+    module = adapted(random_mdm())
+    tokens = torch.randint(0, V, (16, L), generator=torch.Generator().manual_seed(0))
+    prompt = torch.zeros(16, L, dtype=torch.bool)
+    prompt[:, :4] = True
+    seen = []
+    original = BridgeProcess.sample
+
+    def spy(self, m, e_y, t, noised, generator, **kwargs):
+        seen.append(noised.clone())
+        return original(self, m, e_y, t, noised, generator, **kwargs)
+
+    monkeypatch.setattr(BridgeProcess, "sample", spy)
+    batch = {"tokens": tokens, "prompt_mask": prompt}
+    for p, expect_all in ((1.0, True), (0.0, False)):
+        module.full_response_mask_prob = p
+        module.mlfm_loss(batch, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2))
+        noised = seen[-1]
+        assert not noised[:, :4].any()  # the prompt is never noised
+        assert bool(noised[:, 4:].all()) == expect_all  # p = 1: s = 1 for every row, the whole response masked
+
+
 # ---------------------------------------------------------------------------------------------------- sampler
 class Recorder:
     """A denoiser that records every call (its NFE) and whose logits read the prompt embedding when asked."""
@@ -202,12 +254,16 @@ class Recorder:
         self.proj = torch.randn(8, V) * sharp
         self.pos = torch.randn(L, V) * sharp
         self.use_context = use_context
-        self.calls: list[torch.Tensor] = []
+        self.calls: list[torch.Tensor] = []  # every call's input z, time t and output logits
+        self.times: list[torch.Tensor] = []
+        self.outs: list[torch.Tensor] = []
 
     def __call__(self, z, t):
         self.calls.append(z.clone())
+        self.times.append(t.clone())
         ctx = z[:, :3].mean(1, keepdim=True) @ self.proj if self.use_context else 0
-        return self.pos + z @ self.proj * 0.5 + ctx
+        self.outs.append(self.pos + z @ self.proj * 0.5 + ctx)
+        return self.outs[-1].clone()
 
     def denoiser(self, sigma: float = 0.2) -> BridgeDenoiser:
         return BridgeDenoiser(
@@ -215,10 +271,11 @@ class Recorder:
         )
 
 
-def run(sampler, rec, nfe=12, sigma=0.2, seed=0):
+def run(sampler, rec, nfe=12, sigma=0.2, seed=0, pm=None):
     prompt = torch.randint(0, V, (5, L), generator=torch.Generator().manual_seed(9))
-    pm = torch.zeros(5, L, dtype=torch.bool)
-    pm[:, :3] = True
+    if pm is None:
+        pm = torch.zeros(5, L, dtype=torch.bool)
+        pm[:, :3] = True
     out = sampler(
         rec.denoiser(sigma), prompt=prompt, prompt_mask=pm, nfe=nfe, generator=torch.Generator().manual_seed(seed)
     )
@@ -228,12 +285,18 @@ def run(sampler, rec, nfe=12, sigma=0.2, seed=0):
 @pytest.mark.parametrize(
     "kwargs, nfe, calls",
     [
-        ({}, 12, 12),
-        ({"guidance": 2.0}, 12, 12),
-        ({"guidance": 2.0}, 13, 12),  # 6 steps × 2; the odd NFE is not spent
+        # NFE = steps × (1, or 2 with CCFG) + 1 final call at t = 1 per trajectory, when the budget has room for it
+        ({}, 12, 12),  # 11 steps + the final call
+        ({}, 1, 1),  # no room for the final call: one step, decoded from its posterior
+        ({"guidance": 2.0}, 12, 11),  # 5 steps × 2 + 1; the even NFE is not spent
+        ({"guidance": 2.0}, 13, 13),  # 6 steps × 2 + 1
+        ({"guidance": 2.0}, 2, 2),  # one guided step, decoded from its guided posterior
+        ({"guidance": 2.0, "final_decode": "guided"}, 12, 12),  # 6 steps × 2, no final call
+        ({"guidance": 2.0, "final_decode": "conditional"}, 13, 12),  # the suite's earlier decode: 6 steps × 2
         ({"otp_eps": 0.3}, 9, 9),
-        ({"otp_eps": 0.3, "otp_mode": "rounds", "rounds": 3}, 12, 12),
-        ({"guidance": 1.0, "otp_eps": 0.3, "otp_mode": "rounds", "rounds": 2, "grid": "uniform"}, 12, 12),
+        ({"otp_eps": 0.3, "otp_order": "after_step"}, 9, 9),
+        ({"otp_eps": 0.3, "otp_mode": "rounds", "rounds": 3}, 12, 12),  # 3 × (3 steps + 1)
+        ({"guidance": 1.0, "otp_eps": 0.3, "otp_mode": "rounds", "rounds": 2, "grid": "uniform"}, 12, 10),  # 2 × 5
     ],
 )
 def test_sampler_nfe_is_exact_and_prompt_kept(kwargs, nfe, calls):
@@ -249,9 +312,9 @@ def test_sampler_nfe_is_exact_and_prompt_kept(kwargs, nfe, calls):
 
 def test_ccfg_guided_field_and_w0():
     # With a model that ignores the context, the reference equals the conditional: any w gives the plain step
-    # (σ ≈ 0 so that the reference's extra noise draw does not change the trajectory).
+    # (σ ≈ 0 so that the reference's extra noise draw does not change the trajectory). 5 steps + the final call each.
     plain, _, _ = run(MLFMSampler(), Recorder(use_context=False), nfe=6, sigma=1e-12)
-    guided, _, _ = run(MLFMSampler(guidance=3.0), Recorder(use_context=False), nfe=12, sigma=1e-12)
+    guided, _, _ = run(MLFMSampler(guidance=3.0), Recorder(use_context=False), nfe=11, sigma=1e-12)
     assert torch.equal(plain.tokens, guided.tokens)
     torch.testing.assert_close(plain.confidence, guided.confidence)
     # With a context-reading model w changes the samples, and the reference re-noises the prompt only.
@@ -262,6 +325,147 @@ def test_ccfg_guided_field_and_w0():
     assert torch.equal(cond[:, 3:], corr[:, 3:]) and not torch.allclose(cond[:, :3], corr[:, :3])
     # At t = 0 the reference context is fully re-noised: the [MASK] embedding (σ ≈ 0).
     torch.testing.assert_close(rec.calls[1][:, :3], rec.emb[V].expand(5, 3, 8))
+
+
+def test_ccfg_field_is_v_plus_w_times_v_minus_v_corr():
+    """Every guided step moves the free positions by (t' − t)·v_w, v_w = v + w·(v − v_corr), by hand from the stub's
+    recorded calls (σ ≈ 0: the step is its mean); the final call reads the state the last step landed on."""
+    w = 3.0
+    rec = Recorder(sharp=2.0)
+    out, _, pm = run(MLFMSampler(guidance=w, grid="uniform"), rec, nfe=7, sigma=1e-12)  # 3 steps × 2 + 1
+    assert len(rec.calls) == 7
+    emb, free = rec.emb[:V], ~pm
+    for k in range(3):
+        z, t = rec.calls[2 * k], rec.times[2 * k][0].item()
+        assert torch.equal(rec.calls[2 * k + 1][free], z[free]) and rec.times[2 * k + 1][0].item() == t
+        v = (F.softmax(rec.outs[2 * k], -1) @ emb - z) / (1 - t)
+        v_corr = (F.softmax(rec.outs[2 * k + 1], -1) @ emb - z) / (1 - t)
+        v_w = v + w * (v - v_corr)
+        z_next, t_next = rec.calls[2 * k + 2], rec.times[2 * k + 2][0].item()
+        torch.testing.assert_close(z_next[free], (z + (t_next - t) * v_w)[free], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(v_w[free], v[free], atol=1e-3)  # the guidance term is not negligible here
+
+
+def test_final_decode_is_a_call_at_t1_on_the_final_state():
+    rec = Recorder(sharp=3.0)
+    out, _, pm = run(MLFMSampler(guidance=2.0, grid="uniform"), rec, nfe=7)
+    assert out.nfe == len(rec.calls) == 7
+    assert [t[0].item() for t in rec.times] == pytest.approx([0, 0, 1 / 3, 1 / 3, 2 / 3, 2 / 3, 1.0], abs=1e-7)
+    assert torch.all(rec.times[-1] == 1.0)
+    # It reads the last step's landing point z(1) = x̂₁,w (the bridge variance vanishes at t' = 1) ...
+    emb, free = rec.emb[:V], ~pm
+    x1, x1_corr = F.softmax(rec.outs[4], -1) @ emb, F.softmax(rec.outs[5], -1) @ emb
+    torch.testing.assert_close(rec.calls[-1][free], (x1 + 2.0 * (x1 - x1_corr))[free], rtol=1e-5, atol=1e-5)
+    # ... and its posterior is what is decoded (argmax at temperature 0) with its probability as the confidence.
+    final = F.softmax(rec.outs[-1], -1)
+    assert torch.equal(out.tokens[free], final.argmax(-1)[free])
+    torch.testing.assert_close(out.confidence[free], final.max(-1).values[free])
+
+
+def test_guidance_reaches_the_tokens_at_one_step():
+    """One bridge step: CCFG changes the tokens, decoded by the final call (NFE 2 + 1) or, at the smallest budget,
+    from the guided posterior (NFE 2); the suite's earlier decode (conditional posterior) could not."""
+    for decode, nfe in (("call", 2), ("guided", 1), ("call", 1)):
+        plain, _, _ = run(MLFMSampler(final_decode=decode), Recorder(sharp=3.0), nfe=nfe)
+        rec = Recorder(sharp=3.0)
+        guided, _, pm = run(MLFMSampler(guidance=4.0, final_decode=decode), rec, nfe=nfe + 1)
+        assert guided.nfe == len(rec.calls) == nfe + 1
+        assert not torch.equal(plain.tokens[~pm], guided.tokens[~pm]), decode
+    plain, _, _ = run(MLFMSampler(final_decode="conditional"), Recorder(sharp=3.0), nfe=1)
+    guided, _, _ = run(MLFMSampler(guidance=4.0, final_decode="conditional"), Recorder(sharp=3.0), nfe=2)
+    assert torch.equal(plain.tokens, guided.tokens)  # the earlier decode: the guided step never reached the output
+
+
+def test_ccfg_reference_noise_is_float64(monkeypatch):
+    kinds = []
+    original = BridgeProcess.sample
+
+    def spy(self, m, e_y, t, noised, generator, **kwargs):
+        kinds.append(kwargs.get("noise_dtype"))
+        return original(self, m, e_y, t, noised, generator, **kwargs)
+
+    monkeypatch.setattr(BridgeProcess, "sample", spy)
+    run(MLFMSampler(guidance=2.0), Recorder(), nfe=7)
+    assert kinds == [torch.float64] * 3  # one reference per step
+
+
+def test_ccfg_without_context_spends_one_nfe_per_step():
+    """No prompt in the batch: the reference would equal the state (v_corr = v), so it is skipped and CCFG is the
+    unguided sampler at the same budget; a batch where some rows have a prompt pays 2 NFE per step, and its
+    prompt-less rows follow the unguided field."""
+    none = torch.zeros(5, L, dtype=torch.bool)
+    rec = Recorder()
+    guided, _, _ = run(MLFMSampler(guidance=2.0), rec, nfe=8, pm=none)
+    plain, _, _ = run(MLFMSampler(), Recorder(), nfe=8, pm=none)
+    assert guided.nfe == len(rec.calls) == 8  # 7 steps + the final call
+    assert torch.equal(guided.tokens, plain.tokens) and torch.equal(guided.confidence, plain.confidence)
+    rounds = MLFMSampler(guidance=2.0, guidance_scope="context", otp_eps=0.3, otp_mode="rounds", rounds=2)
+    rec = Recorder()
+    out, _, _ = run(rounds, rec, nfe=10, pm=none)  # round 1: no context, 4 steps + 1; round 2: promoted, 2 × 2 + 1
+    assert out.nfe == len(rec.calls) == 10
+    mixed = none.clone()
+    mixed[2:, :3] = True
+    rec = Recorder()
+    guided, _, _ = run(MLFMSampler(guidance=2.0), rec, nfe=11, sigma=1e-12, pm=mixed)
+    plain, _, _ = run(MLFMSampler(), Recorder(), nfe=6, sigma=1e-12, pm=mixed)
+    assert guided.nfe == len(rec.calls) == 11  # 5 steps × 2 + 1
+    assert torch.equal(guided.tokens[:2], plain.tokens[:2])
+    torch.testing.assert_close(guided.confidence[:2], plain.confidence[:2])
+    # The decision is one host read per call (none inside the loop); check_context=False reads nothing, pays 2 NFE.
+    from tests.host_syncs import HostSyncs
+
+    for check, reads, calls in ((True, 1, 8), (False, 0, 7)):
+        rec = Recorder()
+        with HostSyncs() as syncs:
+            out, _, _ = run(MLFMSampler(guidance=2.0, check_context=check), rec, nfe=8, pm=none)
+        assert syncs.count == reads and out.nfe == len(rec.calls) == calls, syncs.where
+
+
+class Confident:
+    """A stub whose posterior at position 5 turns confident in token 2 (p ≈ 0.98) once t > ``after``; it records
+    every call's input."""
+
+    def __init__(self, after: float) -> None:
+        torch.manual_seed(4)
+        self.emb = torch.randn(V + 1, 8)
+        self.after = after
+        self.calls: list[torch.Tensor] = []
+
+    def __call__(self, z, t):
+        self.calls.append(z.clone())
+        logits = 0.1 * z @ self.emb[:V].T  # reads z, so the reference call differs
+        bump = torch.zeros(V)
+        bump[2] = 6.0
+        logits[:, 5] = logits[:, 5] + (t[:, None] > self.after) * bump
+        return logits
+
+    def sample(self, sampler: MLFMSampler, nfe: int):
+        model = BridgeDenoiser(fn=self, embeddings=self.emb[:V], mask_embedding=self.emb[V], process=BridgeProcess())
+        pm = torch.zeros(2, L, dtype=torch.bool)
+        pm[:, :3] = True
+        prompt = torch.randint(0, V, (2, L), generator=torch.Generator().manual_seed(1))
+        return sampler(model, prompt=prompt, prompt_mask=pm, nfe=nfe, generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("order", ["before_step", "after_step"])
+def test_otp_promotes_before_the_step(order):
+    """before_step (paper): a position promoted at a step is context for that step's CCFG reference (re-noised
+    there) and promotion acts at the last step too; after_step (the suite's earlier order) does neither."""
+    kw = {"guidance": 1.0, "guidance_scope": "context", "otp_eps": 0.05, "otp_order": order, "grid": "uniform"}
+    target = Confident(after=0.0).emb[2]
+    # 3 steps at t = 0, 1/3, 2/3 (calls 0–5: conditional, reference) + the final call; confident from t = 1/3 on.
+    stub = Confident(after=0.25)
+    out = stub.sample(MLFMSampler(**kw), nfe=7)
+    cond, ref = stub.calls[2][:, 5], stub.calls[3][:, 5]
+    assert torch.all(out.tokens[:, 5] == 2) and torch.equal(stub.calls[4][:, 5], target.expand(2, 8))
+    if order == "before_step":
+        assert not torch.allclose(ref, cond) and not torch.allclose(ref, target)  # re-noised from E_2 at t = 1/3
+    else:
+        assert torch.equal(ref, cond)
+    # Confident only at the last step (t = 2/3): promoted there, so the final call sees E_2 exactly (before_step).
+    stub = Confident(after=0.5)
+    stub.sample(MLFMSampler(**kw), nfe=7)
+    assert torch.equal(stub.calls[-1][:, 5], target.expand(2, 8)) == (order == "before_step")
 
 
 def test_otp_never_changes_a_promoted_token():
@@ -302,6 +506,10 @@ def test_sampler_bad_input_is_refused():
         MLFMSampler(otp_eps=1.0)
     with pytest.raises(ValueError, match="rounds"):
         MLFMSampler(rounds=2)
+    with pytest.raises(ValueError, match="otp_order"):
+        MLFMSampler(otp_order="late")
+    with pytest.raises(ValueError, match="final_decode"):
+        MLFMSampler(final_decode="argmax")
     with pytest.raises(ValueError, match="below one step per round"):
         MLFMSampler(guidance=1.0, otp_mode="rounds", rounds=3, otp_eps=0.1).check_budget(5)
     MLFMSampler(guidance=1.0, otp_mode="rounds", rounds=3, otp_eps=0.1).check_budget(6)
@@ -330,8 +538,8 @@ def test_mlfm_trains_from_its_mdm_and_refuses_wrong_sources(runs_env):
     assert not (runs_env / "runs" / "sudoku_mlfm_easy_tiny").exists()  # nothing written before the checks
 
     result = train(compose_config(overrides=base))
-    rows = {(r["sampler"], r["nfe"]) for r in result["rows"]}
-    assert rows == {("mlfm", 4.0), ("mlfm_ccfg", 4.0), ("mlfm_ccfg_otp", 4.0)}
+    rows = {(r["sampler"], r["nfe"]) for r in result["rows"]}  # 3 steps + 1, or 1 guided step × 2 + 1
+    assert rows == {("mlfm", 4.0), ("mlfm_ccfg", 3.0), ("mlfm_ccfg_otp", 3.0)}
     ckpt = torch.load(Path(result["run_dir"], "checkpoints", "last.ckpt"), weights_only=False)
     assert ckpt["flowlm"]["family"] == "mlfm"
     # The frozen MDM stayed the MDM: its blocks equal the source checkpoint's.
@@ -353,4 +561,5 @@ def test_mlfm_trains_from_its_mdm_and_refuses_wrong_sources(runs_env):
         )
     )
     assert {r["sampler"] for r in out["rows"]} == {f"w{w}{o}" for w in (0, 1, 2, 4) for o in ("", "_otp")}
-    assert all(r["nfe"] == 4.0 for r in out["rows"])  # 4 plain steps, or 2 guided steps × 2 NFE
+    # 3 plain steps + the final call, or 1 guided step × 2 NFE + the final call (one NFE of the budget unspent)
+    assert all(r["nfe"] == (4.0 if r["sampler"].startswith("w0") else 3.0) for r in out["rows"])

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 TIME_DISTRIBUTIONS = ("uniform", "gamma_uniform", "gamma_mixture")
+MASK_SCHEDULES = ("affine", "clip")
 
 
 def gamma_of_t(t: Tensor, sigma: float) -> Tensor:
@@ -30,9 +31,16 @@ def t_of_gamma(gamma: Tensor, sigma: float) -> Tensor:
     return torch.sigmoid(2 * math.log(sigma) - gamma)
 
 
-def cosine_mask_prob(u: Tensor, *, s_min: float = 0.05) -> Tensor:
-    """Masking probability s = cos(π/2 · u) for u ~ U(0, 1), clipped to [s_min, 1] (MaskGIT's cosine schedule)."""
-    return torch.cos(0.5 * math.pi * u).clamp(min=s_min, max=1.0)
+def cosine_mask_prob(u: Tensor, *, s_min: float = 0.05, schedule: str = "affine") -> Tensor:
+    """Masking probability s for u ~ U(0, 1) from MaskGIT's cosine: ``affine`` maps cos(πu/2) onto [s_min, 1] (the
+    released code's ``maskgit_cosine`` with ``mask_p_min`` = s_min, ``mask_p_max`` = 1); ``clip`` clips it to
+    [s_min, 1] (the suite's earlier schedule: mass s_min at u ≥ 2/π·arccos(s_min))."""
+    cosine = torch.cos(0.5 * math.pi * u)
+    if schedule == "affine":
+        return s_min + (1 - s_min) * cosine  # s = s_min + (1 − s_min)·cos(πu/2)
+    if schedule == "clip":
+        return cosine.clamp(min=s_min, max=1.0)  # s = min(1, max(s_min, cos(πu/2)))
+    raise ValueError(f"unknown mask schedule {schedule!r}; known: {list(MASK_SCHEDULES)}")
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,8 @@ class BridgeProcess:
         code's mixture (0.1 uniform on [−10, 6] + 0.9 N(−2.5, 2²), its fitted third component being optional and
         absent here), which trains most where the bridge turns from [MASK]- to token-dominated.
     ``condition_on``: the network reads ``t`` itself or γ mapped linearly from [γ_min, γ_max] onto [0, 1].
+    ``mask_schedule``: how the masking probability s is drawn (``cosine_mask_prob``): ``affine`` (released,
+    s_min + (1 − s_min)·cos(πu/2)) or ``clip`` (cos(πu/2) clipped to [s_min, 1]).
     """
 
     sigma: float = 0.2
@@ -59,6 +69,7 @@ class BridgeProcess:
     gamma_std: float = 2.0
     mixture_uniform: float = 0.1
     s_min: float = 0.05
+    mask_schedule: str = "affine"
 
     def __post_init__(self) -> None:
         if not self.sigma > 0:
@@ -75,6 +86,8 @@ class BridgeProcess:
             raise ValueError("gamma mixture needs mixture_uniform in [0, 1] and gamma_std > 0")
         if not 0 < self.s_min <= 1:
             raise ValueError(f"s_min must be in (0, 1], got {self.s_min}")
+        if self.mask_schedule not in MASK_SCHEDULES:
+            raise ValueError(f"unknown mask schedule {self.mask_schedule!r}; known: {list(MASK_SCHEDULES)}")
 
     # ---------------------------------------------------------------------------------------------- marginals
     def mean_std(self, m: Tensor, e_y: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
@@ -82,11 +95,21 @@ class BridgeProcess:
         t = t.reshape(-1, *([1] * (e_y.dim() - 1))).to(e_y.dtype)
         return (1 - t) * m + t * e_y, self.sigma * torch.sqrt((t * (1 - t)).clamp_min(0))
 
-    def sample(self, m: Tensor, e_y: Tensor, t: Tensor, noised: Tensor, generator: torch.Generator | None) -> Tensor:
-        """z_t: the bridge marginal at the ``noised`` (B, L) positions, E_y exactly elsewhere."""
+    def sample(
+        self,
+        m: Tensor,
+        e_y: Tensor,
+        t: Tensor,
+        noised: Tensor,
+        generator: torch.Generator | None,
+        *,
+        noise_dtype: torch.dtype | None = None,
+    ) -> Tensor:
+        """z_t: the bridge marginal at the ``noised`` (B, L) positions, E_y exactly elsewhere. The Gaussian noise is
+        drawn in ``noise_dtype`` (default: E_y's dtype) and used in E_y's dtype."""
         mean, std = self.mean_std(m, e_y, t)
-        eps = torch.randn(e_y.shape, generator=generator, device=e_y.device, dtype=e_y.dtype)
-        return torch.where(noised[..., None], mean + std * eps, e_y)
+        eps = torch.randn(e_y.shape, generator=generator, device=e_y.device, dtype=noise_dtype or e_y.dtype)
+        return torch.where(noised[..., None], mean + std * eps.to(e_y.dtype), e_y)  # (1 − t)·m + t·E_y + σ√(t(1−t))·ε
 
     # ---------------------------------------------------------------------------------------------- training
     def sample_t(self, n: int, *, generator: torch.Generator | None, device: torch.device | str = "cpu") -> Tensor:
@@ -146,9 +169,9 @@ class BridgeProcess:
         return ((gamma - self.gamma_min) / (self.gamma_max - self.gamma_min)).to(t.dtype)
 
     def mask_prob(self, n: int, *, generator: torch.Generator | None, device: torch.device | str = "cpu") -> Tensor:
-        """Per-sequence masking probabilities s from the clipped cosine schedule."""
+        """Per-sequence masking probabilities s from the configured cosine schedule (``mask_schedule``)."""
         u = torch.rand(n, generator=generator)
-        return cosine_mask_prob(u, s_min=self.s_min).to(device, non_blocking=True)
+        return cosine_mask_prob(u, s_min=self.s_min, schedule=self.mask_schedule).to(device, non_blocking=True)
 
     # ---------------------------------------------------------------------------------------------- sampling
     def ddpm_step(self, z: Tensor, x1: Tensor, t: float, t_next: float, generator: torch.Generator | None) -> Tensor:

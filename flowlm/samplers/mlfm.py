@@ -1,16 +1,28 @@
 """MLFM sampler: bridge-DDPM steps on embeddings with CCFG and Online Token Promotion (methods.md §6).
 
 One step from t to t' on the free (masked, not promoted) positions:
-    x̂₁ = softmax(logits(z, t))·E                              endpoint estimate (1 NFE)
-    CCFG: x̂₁ ← x̂₁ + w·(x̂₁ − x̂₁(z_corr)), z_corr = z with the context re-noised by the bridge marginal at t
-          (1 more NFE); with the same z this is the guided field v_w = v + w·(v − v_corr), v = (x̂₁ − z)/(1 − t)
-    z' ~ N(((1 − t')/(1 − t))·z + ((t' − t)/(1 − t))·x̂₁, σ²(t' − t)(1 − t')/(1 − t)·I)
+    p = softmax(logits(z, t)),  x̂₁ = p·E                      posterior and endpoint estimate (1 NFE)
+    CCFG: v_w = v + w·(v − v_corr), v = (x̂₁ − z)/(1 − t), v_corr from z_corr = z with the context re-noised by the
+          bridge marginal at t (1 more NFE; noise drawn in float64). At the same z (z_corr = z at free positions) this
+          is x̂₁,w = x̂₁ + w·(x̂₁ − x̂₁,corr) = q·E with q = p + w·(p − p_corr), the guided posterior (rows with no
+          context take q = p exactly).
+    z' ~ N(((1 − t')/(1 − t))·z + ((t' − t)/(1 − t))·x̂₁,w, σ²(t' − t)(1 − t')/(1 − t)·I)
     clean positions (prompt, promoted tokens) are reset to their embeddings.
-OTP (paper): after a step, a free position whose posterior mode has probability ≥ 1 − ε is promoted — fixed to the
-mode's embedding and treated as context from then on. The released code's variant (``otp_mode=rounds``) instead runs
-whole trajectories and promotes between them (at least one token per round, as it does). Promotion and the final
-decoding read the conditional posterior softmax(logits(z, t)) (the released code's choice; guidance acts on the
-trajectory); at t' = 1 the free positions take a draw from the last step's posterior at ``temperature`` (0 = argmax).
+The last step lands at t' = 1, where z = x̂₁,w exactly. Final decoding (``final_decode``):
+  - ``call`` (the released sampler, ``SamplingProposal.propose``: one more network call on the final state at the
+    end of the time grid, conditional only, as with its default velocity-space guidance): free positions take a draw at
+    ``temperature`` (0 = argmax) from softmax(logits(z, 1)). It costs 1 NFE per trajectory and is made whenever the
+    budget has room for it after one step; at the smallest budgets (NFE 1, or 2 with CCFG) the trajectory decodes
+    ``guided`` instead.
+  - ``guided``: the last step's guided posterior q (negative parts clipped, renormalised), no extra call.
+  - ``conditional``: the last step's conditional posterior p (the suite's earlier decode: the last bridge step and
+    its CCFG reference are spent but do not reach the tokens).
+OTP (paper): a free position whose posterior mode has probability ≥ 1 − ε is promoted — fixed to the mode's embedding
+and treated as context from then on. ``otp_order=before_step`` (default) promotes from a step's posterior before its
+bridge step, at every step: the CCFG reference of that step (``guidance_scope=context``) already re-noises the new
+context. ``after_step`` (the suite's earlier order) promotes after the bridge step and not at the last step; the
+promoted positions are otherwise the same. The released code's variant (``otp_mode=rounds``) runs whole trajectories
+and promotes between them from the final posterior (at least one token per round, as it does).
 """
 
 from __future__ import annotations
@@ -28,6 +40,8 @@ from flowlm.samplers.base import SampleOutput, Sampler, check_temperature, pick_
 
 GUIDANCE_SCOPES = ("prompt", "context")
 OTP_MODES = ("trajectory", "rounds")
+OTP_ORDERS = ("before_step", "after_step")
+FINAL_DECODES = ("call", "guided", "conditional")
 GRIDS = ("uniform", "density")
 
 
@@ -43,10 +57,18 @@ class BridgeDenoiser:
 
 
 class MLFMSampler(Sampler):
-    """Bridge-DDPM sampling with optional CCFG (``guidance`` w > 0: 2 NFE per step) and OTP (``otp_eps`` > 0).
+    """Bridge-DDPM sampling with optional CCFG (``guidance`` w > 0) and OTP (``otp_eps`` > 0).
 
-    The NFE budget sets the number of steps: ⌊nfe / (cost per step)⌋, split evenly over ``rounds`` trajectories in
-    the round-based OTP variant. ``grid``: steps uniform in t, or at equal quantiles of the training t density.
+    NFE = network calls made, never above the budget. The budget is split evenly over ``rounds`` trajectories
+    (n = ⌊nfe / rounds⌋ each); a step costs c = 2 NFE with CCFG (conditional + context-corrupted reference), else 1.
+    With ``final_decode=call`` a trajectory takes ⌊(n − 1)/c⌋ steps plus the final call at t = 1 (1 NFE), or, when
+    n = c, one step and no final call; otherwise ⌊n/c⌋ steps. CCFG on a batch with no context to corrupt (no prompt
+    in any row; with ``guidance_scope=context`` also no promoted token: the first round of ``otp_mode=rounds``, or
+    OTP off) skips the reference: its v_corr = v, so c = 1 and the sampler is the unguided one. Deciding this reads
+    the prompt mask back once per call (w > 0 only), nothing inside the loop; ``check_context=False`` reads nothing
+    and always pays c = 2 with CCFG. A batch where only some rows have context pays c = 2, and its rows without
+    context take v_w = v exactly.
+    ``grid``: steps uniform in t, or at equal quantiles of the training t density.
     """
 
     family = "mlfm"
@@ -58,8 +80,11 @@ class MLFMSampler(Sampler):
         guidance_scope: str = "prompt",
         otp_eps: float = 0.0,
         otp_mode: str = "trajectory",
+        otp_order: str = "before_step",
         rounds: int = 1,
         grid: str = "uniform",
+        final_decode: str = "call",
+        check_context: bool = True,
         temperature: float = 0.0,
     ) -> None:
         if guidance < 0:
@@ -70,31 +95,46 @@ class MLFMSampler(Sampler):
             raise ValueError(f"OTP ε must be in [0, 1) (0 = no promotion), got {otp_eps}")
         if otp_mode not in OTP_MODES:
             raise ValueError(f"otp_mode must be one of {OTP_MODES}, got {otp_mode!r}")
+        if otp_order not in OTP_ORDERS:
+            raise ValueError(f"otp_order must be one of {OTP_ORDERS}, got {otp_order!r}")
         if rounds < 1 or (rounds > 1 and otp_mode != "rounds"):
             raise ValueError(f"rounds={rounds}: must be ≥ 1, and > 1 only with otp_mode=rounds")
         if grid not in GRIDS:
             raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
+        if final_decode not in FINAL_DECODES:
+            raise ValueError(f"final_decode must be one of {FINAL_DECODES}, got {final_decode!r}")
         self.guidance = guidance
         self.guidance_scope = guidance_scope
         self.otp_eps = otp_eps
         self.otp_mode = otp_mode
+        self.otp_order = otp_order
         self.rounds = rounds
         self.grid = grid
+        self.final_decode = final_decode
+        self.check_context = check_context
         self.temperature = check_temperature(temperature)
 
     @property
     def cost_per_step(self) -> int:
-        """Network calls per step: 2 with CCFG (conditional + context-corrupted), else 1."""
+        """Network calls per step at most: 2 with CCFG (conditional + context-corrupted), else 1."""
         return 2 if self.guidance > 0 else 1
 
+    def plan(self, nfe: int, cost: int) -> tuple[int, bool]:
+        """(steps per trajectory, whether each ends with the final call at t = 1) for a budget and a step cost."""
+        per_round = nfe // self.rounds
+        if self.final_decode == "call" and per_round >= cost + 1:
+            return (per_round - 1) // cost, True
+        return per_round // cost, False
+
     def check_budget(self, nfe: int, *, free_positions: int | None = None) -> None:
-        """At least one step per trajectory."""
+        """At least one step per trajectory (at the step cost of a batch with context)."""
         super().check_budget(nfe)
         need = self.cost_per_step * self.rounds
         if nfe < need:
             raise ValueError(
                 f"MLFMSampler: NFE budget {nfe} is below one step per round ({self.rounds} round(s) × "
-                f"{self.cost_per_step} NFE per step{' with CCFG' if self.guidance > 0 else ''} = {need})"
+                f"{self.cost_per_step} NFE per step{' with CCFG' if self.guidance > 0 else ''} = {need}); the final "
+                "call at t = 1 (1 NFE per round) is made only when the budget leaves room for it"
             )
 
     def __call__(
@@ -102,21 +142,37 @@ class MLFMSampler(Sampler):
     ) -> SampleOutput:
         """Sample completions of ``prompt``; returns tokens, per-token confidence and the NFE spent."""
         self.check_budget(nfe)
-        steps = nfe // (self.cost_per_step * self.rounds)
         fixed = prompt_mask.clone()
         tokens = torch.where(fixed, prompt, 0)  # free positions hold a placeholder id until decoded
         confidence = prompt_mask.float()
+        in_trajectory = self.otp_eps > 0 and self.otp_mode == "trajectory"
+        has_prompt: bool | None = None
         spent = 0
         for r in range(self.rounds):
-            last_round = r == self.rounds - 1
-            in_trajectory = self.otp_eps > 0 and self.otp_mode == "trajectory"
+            reference = self.guidance > 0
+            # Context that appears during sampling: promoted tokens (≥ 1 per row after a round; maybe mid-trajectory)
+            promoted_context = self.guidance_scope == "context" and (r > 0 or in_trajectory)
+            if reference and self.check_context and not promoted_context:
+                if has_prompt is None:
+                    has_prompt = bool(prompt_mask.any())  # the one host read of a call (CCFG only)
+                reference = has_prompt
+            steps, final_call = self.plan(nfe, 2 if reference else 1)
             out = self._trajectory(
-                model, tokens, fixed, confidence, prompt_mask, steps, generator, promote=in_trajectory
+                model,
+                tokens,
+                fixed,
+                confidence,
+                prompt_mask,
+                generator,
+                steps=steps,
+                reference=reference,
+                final_call=final_call,
+                promote=in_trajectory,
             )
             tokens, fixed, confidence = out.tokens, out.fixed, out.confidence
             spent += out.nfe
             free = ~fixed
-            if last_round:  # decode everything still free
+            if r == self.rounds - 1:  # decode everything still free
                 draw = pick_tokens(out.final_log_probs, self.temperature, generator)
                 p_draw = out.final_log_probs.gather(-1, draw[..., None]).squeeze(-1).exp()
                 tokens = torch.where(free, draw, tokens)
@@ -132,6 +188,12 @@ class MLFMSampler(Sampler):
                 fixed = fixed | new
         return SampleOutput(tokens=tokens, confidence=confidence, nfe=spent)
 
+    def _promote(self, probs: Tensor, tokens: Tensor, fixed: Tensor, confidence: Tensor) -> tuple[Tensor, ...]:
+        """OTP: fix every free position whose posterior mode has probability ≥ 1 − ε to that mode."""
+        pmax, mode = probs.max(-1)
+        new = ~fixed & (pmax >= 1 - self.otp_eps)
+        return torch.where(new, mode, tokens), fixed | new, torch.where(new, pmax, confidence)
+
     def _trajectory(
         self,
         model: BridgeDenoiser,
@@ -139,12 +201,15 @@ class MLFMSampler(Sampler):
         fixed: Tensor,
         confidence: Tensor,
         prompt_mask: Tensor,
-        steps: int,
         generator: torch.Generator,
         *,
+        steps: int,
+        reference: bool,
+        final_call: bool,
         promote: bool,
     ) -> _Trajectory:
-        """One trajectory from t = 0 to 1 with ``fixed`` positions clean (and, if ``promote``, OTP inside it)."""
+        """One trajectory from t = 0 to 1 with ``fixed`` positions clean (and, if ``promote``, OTP inside it):
+        ``steps`` bridge steps (with the CCFG reference call if ``reference``), then the final posterior."""
         emb = model.embeddings.float()
         m = model.mask_embedding.float()
         b = tokens.shape[0]
@@ -154,33 +219,41 @@ class MLFMSampler(Sampler):
         clean = emb[tokens]
         z = torch.where(fixed[..., None], clean, m)  # t = 0: every free position at the [MASK] embedding
         nfe = 0
-        logits = None
+        logits = guided = None
         for k in range(steps):
             t, t_next = grid[k], grid[k + 1]
             tt = torch.full((b,), t, device=z.device)
             logits = model.fn(z, tt).float()
             nfe += 1
             probs = F.softmax(logits, -1)
-            x1 = probs @ emb  # x̂₁ = softmax(logits)·E
-            if self.guidance > 0:
+            if promote and self.otp_order == "before_step":
+                tokens, fixed, confidence = self._promote(probs, tokens, fixed, confidence)
+                clean = emb[tokens]
+            guided = probs
+            if reference:
                 # CCFG reference: the context re-noised by the forward bridge marginal at the current t.
                 scope = prompt_mask if self.guidance_scope == "prompt" else fixed
-                z_corr = process.sample(m, clean, tt, scope, generator)
+                z_corr = process.sample(m, clean, tt, scope, generator, noise_dtype=torch.float64)
                 z_corr = torch.where(scope[..., None], z_corr, z)
-                x1_corr = F.softmax(model.fn(z_corr, tt).float(), -1) @ emb
+                probs_corr = F.softmax(model.fn(z_corr, tt).float(), -1)
                 nfe += 1
-                # v_w = v + w·(v − v_corr) with v = (x̂₁ − z)/(1 − t) at the same z ⇔ x̂₁ + w·(x̂₁ − x̂₁,corr).
-                x1 = x1 + self.guidance * (x1 - x1_corr)
-            z = process.ddpm_step(z, x1, t, t_next, generator)
-            if promote and k < steps - 1:
-                pmax, mode = probs.max(-1)
-                new = ~fixed & (pmax >= 1 - self.otp_eps)
-                tokens = torch.where(new, mode, tokens)
-                confidence = torch.where(new, pmax, confidence)
-                fixed = fixed | new
+                w = self.guidance * scope.any(-1).to(probs.dtype)[:, None, None]  # a row with no context: v_corr = v
+                # v_w = v + w·(v − v_corr), v = (x̂₁ − z)/(1 − t): at the same z, x̂₁,w = q·E, q = p + w·(p − p_corr)
+                guided = probs_corr.sub_(probs).mul_(-w).add_(probs)  # in place: one (B, L, |V|) buffer
+            z = process.ddpm_step(z, guided @ emb, t, t_next, generator)
+            if promote and self.otp_order == "after_step" and k < steps - 1:
+                tokens, fixed, confidence = self._promote(probs, tokens, fixed, confidence)
                 clean = emb[tokens]
             z = torch.where(fixed[..., None], clean, z)  # clean positions are reset every step
-        log_probs = F.log_softmax(logits, -1)  # the last step's posterior (only the last one is read)
+        if final_call:  # the released decode: one conditional call on the final state, at t = 1
+            logits = model.fn(z, torch.full((b,), grid[-1], device=z.device)).float()
+            nfe += 1
+            log_probs = F.log_softmax(logits, -1)
+        elif self.final_decode == "conditional":  # the last step's conditional posterior
+            log_probs = F.log_softmax(logits, -1)
+        else:  # the last step's guided posterior q, where z(1) = q·E (clipped at 0, renormalised)
+            q = guided.clamp_min(0)
+            log_probs = (q / q.sum(-1, keepdim=True)).log()
         return _Trajectory(tokens=tokens, fixed=fixed, confidence=confidence, final_log_probs=log_probs, nfe=nfe)
 
 
