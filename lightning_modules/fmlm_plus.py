@@ -25,6 +25,7 @@ from flowlm.processes.gaussian_flow import (
     DISTILL,
     KIND_NAMES,
     batch_kinds_and_times,
+    batch_uniforms,
     flow_map,
     noisy_state,
     one_hot,
@@ -33,7 +34,13 @@ from flowlm.processes.gaussian_flow import (
 )
 from flowlm.samplers.base import FlowDenoiser
 from lightning_modules.base import FlowLMModule
-from lightning_modules.checkpoints import check_family, copy_backbone, load_module, read_checkpoint
+from lightning_modules.checkpoints import (
+    check_backbone_options,
+    check_family,
+    copy_backbone,
+    load_module,
+    read_checkpoint,
+)
 
 
 class FMLMPlusModule(FlowLMModule):
@@ -53,7 +60,8 @@ class FMLMPlusModule(FlowLMModule):
         init_from: str | None = None,
         teacher: str | None = None,
         teacher_train_mode: bool = True,
-        zero_t_embedding: bool = True,
+        zero_t_embedding: bool = False,
+        antithetic: bool = True,
         seed: int = 0,
     ) -> None:
         super().__init__(data_vocab_size=data_vocab_size, seq_len=seq_len, backbone=backbone, optim=optim, seed=seed)
@@ -66,6 +74,7 @@ class FMLMPlusModule(FlowLMModule):
         self.teacher_path = teacher
         self.teacher_train_mode = teacher_train_mode
         self.zero_t_embedding = zero_t_embedding
+        self.antithetic = antithetic
         self.net = self.build_backbone(data_vocab_size, two_times=True)
         self.init_report: dict[str, list[str]] | None = None
         self._teacher = None  # a frozen MDM, kept out of the state dict
@@ -89,6 +98,8 @@ class FMLMPlusModule(FlowLMModule):
                 families = ("mdm", "flow") if role == "init_from" else "mdm"  # init: an MDM, or an FLM/FMLM
                 check_family(ckpt["flowlm"], path, family=families, data_vocab_size=self.data_vocab_size, role=role)
                 if role == "init_from":  # a dry run on a copy: another backbone size fails here, not mid-fit
+                    timed = ckpt["flowlm"].get("family") == "flow" or ckpt["hyper_parameters"].get("time_conditioning")
+                    check_backbone_options(ckpt, self.backbone_cfg, path, role=role, time_conditioned=bool(timed))
                     copy_backbone(copy.deepcopy(self.net), ckpt["state_dict"])
 
     def on_fit_start(self) -> None:
@@ -108,11 +119,12 @@ class FMLMPlusModule(FlowLMModule):
             object.__setattr__(self, "_teacher", teacher)  # not a submodule: never saved, never optimised
 
     def initialise_from(self, state: dict[str, Tensor]) -> dict[str, list[str]]:
-        """Copy an MDM's DiT ([MASK] rows dropped; the new t-embedding made to output zero) or an FLM/FMLM's.
+        """Copy an MDM's DiT ([MASK] rows dropped; the new t-embedding fresh) or an FLM/FMLM's.
 
-        With emb_t ≡ 0 the conditioning equals the MDM's, so with every time at 0 the initialised network computes
-        the MDM's logits exactly, up to its input: ε·E for a noised token instead of the [MASK] embedding (tested).
-        The released code leaves emb_t at its random default (``zero_t_embedding=False``).
+        The released code leaves the new emb_t at its random initialisation (``zero_t_embedding=False``, the
+        default). With ``zero_t_embedding`` its last layer is zeroed: emb_t ≡ 0, the conditioning equals the MDM's,
+        and with every time at 0 the initialised network computes the MDM's logits exactly, up to its input: ε·E for
+        a noised token instead of the [MASK] embedding (tested).
         """
         self.init_report = copy_backbone(self.net, state)
         if self.zero_t_embedding and any(name.startswith("emb_t.") for name in self.init_report["fresh"]):
@@ -124,17 +136,26 @@ class FMLMPlusModule(FlowLMModule):
 
     # ---------------------------------------------------------------------------------------------- training
     def flow_loss(
-        self, batch: dict, kinds: Tensor, s: Tensor, t: Tensor, gen: torch.Generator | None, *, parts: bool = False
+        self,
+        batch: dict,
+        kinds: Tensor,
+        s: Tensor,
+        t: Tensor,
+        gen: torch.Generator | None,
+        *,
+        parts: bool = False,
+        rates: Tensor | None = None,
     ) -> dict:
         """Loss of one batch for given pair kinds (on the host: they pick the rows of the teacher passes without a
-        device read) and per-sequence times (B,); with ``parts`` also each kind's mean per-token loss."""
+        device read), per-sequence times (B,) and context rates f (B,) (drawn from ``gen`` when not given); with
+        ``parts`` also each kind's mean per-token loss."""
         tokens, prompt = batch["tokens"], batch["prompt_mask"]
         b, length = tokens.shape
         v = self.data_vocab_size
         onehot = one_hot(tokens, v)
         if self.context:  # context set: each non-prompt token is clean with probability f ~ U(0, 1)
-            f = torch.rand(b, 1, generator=gen, device=tokens.device)
-            ctx = (torch.rand(b, length, generator=gen, device=tokens.device) < f) & ~prompt
+            f = torch.rand(b, generator=gen, device=tokens.device) if rates is None else rates.to(tokens.device)
+            ctx = (torch.rand(b, length, generator=gen, device=tokens.device) < f[:, None]) & ~prompt
         else:
             ctx = torch.zeros_like(prompt)
         active = ~prompt & ~ctx
@@ -200,15 +221,26 @@ class FMLMPlusModule(FlowLMModule):
             offset=offset,
             count=local_batch,
             generator=self.step_generator(0, batch_idx, shared=True),
+            antithetic=self.antithetic,
             **self.shares,
         )
 
+    def sample_context_rates(self, local_batch: int, batch_idx: int) -> Tensor:
+        """This micro-batch's slice of one global draw of context rates f ~ U(0, 1) (stratified with
+        ``antithetic``, as the released code draws them), on the host."""
+        n_global, offset = self.global_batch_slice(local_batch, batch_idx)
+        gen = self.step_generator(2, batch_idx, shared=True)
+        return batch_uniforms(n_global, generator=gen, antithetic=self.antithetic)[offset : offset + local_batch]
+
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         """Diagonal CE + semigroup self-distillation (+ MDM distillation) on active tokens."""
-        kinds, s, t = self.sample_pairs(batch["tokens"].shape[0], batch_idx)  # on the host
+        b = batch["tokens"].shape[0]
+        kinds, s, t = self.sample_pairs(b, batch_idx)  # on the host
+        rates = self.sample_context_rates(b, batch_idx).float()
         gen = self.step_generator(1, batch_idx, shared=False, device=self.device)
-        s, t = (x.to(self.device, non_blocking=True) for x in (s, t))  # a blocking copy would sync the stream
-        parts = self.flow_loss(batch, kinds, s, t, gen, parts=self.logs_this_step())
+        # a blocking copy would sync the stream
+        s, t, rates = (x.to(self.device, non_blocking=True) for x in (s, t, rates))
+        parts = self.flow_loss(batch, kinds, s, t, gen, parts=self.logs_this_step(), rates=rates)
         self.log("train/loss", parts["loss"], prog_bar=True)
         for name in KIND_NAMES:
             if name in parts:

@@ -106,13 +106,13 @@ class _MDMAsFlow(torch.nn.Module):
         return F.log_softmax(self.mdm(ids, torch.zeros(x.shape[0]))[..., : self.mdm.mask_id].float(), -1)
 
 
-def _mdm_and_flow(v: int, length: int) -> tuple[MDMModule, FMLMPlusModule]:
+def _mdm_and_flow(v: int, length: int, **flow_kwargs) -> tuple[MDMModule, FMLMPlusModule]:
     """A randomly weighted MDM (non-zero output) and a fresh FMLM+ of the same backbone size."""
     torch.manual_seed(0)
     mdm = MDMModule(data_vocab_size=v, seq_len=length, backbone=BACKBONE, optim={})
     for p in mdm.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    return mdm, FMLMPlusModule(data_vocab_size=v, seq_len=length, backbone=BACKBONE, optim={})
+    return mdm, FMLMPlusModule(data_vocab_size=v, seq_len=length, backbone=BACKBONE, optim={}, **flow_kwargs)
 
 
 def test_diagonal_loss_at_zero_equals_mdm_cross_entropy():
@@ -143,7 +143,7 @@ def test_diagonal_loss_at_zero_equals_mdm_cross_entropy():
 
 def test_mdm_initialisation_copies_weights_and_reproduces_the_mdm():
     v, length = 6, 8
-    mdm, flow = _mdm_and_flow(v, length)
+    mdm, flow = _mdm_and_flow(v, length, zero_t_embedding=True)  # the released default (False) keeps emb_t random
     report = flow.initialise_from(mdm.state_dict())
     assert set(report["sliced"]) == {"embed.weight", "final.linear.weight", "final.linear.bias"}
     assert report["fresh"] and all(name.startswith("emb_t.") for name in report["fresh"])

@@ -365,3 +365,51 @@ def test_a_source_checkpoint_with_another_attention_cap_is_refused(tmp_path):
     check_backbone_options(ckpt, {**target, "attn_softcap": 0.0}, "mdm.ckpt", role="init_from", time_conditioned=False)
     with pytest.raises(ValueError, match="time_scale=1000.0 there, 1.0 here"):  # only if the source read its time
         check_backbone_options(ckpt, {**target, "attn_softcap": 0.0}, "m", role="init_from", time_conditioned=True)
+
+
+# --------------------------------------------------------------------- FMLM+ draws: antithetic over the batch
+
+
+def test_batch_uniforms_take_one_draw_per_stratum_in_random_order():
+    from flowlm.processes.gaussian_flow import batch_uniforms
+
+    u = batch_uniforms(256, generator=torch.Generator().manual_seed(0))
+    assert u.dtype == torch.float64 and torch.equal(torch.sort((u * 256).floor()).values, torch.arange(256.0))
+    assert (u[1:] > u[:-1]).float().mean().item() < 0.6  # not in stratum order: two draws are not correlated
+    iid = batch_uniforms(256, generator=torch.Generator().manual_seed(0), antithetic=False)
+    assert len(torch.unique((iid * 256).floor())) < 200  # i.i.d.: ≈ 256·(1 − 1/e) = 162 distinct strata
+
+
+def test_fmlm_plus_times_and_context_rates_are_stratified_over_the_global_batch():
+    from lightning_modules.fmlm_plus import FMLMPlusModule
+
+    module = FMLMPlusModule(
+        data_vocab_size=4, seq_len=6, backbone={"d_model": 16, "n_layers": 1, "n_heads": 2, "cond_dim": 8}, optim={}
+    )
+    assert module.antithetic
+    rates = module.sample_context_rates(128, 0)
+    assert torch.equal(torch.sort((rates * 128).floor()).values, torch.arange(128.0))
+    kinds, s, t = module.sample_pairs(128, 0)
+    gap = (t - s).double()  # off-diagonal rows: t − s = u1; diagonal rows s = t = u1
+    u1 = torch.where(kinds == 0, s.double(), gap)
+    strata = (u1[(kinds == 0) | (kinds == 2)] * 128).floor()
+    assert len(torch.unique(strata)) == len(strata)  # no two rows share a stratum
+    module.antithetic = False
+    assert len(torch.unique((module.sample_context_rates(128, 0) * 128).floor())) < 110
+
+
+def test_an_init_source_with_another_attention_cap_is_refused_before_compute(tmp_path):
+    from lightning_modules.fmlm_plus import FMLMPlusModule
+
+    _save(_mdm(attn_softcap=0.0), tmp_path / "mdm.ckpt")
+    small = {"d_model": 32, "n_layers": 1, "n_heads": 4, "cond_dim": 16}
+    flow = FMLMPlusModule(data_vocab_size=5, seq_len=6, backbone=small, optim={}, init_from=str(tmp_path / "mdm.ckpt"))
+    with pytest.raises(ValueError, match="attn_softcap=0.0 there, 50.0 here"):
+        flow.validate_inputs()
+    FMLMPlusModule(
+        data_vocab_size=5,
+        seq_len=6,
+        backbone={**small, "attn_softcap": 0.0},
+        optim={},
+        init_from=str(tmp_path / "mdm.ckpt"),
+    ).validate_inputs()

@@ -69,6 +69,16 @@ def split_counts(global_batch: int, *, diagonal: float = 0.5, boundary: float = 
     return n_diag, n_bound, rest - n_diag - n_bound, n_dist
 
 
+def batch_uniforms(n: int, *, generator: torch.Generator, antithetic: bool = True) -> Tensor:
+    """n float64 U(0, 1) draws: i.i.d., or ``antithetic`` (the released code's ``training.antithetic_sampling``):
+    one per stratum [i/n, (i+1)/n) of [0, 1), in random order, so each draw is still U(0, 1) but the batch covers
+    the interval evenly."""
+    u = torch.rand(n, generator=generator, dtype=torch.float64)
+    if not antithetic:
+        return u
+    return ((torch.arange(n, dtype=torch.float64) + u) / n)[torch.randperm(n, generator=generator)]
+
+
 def batch_kinds_and_times(
     global_batch: int,
     *,
@@ -78,17 +88,19 @@ def batch_kinds_and_times(
     diagonal: float = 0.5,
     boundary: float = 1 / 64,
     distill: float = 0.0,
+    antithetic: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Kinds and (s, t) for a slice [offset, offset+count) of one global draw (identical on every rank).
 
     diagonal: s = t ~ U(0, 1); boundary: s = 0, t = 1; off-diagonal: t−s ~ U(0, 1), s ~ U(0, 1−(t−s));
-    distill: s = t = 0 (δ_{0,0} against an MDM teacher).
+    distill: s = t = 0 (δ_{0,0} against an MDM teacher). The two uniforms behind the times are stratified over the
+    global batch with ``antithetic`` (``batch_uniforms``), as in the released code.
     """
     counts = split_counts(global_batch, diagonal=diagonal, boundary=boundary, distill=distill)
     kinds = torch.repeat_interleave(torch.arange(4), torch.tensor(counts), output_size=global_batch)
     kinds = kinds[torch.randperm(global_batch, generator=generator)]
-    u1 = torch.rand(global_batch, generator=generator, dtype=torch.float64)
-    u2 = torch.rand(global_batch, generator=generator, dtype=torch.float64)
+    u1 = batch_uniforms(global_batch, generator=generator, antithetic=antithetic)
+    u2 = batch_uniforms(global_batch, generator=generator, antithetic=antithetic)
     gap = u1
     s_off = u2 * (1 - gap)
     s = torch.where(kinds == DIAGONAL, u1, torch.where(kinds == OFF_DIAGONAL, s_off, torch.zeros_like(u1)))
