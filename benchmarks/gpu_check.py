@@ -1,6 +1,7 @@
 """GPU performance check (issue 8), under 10 minutes on one H100/H200: host syncs per training step, training
-tokens/s and model FLOPs utilisation of the `small` backbone with and without ``torch.compile`` (bf16 autocast,
-SDPA), Lightning vs bare loop, and the sampler-overhead ratios, on the GPU.
+tokens/s and model FLOPs utilisation of the `small` backbone with and without ``torch.compile`` (bf16 autocast),
+Lightning vs bare loop, the attention soft-cap's fused FlexAttention path against the written-out form and uncapped
+SDPA, and the sampler-overhead ratios, on the GPU.
 
     bash benchmarks/gpu_check.sh                       # what to run on a GPU machine (checks CUDA, then this)
     .venv/bin/python benchmarks/gpu_check.py --peak-tflops 165   # a card not in the table below
@@ -126,6 +127,47 @@ def train_section(args, device, peak, log, deadline) -> dict:
         out["lightning_vs_bare"] = T.measure(targs, log=log)
     else:
         log("training: time budget spent, Lightning-vs-bare comparison skipped")
+    return out
+
+
+def softcap_section(args, device, log) -> dict:
+    """The released DiT's attention soft-cap (50): the fused FlexAttention path the DiT takes on CUDA against the
+    written-out form (largest difference in bf16) and their forward + backward times, beside uncapped SDPA flash."""
+    from flowlm.backbones.dit import SIZES, flex_capped_attention, written_capped_attention
+
+    if device.type != "cuda":
+        log("attention soft-cap: the FlexAttention path is CUDA-only (tests/test_protocol.py checks it on the CPU)")
+        return {}
+    size = SIZES[args.backbone]
+    heads, head_dim = size["n_heads"], size["d_model"] // size["n_heads"]
+    shape = (args.batch, heads, args.seq_len, head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    forms = {
+        "flex": lambda: flex_capped_attention(q, k, v, cap=50.0, is_causal=False),
+        "written": lambda: written_capped_attention(q, k, v, cap=50.0, dropout_p=0.0, is_causal=False, attn_mask=None),
+        "sdpa_uncapped": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+    }
+    out: dict = {}
+    try:
+        diff = (forms["flex"]().float() - forms["written"]().float()).abs().max().item()
+    except Exception as err:  # noqa: BLE001 — report and keep the other figures
+        log(f"attention soft-cap: flex path failed ({type(err).__name__}: {str(err).splitlines()[0][:200]})")
+        return out
+    for name, form in forms.items():
+        for _ in range(3):  # warm-up (and compilation of the flex kernel)
+            form().sum().backward()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.reps * 5):
+            form().sum().backward()
+        torch.cuda.synchronize()
+        out[name] = (time.perf_counter() - start) / (args.reps * 5)
+    out["max_abs_diff"] = diff
+    log(
+        f"attention soft-cap at {shape} bf16: flex vs written max |diff| {diff:.2e}; forward+backward ms: "
+        + ", ".join(f"{k} {1e3 * out[k]:.2f}" for k in forms)
+        + f"; flex / uncapped SDPA {out['flex'] / out['sdpa_uncapped']:.2f}"
+    )
     return out
 
 
@@ -261,6 +303,7 @@ def main() -> None:
     del probe
     figures = {"device": name, "peak_tflops": peak, "syncs": sync_section(args, device, log)}
     figures["train"] = train_section(args, device, peak, log, deadline)
+    figures["softcap"] = softcap_section(args, device, log)
     if time.monotonic() < deadline:
         figures["samplers"] = sampler_section(args, device, log)
     else:

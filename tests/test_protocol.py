@@ -307,7 +307,7 @@ def test_flex_attention_path_equals_the_written_out_cap():
     q, k, v = (torch.randn(2, 3, 16, 8, generator=g) * 6 for _ in range(3))
     for causal in (False, True):
         mask = torch.ones(16, 16, dtype=torch.bool).tril() if causal else None
-        math_form = dit.capped_attention(q, k, v, cap=5.0, dropout_p=0.0, is_causal=False, attn_mask=mask)
+        math_form = dit.written_capped_attention(q, k, v, cap=5.0, dropout_p=0.0, is_causal=False, attn_mask=mask)
         with torch.no_grad():
             flex = dit.flex_capped_attention(q, k, v, cap=5.0, is_causal=causal)
         assert torch.allclose(flex, math_form, atol=1e-4)
@@ -413,3 +413,22 @@ def test_an_init_source_with_another_attention_cap_is_refused_before_compute(tmp
         optim={},
         init_from=str(tmp_path / "mdm.ckpt"),
     ).validate_inputs()
+
+
+def test_fmlm_plus_training_step_uses_the_stratified_context_rates(monkeypatch):
+    from lightning_modules.fmlm_plus import FMLMPlusModule
+
+    backbone = {"d_model": 16, "n_layers": 1, "n_heads": 2, "cond_dim": 8}
+    module = FMLMPlusModule(data_vocab_size=4, seq_len=6, backbone=backbone, optim={})
+    seen = {}
+    real = module.flow_loss
+
+    def recording(batch, kinds, s, t, gen, **kwargs):
+        seen.update(kwargs)
+        return real(batch, kinds, s, t, gen, **kwargs)
+
+    monkeypatch.setattr(module, "flow_loss", recording)
+    monkeypatch.setattr(module, "log", lambda *a, **k: None)
+    batch = {"tokens": torch.randint(0, 4, (8, 6)), "prompt_mask": torch.zeros(8, 6, dtype=torch.bool)}
+    module.training_step(batch, 0)
+    assert torch.equal(seen["rates"], module.sample_context_rates(8, 0).float())

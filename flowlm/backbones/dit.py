@@ -155,6 +155,13 @@ def capped_attention(
     On CUDA, without dropout or a mask, FlexAttention computes the same fused (``flex_capped_attention``)."""
     if q.is_cuda and dropout_p == 0 and attn_mask is None:
         return flex_capped_attention(q, k, v, cap=cap, is_causal=is_causal)
+    return written_capped_attention(q, k, v, cap=cap, dropout_p=dropout_p, is_causal=is_causal, attn_mask=attn_mask)
+
+
+def written_capped_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, cap: float, dropout_p: float, is_causal: bool, attn_mask: Tensor | None
+) -> Tensor:
+    """``capped_attention`` written out: a (…, L, L) score matrix in the inputs' dtype, cap and softmax in fp32."""
     scores = (q @ k.transpose(-2, -1)).float() * q.shape[-1] ** -0.5
     scores = cap * torch.tanh(scores / cap)
     if is_causal:
@@ -171,7 +178,7 @@ _FLEX: dict[str, object] = {}
 def flex_capped_attention(q: Tensor, k: Tensor, v: Tensor, *, cap: float, is_causal: bool) -> Tensor:
     """``capped_attention`` through FlexAttention with a tanh ``score_mod``, compiled once per process (the fused
     kernel on a GPU; FlexAttention has no backward on CPU). Not measured on a GPU yet: benchmarks/gpu_check.py
-    compares it with the written-out form."""
+    compares it with ``written_capped_attention`` (values and time)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if "fn" not in _FLEX:
