@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fixtures.text import save_tiny_evaluator, tiny_evaluator, tiny_tokenizer
+from fixtures.text import encode_rows, save_tiny_evaluator, tiny_evaluator, tiny_tokenizer
 from omegaconf import OmegaConf
 
 import flowlm.metrics.gsm8k as gsm8k
@@ -117,11 +117,6 @@ def gsm_datamodule(prompt_len: int = 8) -> GSMData:
     tokenizer = tiny_tokenizer(extra_special=("[PAD]",))
     pad_id = tokenizer.convert_tokens_to_ids("[PAD]")
     return GSMData(tokenizer=tokenizer, pad_id=pad_id, mask_id=len(tokenizer), prompt_len=prompt_len)
-
-
-def encode_rows(dm, texts: list[str], length: int) -> torch.Tensor:
-    rows = [dm.tokenizer(t, add_special_tokens=False).input_ids[:length] for t in texts]
-    return torch.tensor([r + [dm.pad_id] * (length - len(r)) for r in rows])
 
 
 def test_gsm8k_accuracy_defaults_are_the_released_protocol(monkeypatch):

@@ -8,7 +8,7 @@ from unittest.mock import MagicMock
 
 import pytest
 import torch
-from fixtures.text import save_tiny_evaluator, tiny_evaluator, tiny_tokenizer
+from fixtures.text import encode_rows, save_tiny_evaluator, tiny_evaluator, tiny_tokenizer
 
 from callbacks.text_metrics import GenPPLMetric, GSM8KAccuracy
 from flowlm.metrics.gsm8k import answers_match, extract_answer, parse_gold, run_program
@@ -195,11 +195,6 @@ def text_datamodule(length: int = 24) -> SimpleNamespace:
     tokenizer = tiny_tokenizer(extra_special=("[PAD]",))
     pad_id = tokenizer.convert_tokens_to_ids("[PAD]")
     return SimpleNamespace(tokenizer=tokenizer, pad_id=pad_id, mask_id=len(tokenizer), seq_len=length)
-
-
-def encode_rows(dm, texts: list[str], length: int) -> torch.Tensor:
-    rows = [dm.tokenizer(t, add_special_tokens=False).input_ids[:length] for t in texts]
-    return torch.tensor([r + [dm.pad_id] * (length - len(r)) for r in rows])
 
 
 def test_gen_ppl_metric_decodes_strips_pad_and_matches_the_scorer(evaluator_dir):
