@@ -44,7 +44,8 @@ def fast_text(cfg) -> list[str]:
             "data.min_response_tokens=16",
         ]
         over = [o for o in over if not o.startswith("eval.metric.evaluator")]
-    else:
+    else:  # text flow samplers run PR with the released R = 4 rounds: a budget of at least 4
+        over = [o for o in over if not o.startswith("eval.nfe")] + ["eval.nfe=[4]"]
         over += [
             "data.name=null",
             "data.files=tests/fixtures/tinystories_sample.jsonl",
