@@ -2,7 +2,8 @@
 
 Trains, for every seed and the same step budget, the MDM (`sudoku_mdm_uncond_tiny`), FMLM+ from scratch
 (`sudoku_fmlmp_scratch_uncond_tiny`) and FMLM+ initialised from that seed's MDM (`sudoku_fmlmp_init_uncond_tiny`),
-evaluates % valid grids at every NFE budget for MDM ancestral / confidence and FMLM+ a-priori / PR, and prints the
+evaluates % valid grids at every NFE budget for MDM ancestral / confidence and FMLM+ a-priori / PR (the two commit
+loops also with ``score=sampled``: LLaDA's ranking by the drawn token's probability), and prints the
 table (mean ± std over seeds) with the smallest NFE at which PR reaches the best MDM sampler's validity at full NFE.
 
     .venv/bin/python benchmarks/pr_vs_mdm.py --steps 1500 --seeds 0 1 2
@@ -23,10 +24,16 @@ from pathlib import Path
 
 from common import minutes_line, seed_table, train_models
 
+# Beside each commit loop at its default score (max probability, the released MDLM sampler), the same loop ranked
+# by the drawn token's probability (LLaDA's rule; the two differ at the temperature 1 of unconditional tasks).
+SAMPLED = {
+    "MDM": ["+sampler@eval.samplers.confidence_sampled=confidence", "eval.samplers.confidence_sampled.score=sampled"],
+    "FMLM+": ["+sampler@eval.samplers.a_priori_sampled=a_priori", "eval.samplers.a_priori_sampled.score=sampled"],
+}
 MODELS = [
-    ("MDM", "sudoku_mdm_uncond_tiny", []),
-    ("FMLM+ scratch", "sudoku_fmlmp_scratch_uncond_tiny", []),
-    ("FMLM+ MDM-init", "sudoku_fmlmp_init_uncond_tiny", []),
+    ("MDM", "sudoku_mdm_uncond_tiny", SAMPLED["MDM"]),
+    ("FMLM+ scratch", "sudoku_fmlmp_scratch_uncond_tiny", SAMPLED["FMLM+"]),
+    ("FMLM+ MDM-init", "sudoku_fmlmp_init_uncond_tiny", SAMPLED["FMLM+"]),
 ]
 
 
