@@ -190,20 +190,33 @@ def per_token_time_cost(module, args, device, prompt, prompt_mask) -> tuple[floa
     return times["token"] / times["seq"], times["pinned"] / times["seq"]
 
 
-def cpu_attention_speedup(module, args, device, prompt, prompt_mask) -> float:
-    """On a CPU: an FMLM+ no-grad forward with SDPA's math kernel (what a training pass uses there) over one with
-    SDPA's own choice (the flash kernel), which the DiT lets SDPA make when autograd is off."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+def softcap_cost(module, args, device, prompt, prompt_mask) -> tuple[float, float]:
+    """The released DiT's attention soft-cap (the default): an FMLM+ no-grad forward, and a forward + backward, with
+    the cap over the same without it (SDPA: its flash kernel without autograd on a CPU, FlexAttention vs SDPA's fused
+    kernels on CUDA)."""
     inputs, kwargs = bare_inputs("flow", module, prompt, prompt_mask, args.nfe)
+    blocks = module.net.blocks
+    caps = [block.softcap for block in blocks]
 
-    def math() -> None:
-        with sdpa_kernel(SDPBackend.MATH):
-            module(*inputs, **kwargs)
+    def run(cap: float, grad: bool):
+        def call() -> None:
+            for block in blocks:
+                block.softcap = cap
+            with torch.set_grad_enabled(grad), autocast(args.precision, device):
+                out = module(*inputs, **kwargs)
+            if grad:
+                out.float().sum().backward()
 
-    with torch.no_grad(), autocast(args.precision, device):
-        times = interleaved_medians({"math": math, "default": lambda: module(*inputs, **kwargs)}, args.reps, device)
-    return times["math"] / times["default"]
+        return call
+
+    calls = {f"{cap}_{grad}": run(cap, grad) for grad in (False, True) for cap in (50.0, 0.0)}
+    try:
+        times = interleaved_medians(calls, args.reps, device)
+    finally:
+        for block, cap in zip(blocks, caps, strict=True):
+            block.softcap = cap
+        module.zero_grad(set_to_none=True)
+    return times["50.0_False"] / times["0.0_False"], times["50.0_True"] / times["0.0_True"]
 
 
 def measure(args, *, log=print) -> dict:
@@ -261,13 +274,13 @@ def measure(args, *, log=print) -> dict:
             f"committed tokens at s = t = 1, two adaLN rows per sequence) {pinned:.2f}×; the denominator above is "
             "the pinned form"
         )
-        if on_cpu:
-            speedup = cpu_attention_speedup(modules["flow"], args, device, prompt, prompt_mask)
-            rows["_cpu_flash_over_math"] = speedup
-            log(
-                f"note: on this CPU an FMLM+ no-grad forward runs {speedup:.2f}× faster with SDPA's flash kernel (used "
-                "when autograd is off) than with the math kernel (used for training passes: its backward is faster)"
-            )
+        no_grad, grad = softcap_cost(modules["flow"], args, device, prompt, prompt_mask)
+        rows["_softcap_no_grad"], rows["_softcap_train"] = no_grad, grad
+        log(
+            f"note: the attention soft-cap (50, the released DiT's default) costs {no_grad:.2f}× an uncapped FMLM+ "
+            f"no-grad forward and {grad:.2f}× a forward + backward (on a CPU it is written out; uncapped, SDPA runs "
+            "its flash kernel without autograd and its math kernel with it)"
+        )
     return rows
 
 
