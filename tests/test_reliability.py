@@ -85,19 +85,16 @@ def test_truncated_last_checkpoint_is_refused_with_a_clear_error(runs_env):
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_intact(runs_env, monkeypatch):
     result = train(compose_config(overrides=[*RUN, "logger=none"]))
     before = _ckpt(result).read_bytes()
-    import fsspec.implementations.local as local
+    from tests.test_atomic_checkpoints import inject_write_fault
 
-    real_write = local.LocalFileOpener.write
-
-    def dying_write(self, data, *args, **kwargs):
-        real_write(self, data[: len(data) // 3])
-        raise OSError("disk full (simulated)")
-
-    monkeypatch.setattr(local.LocalFileOpener, "write", dying_write)
-    with pytest.raises(OSError, match="simulated"):
-        train(compose_config(overrides=[*RUN, "logger=none", "trainer.max_steps=4"]))
-    assert _ckpt(result).read_bytes() == before  # Lightning writes to a temporary file, then renames
-    monkeypatch.undo()
+    # A context of its own: monkeypatch.undo() would also drop runs_env's FLOWLM_RUNS / FLOWLM_DATA, and the
+    # relaunch below would train runs/ and data_cache/ in the checkout.
+    with monkeypatch.context() as patch:
+        # The disk fills after a third of the new checkpoint (whichever code writes into checkpoints/).
+        inject_write_fault(patch.setattr, _ckpt(result).parent, nth=1, after_bytes=len(before) // 3, action="enospc")
+        with pytest.raises(OSError, match="No space left on device.*the previous last.ckpt .* is intact"):
+            train(compose_config(overrides=[*RUN, "logger=none", "trainer.max_steps=4"]))
+    assert _ckpt(result).read_bytes() == before  # written beside it, fsynced, then renamed over it
     assert train(compose_config(overrides=[*RUN, "logger=none", "trainer.max_steps=4"]))["global_step"] == 4
 
 
