@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
+import os
+import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 from lightning.pytorch.loggers import MLFlowLogger
@@ -53,13 +60,110 @@ class RunExistsError(RuntimeError):
     """The run folder holds a run that this command must not resume or overwrite."""
 
 
+class RunLockedError(RunExistsError):
+    """Another live process trains this run folder (it holds the folder's lock)."""
+
+
+# One process per run folder: an exclusive flock on this file, taken before the folder is read or written. On NFS,
+# Linux clients (kernel ≥ 2.6.12) send flock to the server as a whole-file POSIX lock (NFSv4, or NFSv3 with lockd),
+# so launches on different hosts exclude each other, unless the share is mounted with local_lock=flock or all
+# (then flock is local to each host); Lustre needs its `flock` mount option.
+LOCK_FILE = "run.lock"
+_STARTED = time.strftime("%Y-%m-%dT%H:%M:%S%z")  # this module loads at the start of a console script
+# Run folder → open descriptor of its lock file. The descriptor stays open for the life of the process: the kernel
+# drops the lock when the process ends in any way (SIGKILL and OOM kills included), so a lock cannot go stale.
+_held: dict[Path, int] = {}
+
+
+def _holder_info() -> dict:
+    command = " ".join(sys.argv)[:2000]
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": _STARTED, "command": command}
+
+
+def _describe_holder(text: str) -> str:
+    try:
+        info = json.loads(text)
+    except ValueError:
+        return "a process that did not record itself (it may be starting)"
+    out = f"pid {info.get('pid')} on {info.get('host')}, started {info.get('started')}, command: {info.get('command')}"
+    if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
+        try:
+            os.kill(info["pid"], 0)
+        except ProcessLookupError:  # the lock outlives its writer only while a child still holds the descriptor
+            out += f" (pid {info['pid']} has exited; a process it started still holds the lock)"
+        except PermissionError:
+            pass
+    return out
+
+
+def lock_run_dir(run_dir: Path | str) -> bool:
+    """Flock ``<run_dir>/run.lock`` for this process without waiting (True: taken now, False: held already), or
+    raise RunLockedError naming the holder."""
+    # Re-entrant per process (an in-process resume, the demo's runs); forked children drop their copy (at-fork hook).
+    run_dir = Path(run_dir).resolve()
+    path = run_dir / LOCK_FILE
+    fd = _held.get(run_dir)
+    if fd is not None:
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                return False
+        except FileNotFoundError:  # the lock file (or its folder) was deleted under us: take a new one
+            pass
+        release_run_dir(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        holder = os.pread(fd, 1 << 16, 0).decode(errors="replace")
+        os.close(fd)
+        if err.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+            raise
+        raise RunLockedError(
+            f"{run_dir} is being trained by another process: {_describe_holder(holder)}. Refusing a second launch "
+            f"of the same run; wait for that one to end or stop it (its lock, {path}, goes with its process)."
+        ) from None
+    info = json.dumps(_holder_info()).encode()
+    if os.pread(fd, 1 << 16, 0) != info:  # unchanged when this process takes the lock again (no write, same mtime)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info, 0)
+    _held[run_dir] = fd
+    return True
+
+
+def release_run_dir(run_dir: Path | str) -> None:
+    """Drop this process's lock on a run folder, if it holds one (a sweep trial that ended, a test)."""
+    fd = _held.pop(Path(run_dir).resolve(), None)
+    if fd is not None:
+        os.close(fd)  # closing the only descriptor releases the flock
+
+
+def held_run_dirs() -> list[Path]:
+    """The run folders this process holds locked."""
+    return list(_held)
+
+
+def _forget_locks_in_child() -> None:
+    # A forked child (data-loader worker, data-generation pool) shares the parent's lock; closing its copy keeps
+    # the lock the parent's alone, so it ends with the parent even while a child lingers.
+    for fd in _held.values():
+        os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_locks_in_child)
+
+
 def check_run_dir(cfg: DictConfig) -> Path | None:
     """Decide, before any compute, whether this launch starts fresh or resumes; returns the checkpoint to resume.
 
-    Raises if the folder holds a different run (another method, backbone or data), or any run when
-    ``if_exists=error``. Nothing in the folder is modified here.
+    An existing folder is locked first (RunLockedError while another process trains it); a new one is locked by
+    ``write_run_config`` when it is made. Raises if the folder holds a different run (another method, backbone or
+    data), or any run when ``if_exists=error``. Nothing in the folder but its lock file is modified here.
     """
     run_dir = Path(cfg.paths.run_dir)
+    if run_dir.exists():  # before reading it: a live holder may be writing it
+        lock_run_dir(run_dir)
     saved = run_dir / RUN_CONFIG
     last = run_dir / "checkpoints" / "last.ckpt"
     if not saved.exists():
@@ -109,11 +213,17 @@ def check_run_dir(cfg: DictConfig) -> Path | None:
 
 
 def write_run_config(cfg: DictConfig) -> None:
-    """Save the resolved config beside the checkpoints (once per run folder)."""
-    saved = Path(cfg.paths.run_dir) / RUN_CONFIG
-    if not saved.exists():
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, saved, resolve=True)
+    """Lock the run folder (made here for a new run) and save the resolved config beside the checkpoints (once)."""
+    run_dir = Path(cfg.paths.run_dir)
+    locked_now = lock_run_dir(run_dir)
+    saved = run_dir / RUN_CONFIG
+    if saved.exists():
+        if locked_now:  # check_run_dir found no folder, so another launch made this run in the meantime
+            raise RunExistsError(
+                f"{run_dir} was started by another launch while this one was checking it; relaunch to resume it"
+            )
+        return
+    OmegaConf.save(cfg, saved, resolve=True)
 
 
 def git_commit() -> str:

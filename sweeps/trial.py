@@ -54,7 +54,10 @@ def run_trial(task: Callable[[DictConfig], dict], cfg: DictConfig) -> float | li
     """
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN:
-        return _returned(objective_values(cfg.get("optimized_metric"), task(cfg)["rows"]))
+        try:
+            return _returned(objective_values(cfg.get("optimized_metric"), task(cfg)["rows"]))
+        finally:
+            _release(cfg)
     check_directions(cfg.get("optimized_metric"), hydra_cfg.sweeper)
     join_sweep(cfg, hydra_cfg)
     try:
@@ -68,8 +71,23 @@ def run_trial(task: Callable[[DictConfig], dict], cfg: DictConfig) -> float | li
         log.exception("trial %s (%s) failed; recorded as failed, the sweep goes on", cfg.sweep.trial, cfg.run_name)
         record_failure(cfg, err)
         return None
+    finally:
+        _release(cfg)
     record_success(cfg, result.get("mlflow_run_id"), values)
     return _returned(values)
+
+
+def _release(cfg: DictConfig) -> None:
+    """Drop the run folder's lock once the task is over: a launcher process that runs trial after trial (basic,
+    joblib workers) then holds none of the finished ones."""
+    from runners.common import release_run_dir
+
+    try:
+        run_dir = OmegaConf.select(cfg, "paths.run_dir", default=None)
+    except Exception:  # an unresolvable folder was never locked; the task's own error is the one to see
+        return
+    if run_dir is not None:
+        release_run_dir(run_dir)
 
 
 def _returned(values: list[float]) -> float | list[float] | None:
