@@ -7,6 +7,7 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from callbacks.progress import progress_callbacks
 from callbacks.sampling_eval import SamplingEvaluation
 from lightning_modules.checkpoints import import_class, load_module, read_checkpoint_meta
 from runners.common import CONF_DIR, build, make_logger, pivot_table, resolve_paths
@@ -39,7 +40,8 @@ def evaluate(cfg: DictConfig) -> dict:
     logger = make_logger(cfg, None)
     if logger is not None:
         logger.experiment.set_tag(logger.run_id, "flowlm.checkpoint", str(cfg.ckpt_path))
-    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=[evaluation], logger=logger or False)
+    progress = progress_callbacks(cfg.trainer.get("enable_progress_bar", True), cfg.get("progress_every_s", 30))
+    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=[evaluation, *progress], logger=logger or False)
     trainer.validate(module, datamodule=datamodule, verbose=False)
     rows = [{"run": str(meta.get("config", {}).get("name", "checkpoint")), **r} for r in evaluation.results]
     if trainer.is_global_zero and rows:

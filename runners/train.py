@@ -11,6 +11,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
+from callbacks.progress import progress_callbacks
 from callbacks.sampling_eval import SamplingEvaluation
 from runners.common import (
     CONF_DIR,
@@ -47,6 +48,7 @@ def train(cfg: DictConfig) -> dict:
     logger = make_logger(cfg, run_dir)
     if logger is None:  # nothing to monitor into
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+    callbacks += progress_callbacks(cfg.trainer.get("enable_progress_bar", True), cfg.get("progress_every_s", 30))
     trainer: L.Trainer = instantiate(cfg.trainer, callbacks=[*callbacks, evaluation], logger=logger or False)
     if cfg.get("micro_batch_size"):
         if cfg.trainer.get("accumulate_grad_batches", 1) != 1:
