@@ -1,4 +1,4 @@
-"""Flow map language model objectives: soft-capped log δ and (soft) cross-entropy on active tokens (§3–4)."""
+"""Flow map language model objectives: soft-capped log δ and (soft) cross-entropy on active tokens (methods.md §3–4)."""
 
 from __future__ import annotations
 
