@@ -46,7 +46,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
         uri = self._tracking_uri
         self._store_file = uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else None
         self._store_identity: tuple[int, int] | None = None  # (device, inode) of the store file at the start
-        self._reported: tuple = ()
+        self._reported: set[str] = set()  # kinds of loss already warned about
 
     @property
     def experiment(self):  # noqa: D102 - the MLflow client, guarded when resilient
@@ -104,25 +104,25 @@ class ResilientMLFlowLogger(MLFlowLogger):
 
     @rank_zero_only
     def finalize(self, status: str = "success") -> None:
-        """End the run as Lightning does, then warn if its tracking is incomplete (once per new loss)."""
+        """End the run as Lightning does, then warn if its tracking is incomplete."""
         super().finalize(status)
-        lost = []
+        lost = {}
         if self._store_identity is not None and self._store_file_identity() != self._store_identity:
-            lost.append(
+            lost["store"] = (
                 f"its store file {self._store_file} was deleted or replaced while the run was tracked in it: what "
                 "was logged since then went into the deleted file and is gone"
             )
         if self.failures:
             calls = ", ".join(f"{name} ×{n}" for name, n in self.failed_calls.most_common())
-            lost.append(
+            lost["calls"] = (
                 f"{self.failures} tracking call(s) failed ({calls}): the metrics, parameters, tags or artifacts they "
                 "carried are missing"
             )
-        if lost and (len(lost), self.failures) != self._reported:
-            self._reported = (len(lost), self.failures)
+        if not lost.keys() <= self._reported:  # fit and a final validate both finalize: warn once per kind of loss
+            self._reported |= lost.keys()
             warnings.warn(
-                f"MLflow run {self._run_id} in {self._tracking_uri} is incomplete: {'; '.join(lost)}. The run folder "
-                "(checkpoints, run_config.yaml) is complete.",
+                f"MLflow run {self._run_id} in {self._tracking_uri} is incomplete: {'; '.join(lost.values())}. The "
+                "run folder (checkpoints, run_config.yaml) is complete.",
                 RuntimeWarning,
                 stacklevel=2,
             )

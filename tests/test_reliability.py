@@ -154,10 +154,11 @@ def test_a_store_deleted_mid_run_is_reported_at_the_end(runs_env, monkeypatch):
         return real(self, batch, t, gen, **kwargs)
 
     monkeypatch.setattr(MDMModule, "mdm_loss", deleting)
+    # Evaluated at step 3, then a final validation at step 4: Lightning finalizes the logger twice.
     with pytest.warns(RuntimeWarning, match=f"store file {db} was deleted or replaced") as caught:
-        result = train(compose_config(overrides=[*RUN, "trainer.max_steps=4", "trainer.val_check_interval=2"]))
+        result = train(compose_config(overrides=[*RUN, "trainer.max_steps=4", "trainer.val_check_interval=3"]))
     assert result["global_step"] == 4 and not db.exists()
-    assert len([w for w in caught if "is incomplete" in str(w.message)]) == 1  # once, though finalized twice
+    assert len([w for w in caught if "is incomplete" in str(w.message)]) == 1
 
 
 def test_resume_from_another_data_folder_keeps_the_first_params(runs_env, tmp_path):
