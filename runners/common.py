@@ -10,8 +10,10 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
+from hydra.core.config_store import ConfigStore
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
@@ -20,6 +22,9 @@ from runners.tracking import ResilientMLFlowLogger
 from sweeps.trial import trial_params, trial_tags
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+# `flowlm-eval`'s default data (conf/eval.yaml): the checkpoint's recorded data config. An open (non-struct) node, so
+# that `data.<key>=...` sets single keys of that config, which runners/evaluate.py merges onto it.
+ConfigStore.instance().store(group="data", name="from_checkpoint", node=OmegaConf.create({}, flags={"struct": False}))
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 RUN_CONFIG = "run_config.yaml"
 # Sections that define what a run trains; a resumed run must agree on them (data knobs that do not change the
@@ -250,15 +255,27 @@ def make_logger(cfg: DictConfig, run_dir: Path | None) -> MLFlowLogger | None:
     from hydra.utils import instantiate
 
     run_id_file = run_dir / "mlflow_run_id" if run_dir else None
-    run_id = run_id_file.read_text().strip() if run_id_file and run_id_file.exists() else None
+    run_id = (run_id_file.read_text().strip() or None) if run_id_file and run_id_file.exists() else None
     logger = instantiate(cfg.logger, run_id=run_id)
     if is_rank_zero() and isinstance(logger, ResilientMLFlowLogger):
         logger.check_reachable()
     if is_rank_zero() and isinstance(logger, MLFlowLogger):
         client, rid = logger.experiment, logger.run_id
-        if run_id_file is not None and run_id is None:
+        if run_id_file is not None and rid != run_id:
             run_id_file.parent.mkdir(parents=True, exist_ok=True)
             run_id_file.write_text(rid)
+        old = getattr(logger, "replaced_run_id", None)
+        if old:  # the store lost the run (a deleted or replaced mlflow.db): the resumed training gets a new one
+            client.set_tag(rid, "flowlm.previous_mlflow_run_id", old)
+            warnings.warn(
+                f"resuming {run_dir}: the MLflow store {logger._tracking_uri} has no run {old} (the id recorded in "
+                f"{run_id_file}): the store was deleted or replaced since this run was tracked. The resumed training "
+                f"is tracked in a new MLflow run {rid}, tagged flowlm.previous_mlflow_run_id; what the old run "
+                "logged is not in this store. If the run was tracked in another store, stop this launch, write "
+                f"{old} back into {run_id_file.name} and resume with logger.tracking_uri=<that store>.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         client.set_tag(rid, "mlflow.source.git.commit", git_commit())
         client.set_tag(rid, "flowlm.name", str(cfg.name))
         if run_dir is not None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import hydra
 import lightning as L
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import ConfigKeyError
 
 from callbacks.progress import progress_callbacks
 from callbacks.sampling_eval import SamplingEvaluation
@@ -22,9 +23,9 @@ def evaluate(cfg: DictConfig) -> dict:
     cls = import_class(meta["class_path"])
     evaluation: SamplingEvaluation = build(cfg.eval)
     evaluation.check_model(cls)
-    data_cfg = cfg.get("data") or OmegaConf.create((meta.get("config") or {}).get("data"))
-    if not data_cfg:
-        raise ValueError(f"{cfg.ckpt_path} records no data config; pass data=... (e.g. data=sudoku ...)")
+    data_cfg = eval_data_config(cfg, meta)
+    with open_dict(cfg):
+        cfg.data = data_cfg  # the data evaluated on, as the MLflow run records it
     datamodule = build(data_cfg)
     for what in ("vocab_size", "seq_len"):
         have, want = getattr(datamodule, what), meta["data_vocab_size" if what == "vocab_size" else what]
@@ -50,6 +51,26 @@ def evaluate(cfg: DictConfig) -> dict:
         if logger is not None:
             logger.experiment.log_text(logger.run_id, table, "eval/final_table.md")
     return {"rows": rows, "metric": evaluation.primary, "mlflow_run_id": getattr(logger, "run_id", None)}
+
+
+def eval_data_config(cfg: DictConfig, meta: dict) -> DictConfig:
+    """The data to evaluate on: a data config of its own (``data=<name>``), else the one recorded in the checkpoint
+    with the command line's ``data.<key>=...`` on top (keys it does not have are refused)."""
+    given = cfg.get("data") or OmegaConf.create({})
+    if "_target_" in given:
+        return given
+    recorded = (meta.get("config") or {}).get("data")
+    if not recorded:
+        raise ValueError(f"{cfg.ckpt_path} records no data config; pass data=... (e.g. data=sudoku ...)")
+    base = OmegaConf.create(recorded)
+    OmegaConf.set_struct(base, True)
+    try:
+        return OmegaConf.merge(base, given)
+    except ConfigKeyError as err:
+        raise ValueError(
+            f"data.{err.full_key} is not a key of the data config recorded in {cfg.ckpt_path} (its keys: "
+            f"{', '.join(base)}); override one of those, or give a data config of its own with data=<name>"
+        ) from None
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="eval")

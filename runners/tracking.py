@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from collections import Counter
 from typing import Any
 
 from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
@@ -30,12 +31,22 @@ class ResilientMLFlowLogger(MLFlowLogger):
       skipped; training goes on and the failures are counted (``failures``). The first contact with the store is
       checked by ``check_reachable`` (quickly, without MLflow's minutes of HTTP retries) so an unreachable server
       is reported before any compute.
+    - A recorded run id that the store does not hold (its SQLite file deleted or replaced, another server) is
+      dropped by ``check_reachable``: a new run starts and ``replaced_run_id`` names the old one.
+    - ``finalize`` warns when the run's tracking is incomplete: calls that failed, or a SQLite store file deleted
+      or replaced while the run wrote to it (SQLite then writes on into the deleted file: no call fails).
     """
 
     def __init__(self, *args: Any, resilient: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.resilient = resilient
         self.failures = 0
+        self.failed_calls: Counter[str] = Counter()
+        self.replaced_run_id: str | None = None
+        uri = self._tracking_uri
+        self._store_file = uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else None
+        self._store_identity: tuple[int, int] | None = None  # (device, inode) of the store file at the start
+        self._reported: set[str] = set()  # kinds of loss already warned about
 
     @property
     def experiment(self):  # noqa: D102 - the MLflow client, guarded when resilient
@@ -48,6 +59,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
         os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
         os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(int(max(1, timeout_s)))
         try:
+            self._forget_missing_run()
             try:
                 MLFlowLogger.experiment.fget(self)  # creates/looks up the experiment and the run, unguarded
             except MlflowException as err:
@@ -56,6 +68,7 @@ class ResilientMLFlowLogger(MLFlowLogger):
                 if err.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
                 MLFlowLogger.experiment.fget(self)
+            self._store_identity = self._store_file_identity()
         except Exception as err:  # noqa: BLE001 - any failure here means "cannot track"
             raise TrackingUnavailable(
                 f"MLflow tracking store {self._tracking_uri!r} is not reachable ({type(err).__name__}: {err}). "
@@ -68,6 +81,51 @@ class ResilientMLFlowLogger(MLFlowLogger):
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+
+    def _forget_missing_run(self) -> None:
+        """Drop a recorded run id that the store has no (active) run for, so that a new run starts."""
+        if self._run_id is None:
+            return
+        try:
+            run = self._mlflow_client.get_run(self._run_id)
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            run = None
+        if run is None or run.info.lifecycle_stage == "deleted":
+            self.replaced_run_id, self._run_id = self._run_id, None
+
+    def _store_file_identity(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self._store_file) if self._store_file else None
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino) if st else None
+
+    @rank_zero_only
+    def finalize(self, status: str = "success") -> None:
+        """End the run as Lightning does, then warn if its tracking is incomplete."""
+        super().finalize(status)
+        lost = {}
+        if self._store_identity is not None and self._store_file_identity() != self._store_identity:
+            lost["store"] = (
+                f"its store file {self._store_file} was deleted or replaced while the run was tracked in it: what "
+                "was logged since then went into the deleted file and is gone"
+            )
+        if self.failures:
+            calls = ", ".join(f"{name} ×{n}" for name, n in self.failed_calls.most_common())
+            lost["calls"] = (
+                f"{self.failures} tracking call(s) failed ({calls}): the metrics, parameters, tags or artifacts they "
+                "carried are missing"
+            )
+        if not lost.keys() <= self._reported:  # fit and a final validate both finalize: warn once per kind of loss
+            self._reported |= lost.keys()
+            warnings.warn(
+                f"MLflow run {self._run_id} in {self._tracking_uri} is incomplete: {'; '.join(lost.values())}. The "
+                "run folder (checkpoints, run_config.yaml) is complete.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     @rank_zero_only  # as Lightning's own: other ranks have no run to read (their get_run calls failed)
     def log_hyperparams(self, params: Any) -> None:
@@ -95,9 +153,10 @@ class ResilientMLFlowLogger(MLFlowLogger):
 
     def _failed(self, what: str, err: Exception) -> None:
         self.failures += 1
+        self.failed_calls[what] += 1
         if self.failures <= 3 or self.failures % 100 == 0:
             warnings.warn(
-                f"MLflow call {what} failed ({type(err).__name__}: {err}); training goes on "
+                f"MLflow call {what} to {self._tracking_uri} failed ({type(err).__name__}: {err}); training goes on "
                 f"({self.failures} tracking failure(s) so far)",
                 RuntimeWarning,
                 stacklevel=3,

@@ -220,13 +220,42 @@ def record_failure(cfg: DictConfig, err: BaseException) -> None:
 
 
 class SweepCallback(Callback):
-    """Hydra callback: a multirun's runs folder, and its SQLite Optuna schema, exist before the sweeper opens it."""
+    """Hydra callback: a multirun's runs folder, and its SQLite Optuna schema, exist before the sweeper opens it; a
+    relaunched Optuna sweep continues its study with new proposals."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:  # noqa: D102
         Path(config.paths.root).mkdir(parents=True, exist_ok=True)
         storage = OmegaConf.select(config, "hydra.sweeper.storage", default=None)
         if isinstance(storage, str) and storage.startswith("sqlite:///"):
             init_sqlite_storage(storage)
+        continue_study(config)
+
+
+def continue_study(config: DictConfig) -> None:
+    """Seed the sampler of a relaunched Optuna sweep from (its seed, the trials its study holds) before the sweeper
+    is built: with the first launch's seed it would propose the same points again, whose trials would reuse the
+    earlier trials' folders and MLflow runs. A new study keeps the configured seed."""
+    storage = OmegaConf.select(config, "hydra.sweeper.storage", default=None)
+    study = OmegaConf.select(config, "hydra.sweeper.study_name", default=None)
+    seed = OmegaConf.select(config, "hydra.sweeper.sampler.seed", default=None)
+    if not isinstance(storage, str) or study is None or seed is None:
+        return
+    import numpy as np
+    import optuna
+
+    try:
+        done = len(optuna.load_study(study_name=study, storage=storage).trials)
+    except KeyError:  # no such study yet
+        return
+    if done:
+        config.hydra.sweeper.sampler.seed = int(np.random.SeedSequence([int(seed), done]).generate_state(1)[0])
+        log.info(
+            "study %s holds %d trials: sampler seed %d, drawn from seed %s",
+            study,
+            done,
+            config.hydra.sweeper.sampler.seed,
+            seed,
+        )
 
 
 def init_sqlite_storage(url: str) -> None:

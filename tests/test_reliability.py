@@ -3,6 +3,7 @@ from another working directory."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import mlflow
@@ -118,9 +119,46 @@ def test_tracking_outage_mid_run_does_not_end_training(runs_env, monkeypatch):
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(MlflowClient, "log_batch", flaky)
-    with pytest.warns(RuntimeWarning, match="training goes on"):
+    with pytest.warns(RuntimeWarning, match="training goes on") as caught:
         result = train(compose_config(overrides=[*RUN, "trainer.max_steps=4", "trainer.val_check_interval=2"]))
     assert result["global_step"] == 4 and result["rows"] and _ckpt(result).exists()
+    # At the end, what tracking lost is summed up, naming the run and its store.
+    summary = [str(w.message) for w in caught if "is incomplete" in str(w.message)]
+    assert len(summary) == 1 and result["mlflow_run_id"] in summary[0] and "mlflow.db" in summary[0]
+    assert re.search(r"\d+ tracking call\(s\) failed \(log_batch ×\d+\)", summary[0])
+
+
+def test_a_resume_whose_store_lost_the_run_goes_on_in_a_new_mlflow_run(runs_env):
+    first = train(compose_config(overrides=RUN))
+    # The run's store replaced (a deleted mlflow.db is recreated empty by the next process): it has no such run.
+    other = f"sqlite:///{runs_env / 'other' / 'mlflow.db'}"
+    (runs_env / "other").mkdir()
+    with pytest.warns(RuntimeWarning, match=f"has no run {first['mlflow_run_id']}.*new MLflow run") as caught:
+        second = train(compose_config(overrides=[*RUN, "trainer.max_steps=4", f"logger.tracking_uri={other}"]))
+    assert second["global_step"] == 4 and second["mlflow_run_id"] != first["mlflow_run_id"]
+    assert f"write {first['mlflow_run_id']} back into mlflow_run_id" in str(caught[0].message)
+    run = mlflow.MlflowClient(other).get_run(second["mlflow_run_id"])
+    assert run.data.tags["flowlm.previous_mlflow_run_id"] == first["mlflow_run_id"]
+    assert run.data.metrics["train/loss"] > 0 and run.info.status == "FINISHED"
+    # The run folder now names the new run: the next relaunch resumes it without a warning.
+    assert Path(first["run_dir"], "mlflow_run_id").read_text() == second["mlflow_run_id"]
+
+
+def test_a_store_deleted_mid_run_is_reported_at_the_end(runs_env, monkeypatch):
+    db = runs_env / "runs" / "mlflow.db"
+    real = MDMModule.mdm_loss
+
+    def deleting(self, batch, t, gen, **kwargs):
+        if self.global_step == 2 and db.exists():
+            db.unlink()  # SQLite writes on into the deleted file: no tracking call fails
+        return real(self, batch, t, gen, **kwargs)
+
+    monkeypatch.setattr(MDMModule, "mdm_loss", deleting)
+    # Evaluated at step 3, then a final validation at step 4: Lightning finalizes the logger twice.
+    with pytest.warns(RuntimeWarning, match=f"store file {db} was deleted or replaced") as caught:
+        result = train(compose_config(overrides=[*RUN, "trainer.max_steps=4", "trainer.val_check_interval=3"]))
+    assert result["global_step"] == 4 and not db.exists()
+    assert len([w for w in caught if "is incomplete" in str(w.message)]) == 1
 
 
 def test_resume_from_another_data_folder_keeps_the_first_params(runs_env, tmp_path):

@@ -163,6 +163,27 @@ def test_eval_rejects_wrong_checkpoints(trained, tmp_path):
         evaluate(compose_config("eval", overrides=mismatch))
 
 
+def test_eval_overrides_single_keys_of_the_recorded_data_config(trained):
+    from lightning_modules.checkpoints import read_checkpoint_meta
+    from runners.evaluate import eval_data_config
+
+    _, result, root = trained
+    ckpt = Path(result["run_dir"], "checkpoints", "last.ckpt")
+    base = [f"ckpt_path={ckpt}", "eval.nfe=[1]", "eval.max_batches=1"]
+    # The checkpoint's data config is the base and the command line's keys override it; the run records the merge.
+    out = evaluate(compose_config("eval", overrides=[*base, "data.num_val=4"]))
+    params = mlflow.MlflowClient(f"sqlite:///{root / 'runs' / 'mlflow.db'}").get_run(out["mlflow_run_id"]).data.params
+    assert params["data/num_val"] == "4" and params["data/box_rows"] == "2" and out["rows"]
+    # Hydra's own hint (`+data.<key>=...`) works the same way.
+    merged = eval_data_config(compose_config("eval", overrides=[*base, "+data.num_val=4"]), read_checkpoint_meta(ckpt))
+    assert merged.num_val == 4 and merged.box_cols == 3 and merged._target_.endswith("SudokuDataModule")
+    # A layout that does not fit the checkpoint still gets the clear error, before compute.
+    with pytest.raises(ValueError, match="vocab_size=9, the checkpoint was trained with 6"):
+        evaluate(compose_config("eval", overrides=[*base, "data.box_rows=3", "data.box_cols=3", "logger=none"]))
+    with pytest.raises(ValueError, match="data.box_row is not a key of the data config recorded in .*box_rows, box_"):
+        evaluate(compose_config("eval", overrides=[*base, "data.box_row=3", "logger=none"]))
+
+
 def test_existing_run_is_never_overwritten(trained):
     cfg, result, _ = trained
     run_dir = Path(result["run_dir"])

@@ -104,6 +104,32 @@ def test_optuna_multi_objective_sweep_over_a_checkpoint(flow_ckpt):
     assert pareto.solutions and all(len(s["values"]) == 2 for s in pareto.solutions)
 
 
+@pytest.mark.slow  # two sweep launches
+def test_a_relaunched_optuna_sweep_continues_with_new_trials(flow_ckpt):
+    ckpt, root = flow_ckpt
+    sweep = [
+        "hparams_search=pr_optuna",
+        f"ckpt_path={ckpt}",
+        "sweep.name=relaunch",
+        "hydra.sweeper.n_trials=2",
+        "eval.nfe=[4]",
+        "eval.max_batches=1",
+        "eval.samplers.pr.rounds=int(interval(1, 2))",
+        "eval.samplers.pr.flow_steps=choice(1, 2)",
+    ]
+    run_sweep("eval", sweep, root)
+    run_sweep("eval", sweep, root)  # the same command again
+    study = optuna.load_study(study_name="relaunch", storage=f"sqlite:///{root / 'runs' / 'optuna.db'}")
+    points = [tuple(sorted(t.params.items())) for t in study.trials]
+    assert len(points) == 4 and len(set(points)) == 4, points  # new proposals, not the first launch's again
+    assert len(list((root / "runs" / "sweeps" / "relaunch").glob("trial-*"))) == 4
+    runs = sweep_runs(root, "relaunch")
+    assert len(runs) == 4 and runs["tags.flowlm.trial_id"].is_unique
+    pareto = OmegaConf.load(root / "runs" / "sweeps" / "relaunch" / "optimization_results.yaml").solutions
+    listed = [tuple(sorted(s["params"].items())) for s in pareto]
+    assert listed and len(set(listed)) == len(listed)
+
+
 def test_grid_sweep_trains_each_point_in_its_own_run(tmp_path):
     run_sweep(
         "train",
