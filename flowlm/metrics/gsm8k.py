@@ -348,7 +348,7 @@ def _os_isolation() -> Isolation | str:
     """The first candidate that runs the probe program, else why each failed (or that there is none)."""
     failures = []
     for candidate in _os_candidates():
-        result = _spawn(_PROBE, candidate, timeout_s=10.0, memory_mb=512, entry="simple_math_problem")
+        result = _spawn(_PROBE, candidate, timeout_s=30.0, memory_mb=512, entry="simple_math_problem")
         if result.status == "ok" and result.value == 1.0:
             return candidate
         failures.append(f"{candidate.name}: {result.message}")
