@@ -300,7 +300,7 @@ def test_without_any_isolation_execute_is_refused_unless_python_only(monkeypatch
         execute_responses([program])
     with pytest.raises(ValueError, match="sandbox must be one of"):
         run_program(program, sandbox="none")
-    assert run_program(program, sandbox="python_only").value == 3.0
+    assert run_program(program, sandbox="python_only", timeout_s=SLOW_OK).value == 3.0
     # the metric refuses before anything is sampled: when the evaluation checks its data, ahead of any compute
     with pytest.raises(SandboxUnavailableError, match="eval.metric.sandbox=python_only"):
         GSM8KAccuracy(datamodule=gsm_metric_data(), scorer="execute")
