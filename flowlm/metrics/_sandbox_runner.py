@@ -136,7 +136,10 @@ def isolate(setup: str, preload: set[str], parent_mounts: str) -> None:
         # a mount point this process cannot reach (ENOENT, EACCES) is out of the program's reach as well
         call(libc.mount(None, path, None, flags, None), f"read-only remount of {path!r}", (2, 13))
     scratch = os.fsencode(os.getcwd())
-    call(libc.mount(b"tmpfs", scratch, b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=1m,mode=0777"), "scratch")
+    call(
+        libc.mount(b"tmpfs", scratch, b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=1m,nr_inodes=256,mode=0777"),
+        "scratch",
+    )
     os.chdir(scratch)  # into the new tmpfs, before the parents' permissions (root's 0700 temp folder) apply
     if setup == "uid":
         os.setgroups([])
