@@ -60,6 +60,8 @@ MS_NOATIME, MS_RELATIME, MS_STRICTATIME = 0x400, 0x200000, 0x1000000
 KEPT_OPTIONS = {b"nosuid": MS_NOSUID, b"nodev": MS_NODEV, b"noexec": MS_NOEXEC, b"noatime": MS_NOATIME}
 KEPT_OPTIONS |= {b"nodiratime": 0x800, b"relatime": MS_RELATIME, b"nosymfollow": 0x100}
 CLONE_NEWUSER, PR_SET_NO_NEW_PRIVS = 0x10000000, 38
+# The scratch folder: 1 MiB, and at most 256 files (empty ones cost kernel memory that RLIMIT_AS does not count).
+SCRATCH = b"size=1m,nr_inodes=256,mode=0777"
 
 
 class Forbidden(Exception):
@@ -136,10 +138,7 @@ def isolate(setup: str, preload: set[str], parent_mounts: str) -> None:
         # a mount point this process cannot reach (ENOENT, EACCES) is out of the program's reach as well
         call(libc.mount(None, path, None, flags, None), f"read-only remount of {path!r}", (2, 13))
     scratch = os.fsencode(os.getcwd())
-    call(
-        libc.mount(b"tmpfs", scratch, b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=1m,nr_inodes=256,mode=0777"),
-        "scratch",
-    )
+    call(libc.mount(b"tmpfs", scratch, b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, SCRATCH), "scratch tmpfs")
     os.chdir(scratch)  # into the new tmpfs, before the parents' permissions (root's 0700 temp folder) apply
     if setup == "uid":
         os.setgroups([])
