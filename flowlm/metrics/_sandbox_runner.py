@@ -1,9 +1,9 @@
 """Child side of ``flowlm.metrics.gsm8k.run_program``; run as ``python -I -S _sandbox_runner.py CPU_S MEM_MB ENTRY
 SETUP GUARD PARENT_MOUNT_NS``.
 
-Never imported by the package. It first finishes the operating-system isolation its wrapper began (``SETUP``:
-``uid`` or ``userns`` inside ``unshare``'s namespaces, ``none`` under bubblewrap or without isolation), sets the
-resource limits, then reads generated code on stdin, runs it (``GUARD=python``: with restricted builtins,
+Never imported by the package. It reads generated code on stdin, finishes the operating-system isolation its
+wrapper began (``SETUP``: ``uid`` or ``userns`` inside ``unshare``'s namespaces, ``none`` under bubblewrap or
+without isolation), sets the resource limits, then runs the code (``GUARD=python``: with restricted builtins,
 whitelisted imports as copies without submodules or private names, and an AST check; ``none``, for tests of the
 operating-system layer alone: as plain Python), calls the entry function and writes one JSON line
 ``{"status", "value", "message"}`` to stdout.

@@ -9,13 +9,13 @@ and an AST check against private attributes and frame access. That Python-level 
 ``functools.update_wrapper`` hands out a module's globals); the boundary is the operating system's
 (``sandbox="os"``, the default): the process has its own network namespace (no interface but a downed loopback:
 no connection anywhere, 127.0.0.1 included), its own pid namespace (it sees and signals no other process) and IPC
-namespace, a private mount namespace in which every mount is read-only, an empty tmpfs as its working folder, and
-no privilege: started by root, it runs as uid/gid 65534 (``nobody``) without groups; started by another user,
-as that user (it can read what that user can read, and write nothing). How, detected once per process
-(``isolation``): as root, util-linux ``unshare``; otherwise bubblewrap (``bwrap``) if installed, else
-``unshare`` in a user namespace. Where none works, ``sandbox="os"`` raises ``SandboxUnavailableError``;
-``sandbox="python_only"`` runs with the Python-level guard and the limits alone, on the caller's own
-responsibility. No seccomp filter is installed.
+namespace, a private mount namespace in which every mount is read-only, an empty tmpfs as its working folder (at
+most 256 files), and no privilege: started by root, it runs as uid/gid 65534 (``nobody``) without groups; started
+by another user, as that user (it can read what that user can read, and write nothing outside its scratch
+folder). How, detected once per process (``isolation``): as root, util-linux ``unshare``; otherwise bubblewrap
+(``bwrap``) if installed, else ``unshare`` in a user namespace. Where none works, ``sandbox="os"`` raises
+``SandboxUnavailableError``; ``sandbox="python_only"`` runs with the Python-level guard and the limits alone, on
+the caller's own responsibility. No seccomp filter is installed.
 
 What is fed to the sandbox (``prepare_program``, ``execute_responses``) follows the released TinyGSM scorer of
 FMLM+ by default (``extract="released"``): the program starts at the first ``def ``, ends at the first textual
