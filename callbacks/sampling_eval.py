@@ -20,6 +20,19 @@ from flowlm.samplers.base import Sampler
 from lightning_modules.sharding import full_parameters, unsharded_replica
 
 
+class Unloaded:
+    """A datamodule's layout before its data exist, to build a task metric early (the Sudoku metric reads the
+    training set only to score)."""
+
+    train_keys = frozenset()
+
+    def __init__(self, datamodule) -> None:
+        self._datamodule = datamodule
+
+    def __getattr__(self, name: str):
+        return getattr(self._datamodule, name)
+
+
 class SamplingEvaluation(Callback):
     """Runs samplers on validation batches and logs task metrics, NFE spent, wall-clock and sample artifacts.
 
@@ -85,7 +98,9 @@ class SamplingEvaluation(Callback):
         self.check_data(self._datamodule)
 
     def check_data(self, datamodule) -> None:
-        """Refuse budgets a sampler cannot honour on these sequences (e.g. fewer NFE than blocks)."""
+        """Refuse budgets a sampler cannot honour on these sequences (e.g. fewer NFE than blocks), and a task
+        metric that refuses its arguments (built once, e.g. GSM8K execution where no sandbox can be set up)."""
+        self.metric_factory(datamodule=Unloaded(datamodule))
         free = getattr(datamodule, "seq_len", None)
         if free is None:
             return

@@ -12,12 +12,23 @@ from __future__ import annotations
 import math
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 
 from datamodules.text import project_path
-from flowlm.metrics.gsm8k import ExecResult, answers_match, check_extraction, execute_responses, extract_answer
+from flowlm.metrics.gsm8k import (
+    SANDBOXES,
+    ExecResult,
+    Isolation,
+    SandboxUnavailableError,
+    answers_match,
+    check_extraction,
+    execute_responses,
+    extract_answer,
+    isolation,
+)
 from flowlm.metrics.text import GenerativePerplexity, check_convention, check_evaluator, unigram_entropy
 
 
@@ -165,7 +176,12 @@ class GSM8KAccuracy(Metric):
     ``extract_code="released"`` cuts the program out of the response (from the first ``def ``, inside a Markdown
     fence, trailing lines dropped until it compiles; ``flowlm.metrics.gsm8k.extract_program``), ``"raw"`` runs
     the response as is; ``entry_fallback=False`` calls ``simple_math_problem()`` only (``True``: else the last
-    argument-free function, or a global ``result``/``answer``); ``timeout_s=5.0``. Matching: |pred − gold| ≤
+    argument-free function, or a global ``result``/``answer``); ``timeout_s=5.0``; ``sandbox="os"`` runs each
+    program behind an operating-system boundary (its own network, pid, IPC and mount namespaces, a read-only file
+    system with an empty scratch folder, uid 65534 when started by root; ``flowlm.metrics.gsm8k``), and refuses
+    at construction, before anything is sampled, where none can be set up; ``sandbox="python_only"`` (explicit)
+    runs with the Python-level guard and resource limits alone, which generated code can escape. The isolation
+    used is named in every per-problem row (``sandbox``). Matching: |pred − gold| ≤
     max(``rel_tol`` · max(|pred|, |gold|), ``abs_tol``), by default absolute 1e-3 for ``execute`` (released)
     and 1e-6 absolute or relative for ``extract``. The suite's earlier execute behaviour is ``extract_code=raw
     entry_fallback=true timeout_s=2 abs_tol=1e-6 rel_tol=1e-6``. Also reported:
@@ -198,6 +214,7 @@ class GSM8KAccuracy(Metric):
         workers: int = 4,
         abs_tol: float | None = None,
         rel_tol: float | None = None,
+        sandbox: str = "os",
     ) -> None:
         super().__init__()
         if scorer not in _SCORERS:
@@ -205,6 +222,9 @@ class GSM8KAccuracy(Metric):
         check_extraction(extract_code)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if sandbox not in SANDBOXES:
+            raise ValueError(f"GSM8K sandbox must be one of {list(SANDBOXES)}, got {sandbox!r}")
+        self.isolation = _isolation(sandbox) if scorer == "execute" else None
         default_abs, default_rel = _TOLERANCES[scorer]
         self.tolerance = {
             "abs_tol": default_abs if abs_tol is None else float(abs_tol),
@@ -222,6 +242,7 @@ class GSM8KAccuracy(Metric):
             "timeout_s": timeout_s,
             "memory_mb": memory_mb,
             "workers": workers,
+            "sandbox": sandbox,
         }
         self._rows: list[dict] = []
         for name in ("total", *_COUNTS):
@@ -257,8 +278,8 @@ class GSM8KAccuracy(Metric):
             counts["timeouts"] += result.status == "timeout"
             counts["forbidden"] += result.status == "forbidden"
             row = {"prompt": prompt, "response": text, "pred": result.value, "gold": gold, "correct": ok}
-            if program is not None:  # what the sandbox ran, after extraction (execute scorer)
-                row["program"] = program
+            if program is not None:  # what the sandbox ran, after extraction, and how (execute scorer)
+                row |= {"program": program, "sandbox": self.isolation.name}
             self._rows.append({**row, "status": result.status, "message": result.message})
         self.total += len(texts)
         for name, count in counts.items():
@@ -283,6 +304,22 @@ class GSM8KAccuracy(Metric):
     def artifact_rows(self) -> list[dict]:
         """This rank's problems: prompt, response, (execute) extracted program, pred and gold, correctness, status."""
         return list(self._rows)
+
+
+def _isolation(sandbox: str) -> Isolation:
+    """The sandbox's isolation, refused with the config key to change; a warning when it is Python-level only."""
+    try:
+        found = isolation(sandbox)
+    except SandboxUnavailableError as err:
+        raise SandboxUnavailableError(
+            f"GSM8K scorer=execute: {err} (in a run config: eval.metric.sandbox=python_only)"
+        ) from None
+    if sandbox == "python_only":
+        rank_zero_warn(
+            "GSM8K scorer=execute with eval.metric.sandbox=python_only: generated programs run behind the Python-level "
+            "guard only, which they can escape (files, network and processes of this user are reachable)"
+        )
+    return found
 
 
 def _extract(texts: list[str], **_sandbox) -> tuple[list[None], list[ExecResult]]:

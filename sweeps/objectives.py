@@ -10,6 +10,8 @@ import re
 import warnings
 from collections.abc import Sequence
 
+from callbacks.sampling_eval import Unloaded
+
 # As callbacks.sampling_eval logs them (and analysis.load parses them).
 KEY = re.compile(r"^eval/(?P<sampler>[^/]+)/nfe(?P<budget>\d+)/(?P<metric>[^/]+)$")
 # Logged beside every task metric, for every sampler × budget.
@@ -61,19 +63,10 @@ def check_objectives(spec: str | Sequence[str] | None, evaluation, datamodule) -
 
 def metric_names(evaluation, datamodule) -> set[str] | None:
     """Names the evaluation logs per sampler × budget, read from an empty task metric; None if it cannot tell."""
-
-    class _Unloaded:
-        """The datamodule's layout before its data exist (a metric reads the training set only to score)."""
-
-        train_keys = frozenset()
-
-        def __getattr__(self, name: str):
-            return getattr(datamodule, name)
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torchmetrics warns that compute() runs before update()
-            names = set(evaluation.metric_factory(datamodule=_Unloaded()).compute())
+            names = set(evaluation.metric_factory(datamodule=Unloaded(datamodule)).compute())
     except Exception:  # a metric that cannot compute empty: the key is checked against the results instead
         return None
     return names | set(ALWAYS_LOGGED)

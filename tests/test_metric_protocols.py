@@ -136,9 +136,10 @@ def test_gsm8k_accuracy_defaults_are_the_released_protocol(monkeypatch):
     metric = GSM8KAccuracy(datamodule=dm, scorer="execute", workers=2)
     metric.update(batch, batch)
     assert metric.compute()["accuracy"].item() == 100.0
-    assert seen["timeout_s"] == 5.0 and seen["entry"] == "simple_math_problem"
+    assert seen["timeout_s"] == 5.0 and seen["entry"] == "simple_math_problem" and seen["sandbox"] == "os"
     rows = metric.artifact_rows()
     assert [r["program"] for r in rows[:2]] == [CLEAN, CLEAN] and rows[0]["response"] == texts[0]
+    assert {r["sandbox"] for r in rows} == {metric.isolation.name} != {"python_only"}  # the isolation used
     # the earlier behaviour, as named options: the same generations score 0 (untidy) and 12.0005 is not 12
     old = GSM8KAccuracy(
         datamodule=dm, scorer="execute", extract_code="raw", entry_fallback=True, timeout_s=2.0, abs_tol=1e-6
@@ -150,12 +151,13 @@ def test_gsm8k_accuracy_defaults_are_the_released_protocol(monkeypatch):
 
 def test_configs_default_to_the_released_protocols():
     gsm = OmegaConf.load(CONF / "gsm8k_base.yaml").metric
-    assert (gsm.extract_code, gsm.entry_fallback, gsm.timeout_s, gsm.abs_tol, gsm.rel_tol) == (
+    assert (gsm.extract_code, gsm.entry_fallback, gsm.timeout_s, gsm.abs_tol, gsm.rel_tol, gsm.sandbox) == (
         "released",
         False,
         5.0,
         None,
         None,
+        "os",
     )
     metric = GSM8KAccuracy(datamodule=gsm_datamodule(), scorer="execute")
     assert metric.tolerance == {"abs_tol": 1e-3, "rel_tol": 0.0} and metric.sandbox["extract"] == "released"

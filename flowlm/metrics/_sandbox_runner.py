@@ -1,8 +1,12 @@
-"""Child side of ``flowlm.metrics.gsm8k.run_program``; run as ``python -I -S _sandbox_runner.py CPU_S MEM_MB ENTRY``.
+"""Child side of ``flowlm.metrics.gsm8k.run_program``; run as ``python -I -S _sandbox_runner.py CPU_S MEM_MB ENTRY
+SETUP GUARD PARENT_MOUNT_NS``.
 
-Never imported by the package: it reads generated code on stdin, runs it under resource limits with restricted
-builtins, whitelisted imports (as copies without submodules or private names) and an AST check, calls the entry
-function and writes one JSON line ``{"status", "value", "message"}`` to stdout.
+Never imported by the package. It reads generated code on stdin, finishes the operating-system isolation its
+wrapper began (``SETUP``: ``uid`` or ``userns`` inside ``unshare``'s namespaces, ``none`` under bubblewrap or
+without isolation), sets the resource limits, then runs the code (``GUARD=python``: with restricted builtins,
+whitelisted imports as copies without submodules or private names, and an AST check; ``none``, for tests of the
+operating-system layer alone: as plain Python), calls the entry function and writes one JSON line
+``{"status", "value", "message"}`` to stdout.
 """
 
 import ast
@@ -10,6 +14,8 @@ import builtins
 import io
 import json
 import numbers
+import os
+import re
 import resource
 import sys
 import types
@@ -45,6 +51,19 @@ FORBIDDEN_ATTRS = frozenset(
 )
 
 
+# The uid and gid a program started by root runs as ('nobody' on Debian, Ubuntu and Fedora).
+NOBODY = 65534
+# Constants of mount(2), unshare(2) and prctl(2) (linux/mount.h, linux/sched.h, linux/prctl.h).
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 0x1, 0x2, 0x4, 0x8, 0x20, 0x1000
+MS_NOATIME, MS_RELATIME, MS_STRICTATIME = 0x400, 0x200000, 0x1000000
+# Per-mount options of /proc/self/mountinfo that a read-only remount keeps (a user namespace may not drop them).
+KEPT_OPTIONS = {b"nosuid": MS_NOSUID, b"nodev": MS_NODEV, b"noexec": MS_NOEXEC, b"noatime": MS_NOATIME}
+KEPT_OPTIONS |= {b"nodiratime": 0x800, b"relatime": MS_RELATIME, b"nosymfollow": 0x100}
+CLONE_NEWUSER, PR_SET_NO_NEW_PRIVS = 0x10000000, 38
+# The scratch folder: 1 MiB, and at most 256 files (empty ones cost kernel memory that RLIMIT_AS does not count).
+SCRATCH = b"size=1m,nr_inodes=256,mode=0777"
+
+
 class Forbidden(Exception):
     """The code uses something outside the sandbox's whitelist."""
 
@@ -66,6 +85,68 @@ def set_limits(cpu_s: int, memory_mb: int) -> None:
             resource.setrlimit(kind, (value, value))
         except (ValueError, OSError):
             pass  # a platform without this limit: the others and the parent's wall-clock timeout remain
+
+
+def imports(code: str) -> set[str]:
+    """The whitelisted modules ``code`` imports (the only ones the Python-level guard lets it import)."""
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return set()
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names & ALLOWED_MODULES
+
+
+def isolate(setup: str, preload: set[str], parent_mounts: str) -> None:
+    """Inside ``unshare``'s new mount, network, pid and IPC namespaces: every mount read-only, an empty tmpfs as
+    the working directory, then no privilege left: ``uid`` (started as root) switches to uid/gid 65534 without
+    groups, ``userns`` (started as the root of a user namespace) enters a nested user namespace, which holds no
+    capability over the mounts and network set up here. No new privileges either way (setuid files run as is).
+    The modules in ``preload`` are imported first, while readable: uid 65534 cannot read a root-only interpreter
+    prefix (``/root/.pyenv``). ``parent_mounts`` is the parent's mount namespace: the same one here (no
+    ``unshare --mount`` around this process) is refused before anything is remounted, which would be the host's."""
+    if setup == "none":
+        return
+    if os.readlink("/proc/self/ns/mnt") == parent_mounts:
+        raise OSError(f"not in a mount namespace of its own ({parent_mounts}): nothing remounted")
+    for name in sorted(preload):
+        __import__(name)
+    import ctypes  # here, not at the top: a few ms that runs without this setup need not pay
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+    libc.prctl.argtypes = (ctypes.c_int, *[ctypes.c_ulong] * 4)
+
+    def call(result: int, what: str, tolerated: tuple[int, ...] = ()) -> None:
+        errno = ctypes.get_errno()
+        if result != 0 and errno not in tolerated:
+            raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+    with open("/proc/self/mountinfo", "rb") as f:
+        mounts = [line.split()[4:6] for line in f]
+    for point, options in mounts:
+        path = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), point)  # octal escapes: "\040" is " "
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        for option in options.split(b","):
+            flags |= KEPT_OPTIONS.get(option, 0)
+        flags |= 0 if flags & (MS_NOATIME | MS_RELATIME) else MS_STRICTATIME
+        # a mount point this process cannot reach (ENOENT, EACCES) is out of the program's reach as well
+        call(libc.mount(None, path, None, flags, None), f"read-only remount of {path!r}", (2, 13))
+    scratch = os.fsencode(os.getcwd())
+    call(libc.mount(b"tmpfs", scratch, b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, SCRATCH), "scratch tmpfs")
+    os.chdir(scratch)  # into the new tmpfs, before the parents' permissions (root's 0700 temp folder) apply
+    if setup == "uid":
+        os.setgroups([])
+        os.setresgid(NOBODY, NOBODY, NOBODY)
+        os.setresuid(NOBODY, NOBODY, NOBODY)
+    else:
+        call(libc.unshare(CLONE_NEWUSER), "nested user namespace")
+    call(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
 def check(tree: ast.AST) -> None:
@@ -141,16 +222,21 @@ def as_number(value) -> float:
     raise TypeError(f"returned a {type(value).__name__}, not a number")
 
 
-def run(code: str, entry: str) -> dict:
-    """Check, execute and call the generated code; every failure becomes a status, never an exception."""
+def run(code: str, entry: str, guard: bool = True) -> dict:
+    """Check, execute and call the generated code; every failure becomes a status, never an exception.
+
+    ``guard=False`` skips the Python-level guard (AST check, restricted builtins and imports): only for tests of
+    the operating-system isolation alone.
+    """
     try:
         tree = ast.parse(code, "<generated>")
-        check(tree)
+        if guard:
+            check(tree)
     except Forbidden as err:
         return {"status": "forbidden", "value": None, "message": str(err)}
     except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
         return {"status": "error", "value": None, "message": f"{type(err).__name__}: {err}"}
-    scope = sandbox_globals()
+    scope = sandbox_globals() if guard else {"__name__": "__sandbox__"}
     stdout = sys.stdout
     sys.stdout = io.StringIO()  # the program's prints must not mix with the JSON result
     try:
@@ -170,11 +256,16 @@ def run(code: str, entry: str) -> dict:
 
 
 def main() -> None:
-    """Limits first, then read the code from stdin, run it, print one JSON line."""
-    cpu_s, memory_mb, entry = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    set_limits(cpu_s, memory_mb)
+    """Read the code from stdin; isolation and limits, then run it; print one JSON line."""
+    cpu_s, memory_mb, entry, setup, guard, parent_mounts = int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:7]
     code = sys.stdin.buffer.read().decode("utf-8", "replace")
-    result = run(code, entry)
+    try:
+        isolate(setup, imports(code), parent_mounts)
+    except OSError as err:  # fail closed: the code does not run
+        result = {"status": "error", "value": None, "message": f"sandbox setup failed: {err}"}
+    else:
+        set_limits(cpu_s, memory_mb)
+        result = run(code, entry, guard=guard == "python")
     result["message"] = result["message"][:300]
     sys.stdout.write(json.dumps(result) + "\n")
     sys.stdout.flush()

@@ -2,12 +2,20 @@
 of generated TinyGSM-style Python functions (``def simple_math_problem() -> int: ... return result``).
 
 The sandbox (``run_program``) runs each program in a fresh ``python -I -S`` process (isolated: no site
-packages, no PYTHON* variables, no script directory on the path) with an empty environment, a fresh temporary
-working directory, resource limits (CPU seconds, address space, open files, no file writes, no child processes,
-no core dumps), a wall-clock timeout that kills the whole process group, whitelisted imports and builtins and an
-AST check against private attributes and frame access. It guards against accidents of generated code (infinite
-loops, memory bombs, stray file or network access); it is not a security boundary against a determined
-adversary: run untrusted code at scale inside a container as well.
+packages, no PYTHON* variables, no script directory on the path) with an empty environment, resource limits (CPU
+seconds, address space, 32 open files, no bytes written to any file, no child processes, no core dumps), a
+wall-clock timeout that kills the whole process group, and, as a first filter, whitelisted imports and builtins
+and an AST check against private attributes and frame access. That Python-level guard can be escaped (e.g.
+``functools.update_wrapper`` hands out a module's globals); the boundary is the operating system's
+(``sandbox="os"``, the default): the process has its own network namespace (no interface but a downed loopback:
+no connection anywhere, 127.0.0.1 included), its own pid namespace (it sees and signals no other process) and IPC
+namespace, a private mount namespace in which every mount is read-only, an empty tmpfs as its working folder (at
+most 256 files), and no privilege: started by root, it runs as uid/gid 65534 (``nobody``) without groups; started
+by another user, as that user (it can read what that user can read, and write nothing outside its scratch
+folder). How, detected once per process (``isolation``): as root, util-linux ``unshare``; otherwise bubblewrap
+(``bwrap``) if installed, else ``unshare`` in a user namespace. Where none works, ``sandbox="os"`` raises
+``SandboxUnavailableError``; ``sandbox="python_only"`` runs with the Python-level guard and the limits alone, on
+the caller's own responsibility. No seccomp filter is installed.
 
 What is fed to the sandbox (``prepare_program``, ``execute_responses``) follows the released TinyGSM scorer of
 FMLM+ by default (``extract="released"``): the program starts at the first ``def ``, ends at the first textual
@@ -20,10 +28,12 @@ answer matches the gold within an absolute 1e-3 (``answers_match(..., rel_tol=0,
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,13 +48,17 @@ from typing import Literal
 
 __all__ = [
     "CODE_EXTRACTIONS",
+    "SANDBOXES",
     "ExecResult",
+    "Isolation",
+    "SandboxUnavailableError",
     "answers_match",
     "check_extraction",
     "defines_name",
     "execute_responses",
     "extract_answer",
     "extract_program",
+    "isolation",
     "parse_gold",
     "prepare_program",
     "run_program",
@@ -245,14 +259,17 @@ def execute_responses(
     timeout_s: float = 5.0,
     memory_mb: int = 512,
     workers: int = 4,
+    sandbox: str = "os",
 ) -> tuple[list[str], list[ExecResult]]:
     """Extract the program of each response and run it in the sandbox: (extracted programs, results).
 
     Defaults are the released TinyGSM protocol: released extraction, only ``entry`` is called (a program that
     does not define it at module level is an ``error`` without running), 5 s timeout. ``entry_fallback=True``
     lets the sandbox call the last argument-free function (or a global ``result``/``answer``) instead.
+    ``sandbox`` as in ``isolation``; an unavailable one raises before anything runs.
     """
     check_extraction(extract)
+    isolation(sandbox)
     programs = [extract_program(text, extract) for text in texts]
     results: list[ExecResult | None] = [None] * len(programs)
     todo = []
@@ -262,7 +279,7 @@ def execute_responses(
         else:
             todo.append(i)
     codes = [_with_math(programs[i]) if extract == "released" else programs[i] for i in todo]
-    ran = run_programs(codes, workers=workers, timeout_s=timeout_s, memory_mb=memory_mb, entry=entry)
+    ran = run_programs(codes, workers=workers, timeout_s=timeout_s, memory_mb=memory_mb, entry=entry, sandbox=sandbox)
     for i, result in zip(todo, ran, strict=True):
         results[i] = result
     return programs, results
@@ -277,11 +294,99 @@ class ExecResult:
     message: str = ""
 
 
+SANDBOXES = ("os", "python_only")
+
+
+class SandboxUnavailableError(RuntimeError):
+    """``sandbox="os"`` was asked for and no operating-system isolation can be set up on this machine."""
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """How programs are contained: a name (logged with the results), the command that wraps the interpreter
+    (``{scratch}`` stands for the program's empty working folder) and the runner's own part of the setup
+    (``_sandbox_runner.isolate``: ``none``, ``uid`` or ``userns``)."""
+
+    name: str
+    wrapper: tuple[str, ...] = ()
+    setup: str = "none"
+
+    def command(self, scratch: str) -> list[str]:
+        """The wrapper for one program whose working folder is ``scratch``."""
+        return [part.replace("{scratch}", scratch) for part in self.wrapper]
+
+
+PYTHON_ONLY = Isolation("python_only")
 _RUNNER = Path(__file__).with_name("_sandbox_runner.py")
+_PROBE = "def simple_math_problem():\n    return 1\n"
+
+
+def isolation(sandbox: str = "os") -> Isolation:
+    """The isolation ``sandbox`` stands for: ``os``, the first operating-system isolation that runs a probe
+    program here (detected once per process), or ``python_only`` (the Python-level guard and resource limits).
+
+    Raises ``SandboxUnavailableError`` when ``os`` cannot be set up (naming what was tried and why it failed),
+    ``ValueError`` for another name.
+    """
+    if sandbox not in SANDBOXES:
+        raise ValueError(f"sandbox must be one of {list(SANDBOXES)}, got {sandbox!r}")
+    if sandbox == "python_only":
+        return PYTHON_ONLY
+    found = _os_isolation()
+    if isinstance(found, str):
+        raise SandboxUnavailableError(
+            f"no operating-system sandbox for generated programs can be set up on this machine ({found}). Run as "
+            "root, allow user namespaces (sysctl user.max_user_namespaces > 0, and on Debian/Ubuntu "
+            "kernel.unprivileged_userns_clone=1 or the AppArmor userns restriction lifted) or install bubblewrap; "
+            "or accept the Python-level guard alone, which generated code can escape, with sandbox='python_only'"
+        )
+    return found
+
+
+@functools.cache
+def _os_isolation() -> Isolation | str:
+    """The first candidate that runs the probe program, else why each failed (or that there is none)."""
+    failures = []
+    for candidate in _os_candidates():
+        result = _spawn(_PROBE, candidate, timeout_s=30.0, memory_mb=512, entry="simple_math_problem")
+        if result.status == "ok" and result.value == 1.0:
+            return candidate
+        failures.append(f"{candidate.name}: {result.message}")
+    return "; ".join(failures) or "neither bwrap nor util-linux unshare is on PATH"
+
+
+def _os_candidates() -> list[Isolation]:
+    """Operating-system isolations to try, best first.
+
+    As root: ``unshare`` (namespaces; the runner remounts read-only, then switches to uid 65534). Bubblewrap is
+    not used as root: it would keep uid 0 (root's own 0600 files readable) unless started as 65534, who cannot
+    read a root-only interpreter or checkout. Otherwise: ``bwrap`` (works where it is setuid, too), then
+    ``unshare`` in a user namespace.
+    """
+    unshare, bwrap = shutil.which("unshare"), shutil.which("bwrap")
+    spaces = ("--net", "--mount", "--pid", "--ipc", "--fork", "--kill-child", "--mount-proc", "--")
+    if os.geteuid() == 0:
+        return [Isolation("unshare, uid 65534", (unshare, *spaces), "uid")] if unshare else []
+    found = []
+    if bwrap:
+        # --unshare-all: user (where permitted), net, pid, ipc, uts, cgroup namespaces; bwrap drops every
+        # capability and sets no_new_privs; --ro-bind makes every submount read-only too
+        layout = ("--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "{scratch}")
+        found.append(
+            Isolation("bwrap", (bwrap, "--unshare-all", "--die-with-parent", *layout, "--chdir", "{scratch}", "--"))
+        )
+    if unshare:
+        found.append(Isolation("unshare, user namespace", (unshare, "--user", "--map-root-user", *spaces), "userns"))
+    return found
 
 
 def run_program(
-    code: str, *, timeout_s: float = 2.0, memory_mb: int = 512, entry: str = "simple_math_problem"
+    code: str,
+    *,
+    timeout_s: float = 2.0,
+    memory_mb: int = 512,
+    entry: str = "simple_math_problem",
+    sandbox: str = "os",
 ) -> ExecResult:
     """Execute generated code in a sandboxed subprocess and return the value of its entry function.
 
@@ -289,12 +394,32 @@ def run_program(
     global ``result``/``answer``. Never raises on bad generated code: syntax errors, exceptions and
     non-numeric returns are ``error``, a whitelist violation ``forbidden``, running past ``timeout_s`` wall-clock
     (or the CPU limit, ``ceil(timeout_s) + 1`` s) ``timeout``; a memory bomb fails with MemoryError (``error``).
-    Resource limits are set by the child itself before it reads the code, not in ``preexec_fn``, which CPython
-    documents as unsafe in threaded parents (Lightning, torch, ``run_programs``' thread pool).
+    ``sandbox`` as in ``isolation`` (raises ``SandboxUnavailableError`` when ``os`` cannot be set up).
+    Isolation and resource limits are set up by the child itself before it runs the code, not in ``preexec_fn``,
+    which CPython documents as unsafe in threaded parents (Lightning, torch, ``run_programs``' thread pool).
     """
+    return _spawn(code, isolation(sandbox), timeout_s=timeout_s, memory_mb=memory_mb, entry=entry)
+
+
+def run_programs(codes: Sequence[str], *, workers: int = 4, **kwargs) -> list[ExecResult]:
+    """``run_program`` over many programs, ``workers`` sandboxes at a time (results in input order)."""
+    isolation(kwargs.get("sandbox", "os"))  # detected (or refused) once, before the pool starts
+    if workers <= 1 or len(codes) <= 1:
+        return [run_program(code, **kwargs) for code in codes]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(lambda code: run_program(code, **kwargs), codes))
+
+
+def _spawn(
+    code: str, how: Isolation, *, timeout_s: float, memory_mb: int, entry: str, python_guard: bool = True
+) -> ExecResult:
+    """Run ``code`` under ``how``; ``python_guard=False`` (tests of the OS layer only) skips the AST check,
+    the restricted builtins and the import whitelist."""
     cpu_s = math.ceil(timeout_s) + 1
-    command = [sys.executable, "-I", "-S", str(_RUNNER), str(cpu_s), str(int(memory_mb)), entry]
+    guard = "python" if python_guard else "none"
     with tempfile.TemporaryDirectory(prefix="flowlm-sandbox-") as cwd:
+        runner = [sys.executable, "-I", "-S", str(_RUNNER), str(cpu_s), str(int(memory_mb)), entry]
+        command = [*how.command(cwd), *runner, how.setup, guard, _mount_namespace()]
         try:
             proc = subprocess.Popen(
                 command,
@@ -316,12 +441,12 @@ def run_program(
     return _result(proc.returncode, out, err)
 
 
-def run_programs(codes: Sequence[str], *, workers: int = 4, **kwargs) -> list[ExecResult]:
-    """``run_program`` over many programs, ``workers`` sandboxes at a time (results in input order)."""
-    if workers <= 1 or len(codes) <= 1:
-        return [run_program(code, **kwargs) for code in codes]
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda code: run_program(code, **kwargs), codes))
+def _mount_namespace() -> str:
+    """This process's mount namespace (the runner refuses to remount in it), "-" where there is none to read."""
+    try:
+        return os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return "-"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
