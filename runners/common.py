@@ -302,5 +302,12 @@ def build(node: DictConfig, **kwargs):
         cause = err.__cause__
         if isinstance(cause, ValueError | TypeError | FileNotFoundError | KeyError):
             key = node.get("_target_", "?") if isinstance(node, DictConfig) else "?"
-            raise type(cause)(f"{cause} [while building {key}]") from err
+            try:
+                surfaced = type(cause)(f"{cause} [while building {key}]")
+            except Exception:  # a type not built from one message (UnicodeDecodeError takes five): raise it as it is
+                surfaced = None
+            if surfaced is None:
+                cause.add_note(f"[while building {key}]")
+                raise cause from cause.__cause__  # its own chain, not Hydra's wrapper
+            raise surfaced from err
         raise
