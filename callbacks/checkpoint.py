@@ -138,6 +138,28 @@ def atomic_save(obj: object, target: Path) -> None:
     fsync_dir(folder)  # the rename itself survives a power loss (the new file is in place either way)
 
 
+def check_folder(folder: Path, need_bytes: int) -> None:
+    """Refuse, before training, a checkpoint folder that cannot be written, or whose filesystem has less free space
+    than one checkpoint of about ``need_bytes`` (a save writes the new file beside the previous one)."""
+    existing = folder
+    while not existing.exists():  # the folder, or the nearest parent that exists (the first save makes the rest)
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):  # False on a read-only mount, too
+        raise CheckpointSaveError(
+            errno.EACCES,
+            f"cannot write checkpoints to {folder}: {existing} is not a writable folder (read-only filesystem or "
+            "permissions); make it writable, or set paths.root (or callbacks.checkpoint.dirpath) to one that is",
+        )
+    free = shutil.disk_usage(existing).free
+    if free < need_bytes:
+        raise CheckpointSaveError(
+            errno.ENOSPC,
+            f"cannot write checkpoints to {folder}: its filesystem has {free / 2**20:.1f} MiB free, less than one "
+            f"checkpoint of this model (≈ {need_bytes / 2**20:.1f} MiB); free some space, or set paths.root (or "
+            "callbacks.checkpoint.dirpath) to a filesystem with room",
+        )
+
+
 def temp_path(target: Path) -> Path:
     """The temporary file this process writes ``target``'s next content to (same folder, hidden)."""
     return target.with_name(f".{target.name}.tmp-{socket.gethostname()}-{os.getpid()}")

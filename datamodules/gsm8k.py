@@ -38,6 +38,7 @@ from torch.utils.data import Dataset
 from datamodules.text import (
     PaddedRows,
     TokenCacheDataModule,
+    builder_for,
     load_documents,
     local_files,
     source_identity,
@@ -208,6 +209,9 @@ class GSM8KDataModule(TokenCacheDataModule):
                 "files": None if eval_files is None else {eval_split: eval_files},
             },
         }
+        for source in self.sources.values():  # now, not at the first load (after the run folder is made)
+            if source["files"] is not None:
+                builder_for(local_files(source["files"])[source["split"]])
         self.revision = revision
         self.question_field, self.response_field, self.gold_field = question_field, response_field, gold_field
         self.prompt_template, self.response_template = prompt_template, response_template
@@ -316,6 +320,7 @@ class GSM8KDataModule(TokenCacheDataModule):
             revision=self.revision,
             hf_cache_dir=self.hf_cache_dir,
             local_cache_dir=self.cache_dir / "hf",
+            fields=(self.question_field,) if split == "val" else (self.question_field, self.response_field),
         )
         if self.question_field not in data.column_names:
             raise KeyError(f"{split} data has no field {self.question_field!r}; it has {data.column_names}")
@@ -344,8 +349,8 @@ class GSM8KDataModule(TokenCacheDataModule):
     def _build(self, folder: Path, work: Path) -> dict[str, Any]:
         dtype = token_dtype(self.vocab_size)
         meta: dict[str, Any] = {"dtype": dtype.name, "splits": {}}
-        for split in ("train", "val"):
-            data = self.examples(split)
+        examples = {split: self.examples(split) for split in ("train", "val")}  # every file read before tokenising
+        for split, data in examples.items():
             fn = self.encoder(evaluation=split == "val")
             encoded = self._map(data, fn, work=work, name=split, with_indices=True)
             write_padded(

@@ -30,7 +30,7 @@ import os
 import shutil
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from datamodules.base import GlobalBatchDataModule
+from flowlm.tasks.files import DataFileError, json_records, text_lines
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ def tokenizer_digest(tokenizer) -> str:
     return hashlib.sha256((text + extra).encode()).hexdigest()[:16]
 
 
-def _builder_for(patterns: Sequence[str]) -> str:
+def builder_for(patterns: Sequence[str]) -> str:
     """The `datasets` packaged builder for local files, from their extension (compression suffixes ignored)."""
     kinds = set()
     for pattern in patterns:
@@ -130,13 +131,77 @@ def local_files(files: str | Sequence[str] | Mapping[str, Any]) -> dict[str, lis
         patterns = [value] if isinstance(value, str | os.PathLike) else list(value)
         resolved = [str(project_path(p)) for p in patterns]
         for pattern in resolved:
-            if not glob.glob(pattern):
+            found = glob.glob(pattern)
+            if not found:
                 raise FileNotFoundError(
                     f"data files for split {split!r}: nothing matches {pattern} (a relative path is looked up in "
                     "the working directory, then in the project root)"
                 )
+            for file in found:
+                if not os.access(file, os.R_OK):
+                    raise PermissionError(f"data files for split {split!r}: {file} is not readable by this user")
+                if os.path.isfile(file) and os.path.getsize(file) == 0:
+                    raise DataFileError(f"data files for split {split!r}: {file} is empty (0 bytes)")
         out[str(split)] = resolved
     return out
+
+
+def check_local_file(path: str, builder: str, fields: Sequence[str]) -> int:
+    """Read one local data file through before it is loaded and tokenised: UTF-8 text, every JSON line an object
+    holding ``fields`` as strings (a parquet file: its schema), at least one document. Returns the number of
+    documents (records or non-blank lines); a DataFileError names the file, the line and the problem.
+
+    One read pass (compressed files through fsspec), far cheaper than the tokenisation it precedes; `datasets`
+    would report these problems without the file or line, or (a non-UTF-8 string) only while tokenising.
+    """
+    import fsspec
+
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            meta = pq.read_metadata(path)  # the footer only
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+            raise DataFileError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
+        missing = [f for f in fields if f not in meta.schema.names]
+        if missing:
+            raise DataFileError(f"{path}: no column(s) {missing}; it has {meta.schema.names} (data.*_field)")
+        count = meta.num_rows
+    else:
+        with fsspec.open(path, "rb", compression="infer") as f:
+            if builder == "text":
+                count = sum(1 for _, line in text_lines(f, path) if line.strip())
+            else:
+                count = 0
+                for where, record in _json_file_records(f, path):
+                    for field in fields:
+                        if not isinstance(record.get(field), str):
+                            got = "missing" if field not in record else f"of type {type(record[field]).__name__}"
+                            raise DataFileError(
+                                f"{path}: {where}: field {field!r} is {got}, not a string (it has "
+                                f"{sorted(record)[:8]}; the field is set by data.*_field)"
+                            )
+                    count += 1
+    if count == 0:
+        raise DataFileError(f"{path}: no documents (the file holds only blank lines or no records)")
+    return count
+
+
+def _json_file_records(f, path: str) -> Iterator[tuple[str, dict]]:
+    """('line <n>', object) of a JSON Lines file, or ('record <n>', object) of a file holding one JSON array."""
+    head = f.read(4096)
+    f.seek(0)
+    if not head.lstrip().startswith(b"["):
+        yield from ((f"line {num}", record) for num, record in json_records(f, path))
+        return
+    try:
+        records = json.loads(f.read().decode("utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataFileError(f"{path}: not one JSON array of records ({e})") from e
+    for i, record in enumerate(records, start=1):
+        if not isinstance(record, dict):
+            raise DataFileError(f"{path}: record {i}: expected a JSON object, got {type(record).__name__}")
+        yield f"record {i}", record
 
 
 def files_identity(files: dict[str, list[str]]) -> dict[str, list]:
@@ -172,9 +237,11 @@ def load_documents(
     txt_docs: str = "line",
     hf_cache_dir: str | os.PathLike | None = None,
     local_cache_dir: str | os.PathLike | None = None,
+    fields: Sequence[str] = (),
 ):
     """One split of a source as a ``datasets.Dataset``: local files, a ``save_to_disk`` folder, a folder of data
     files (``huggingface-cli download --local-dir``), or a hub name (offline: from the HF cache, else a clear error).
+    Local files are read through first (``check_local_file``: every record holds ``fields`` as strings).
     """
     import datasets
 
@@ -187,7 +254,9 @@ def load_documents(
                 f"data.files has no split {split!r} (it has {sorted(table)}); give files as "
                 "{train: ..., validation: ...} or take validation from the last documents (val_last_n)"
             )
-        builder = _builder_for(table[split])
+        builder = builder_for(table[split])
+        for file in sorted({f for pattern in table[split] for f in glob.glob(pattern)}):
+            check_local_file(file, builder, fields if builder != "text" else ())
         extra = {"sample_by": txt_docs} if builder == "text" else {}
         cache = None if local_cache_dir is None else str(local_cache_dir)
         return datasets.load_dataset(builder, data_files={split: table[split]}, split=split, cache_dir=cache, **extra)
@@ -636,6 +705,9 @@ class TextDataModule(TokenCacheDataModule):
             self._need_bos_eos(why)
             if seq_len < 3:
                 raise ValueError(f"{why} needs seq_len >= 3 (BOS, a token, EOS), got {seq_len}")
+        if files is not None:  # now, not at the first load (after the run folder is made): cheap checks
+            for patterns in local_files(files).values():
+                builder_for(patterns)
         self.name, self.config_name, self.revision, self.files = name, config_name, revision, files
         self.txt_docs, self.text_field = txt_docs, text_field
         self.train_split, self.val_split, self.val_last_n = train_split, val_split, val_last_n
@@ -684,6 +756,7 @@ class TextDataModule(TokenCacheDataModule):
             txt_docs=self.txt_docs,
             hf_cache_dir=self.hf_cache_dir,
             local_cache_dir=self.cache_dir / "hf",
+            fields=(self.text_field,),
         )
         if self.text_field not in docs.column_names:
             raise KeyError(f"split {split!r} has no field {self.text_field!r}; it has {docs.column_names} (text_field)")
@@ -720,7 +793,7 @@ class TextDataModule(TokenCacheDataModule):
 
     def _plain_text(self) -> bool:
         # In .txt files documents are delimited by line breaks: whitespace around them is layout, not content.
-        return self.files is not None and all(_builder_for(p) == "text" for p in local_files(self.files).values())
+        return self.files is not None and all(builder_for(p) == "text" for p in local_files(self.files).values())
 
     def _build(self, folder: Path, work: Path) -> dict[str, Any]:
         import pyarrow.compute as pc

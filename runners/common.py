@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -21,12 +22,14 @@ from omegaconf import DictConfig, OmegaConf
 from runners.tracking import ResilientMLFlowLogger
 from sweeps.trial import trial_params, trial_tags
 
+log = logging.getLogger(__name__)
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 # `flowlm-eval`'s default data (conf/eval.yaml): the checkpoint's recorded data config. An open (non-struct) node, so
 # that `data.<key>=...` sets single keys of that config, which runners/evaluate.py merges onto it.
 ConfigStore.instance().store(group="data", name="from_checkpoint", node=OmegaConf.create({}, flags={"struct": False}))
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 RUN_CONFIG = "run_config.yaml"
+IF_EXISTS = ("resume", "error")  # what a launch does with a run folder that holds a checkpoint (conf/train.yaml)
 # Sections that define what a run trains; a resumed run must agree on them (data knobs that do not change the
 # model or the data, such as worker counts or an evaluation file, may differ).
 IDENTITY_SECTIONS = ("method", "backbone", "data")
@@ -159,22 +162,34 @@ def _forget_locks_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
+def has_checkpoint(run_dir: Path | str) -> bool:
+    """Whether a run folder holds a checkpoint (a file or folder in ``checkpoints/``; temporary files of killed saves,
+    named ``.<name>.tmp-…``, aside). A folder without one holds nothing to resume."""
+    folder = Path(run_dir) / "checkpoints"
+    return folder.is_dir() and any(not p.name.startswith(".") for p in folder.iterdir())
+
+
 def check_run_dir(cfg: DictConfig) -> Path | None:
     """Decide, before any compute, whether this launch starts fresh or resumes; returns the checkpoint to resume.
 
     An existing folder is locked first (RunLockedError while another process trains it); a new one is locked by
     ``write_run_config`` when it is made. Raises if the folder holds a different run (another method, backbone or
-    data), or any run when ``if_exists=error``. Nothing in the folder but its lock file is modified here.
+    data), or any run when ``if_exists=error``. A folder without a checkpoint (a launch that failed or was killed
+    before its first save) holds no run: this launch starts afresh in it, whatever its settings (``write_run_config``
+    replaces its config). Nothing in the folder but its lock file is modified here.
     """
+    if cfg.if_exists not in IF_EXISTS:  # on every launch, not only when the folder exists
+        raise ValueError(
+            f"if_exists must be one of {IF_EXISTS}, got {cfg.if_exists!r}; nothing overwrites a run that holds a "
+            "checkpoint: to start it again, move or delete its folder, or choose another name= or run_name="
+        )
     run_dir = Path(cfg.paths.run_dir)
     if run_dir.exists():  # before reading it: a live holder may be writing it
         lock_run_dir(run_dir)
     saved = run_dir / RUN_CONFIG
     last = run_dir / "checkpoints" / "last.ckpt"
-    if not saved.exists():
+    if not saved.exists() or not has_checkpoint(run_dir):
         return None
-    if cfg.if_exists not in ("resume", "error"):
-        raise ValueError(f"if_exists must be 'resume' or 'error', got {cfg.if_exists!r}")
     if cfg.if_exists == "error":
         raise RunExistsError(f"{run_dir} already holds a run (if_exists=error); choose another name or run_name")
     old, new = _identity(OmegaConf.load(saved)), _identity(cfg)
@@ -218,17 +233,25 @@ def check_run_dir(cfg: DictConfig) -> Path | None:
 
 
 def write_run_config(cfg: DictConfig) -> None:
-    """Lock the run folder (made here for a new run) and save the resolved config beside the checkpoints (once)."""
+    """Lock the run folder (made here for a new run) and save the resolved config beside the checkpoints: once for
+    a run, again when the folder holds no checkpoint and other settings (a launch that never saved one)."""
     run_dir = Path(cfg.paths.run_dir)
     locked_now = lock_run_dir(run_dir)
     saved = run_dir / RUN_CONFIG
     if saved.exists():
-        if locked_now:  # check_run_dir found no folder, so another launch made this run in the meantime
-            raise RunExistsError(
-                f"{run_dir} was started by another launch while this one was checking it; relaunch to resume it"
-            )
-        return
-    OmegaConf.save(cfg, saved, resolve=True)
+        if has_checkpoint(run_dir):
+            if locked_now:  # check_run_dir found no folder, so another launch made this run in the meantime
+                raise RunExistsError(
+                    f"{run_dir} was started by another launch while this one was checking it; relaunch to resume it"
+                )
+            return
+        if _identity(OmegaConf.load(saved)) == _identity(cfg):
+            return  # the same run again: its MLflow run goes on
+        log.warning("%s holds no checkpoint of its earlier launch: a new run with these settings starts there", run_dir)
+        (run_dir / "mlflow_run_id").unlink(missing_ok=True)  # the new settings get an MLflow run of their own
+    tmp = saved.with_name(f".{saved.name}.tmp{os.getpid()}")
+    OmegaConf.save(cfg, tmp, resolve=True)
+    os.replace(tmp, saved)
 
 
 def git_commit() -> str:
@@ -319,5 +342,52 @@ def build(node: DictConfig, **kwargs):
         cause = err.__cause__
         if isinstance(cause, ValueError | TypeError | FileNotFoundError | KeyError):
             key = node.get("_target_", "?") if isinstance(node, DictConfig) else "?"
-            raise type(cause)(f"{cause} [while building {key}]") from err
+            try:
+                surfaced = type(cause)(f"{cause} [while building {key}]")
+            except Exception:  # a type not built from one message (UnicodeDecodeError takes five): raise it as it is
+                surfaced = None
+            if surfaced is None:
+                cause.add_note(f"[while building {key}]")
+                raise cause from cause.__cause__  # its own chain, not Hydra's wrapper
+            raise surfaced from err
         raise
+
+
+def check_arguments(node: DictConfig, where: str) -> None:
+    """Refuse, before anything is built or written, a ``<where>.<key>`` value of a type that the signature of the
+    node's ``_target_`` rules out (``trainer.max_steps=abc`` failed deep inside Lightning with "'<' not supported
+    between instances of 'str' and 'int'"). Nested components (``_target_`` nodes) are left to their own build."""
+    import typing
+
+    import pydantic
+    from hydra.utils import get_object
+
+    target = get_object(node._target_)
+    try:
+        hints = typing.get_type_hints(target.__init__ if isinstance(target, type) else target)
+    except Exception:  # noqa: BLE001 - annotations that do not resolve: nothing to check against
+        return
+    config = pydantic.ConfigDict(arbitrary_types_allowed=True)
+    for key in node:
+        value = OmegaConf.to_container(node[key], resolve=True) if OmegaConf.is_config(node[key]) else node[key]
+        if key not in hints or _holds_component(value):
+            continue
+        try:
+            pydantic.TypeAdapter(hints[key], config=config).validate_python(value, strict=True)
+        except pydantic.ValidationError as err:
+            hint = hints[key]
+            expected = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+            problems = err.errors()
+            why = f": {problems[0]['msg']}" if len(problems) == 1 else ""  # a union's first branch would mislead
+            raise TypeError(
+                f"{where}.{key} = {value!r} does not fit {target.__name__}'s {key}: "
+                f"{expected.replace('NoneType', 'None')}{why}"
+            ) from err
+        except pydantic.PydanticUserError:  # an annotation pydantic cannot check
+            continue
+
+
+def _holds_component(value: object) -> bool:
+    if isinstance(value, dict):
+        return "_target_" in value or any(_holds_component(v) for v in value.values())
+    return isinstance(value, list) and any(_holds_component(v) for v in value)

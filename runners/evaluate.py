@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import hydra
 import lightning as L
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigKeyError
 
 from callbacks.progress import progress_callbacks
 from callbacks.sampling_eval import SamplingEvaluation
 from lightning_modules.checkpoints import import_class, load_module, read_checkpoint_meta
-from runners.common import CONF_DIR, build, make_logger, pivot_table, resolve_paths
+from runners.common import CONF_DIR, build, check_arguments, make_logger, pivot_table, resolve_paths
+from runners.tracking import record_error
 from sweeps.objectives import check_objectives
 from sweeps.trial import run_trial
 
@@ -38,18 +38,25 @@ def evaluate(cfg: DictConfig) -> dict:
     check_objectives(cfg.get("optimized_metric"), evaluation, datamodule)
     L.seed_everything(cfg.seed, verbose=False)
     module = load_module(cfg.ckpt_path, map_location="cpu")  # a file, or a sharded folder consolidated here
-    logger = make_logger(cfg, None)
-    if logger is not None:
-        logger.experiment.set_tag(logger.run_id, "flowlm.checkpoint", str(cfg.ckpt_path))
+    check_arguments(cfg.trainer, "trainer")
     progress = progress_callbacks(cfg.trainer.get("enable_progress_bar", True), cfg.get("progress_every_s", 30))
-    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=[evaluation, *progress], logger=logger or False)
-    trainer.validate(module, datamodule=datamodule, verbose=False)
-    rows = [{"run": str(meta.get("config", {}).get("name", "checkpoint")), **r} for r in evaluation.results]
-    if trainer.is_global_zero and rows:
-        table = pivot_table(rows, evaluation.primary)
-        print(f"\n{evaluation.primary} by NFE budget (NFE spent)\n{table}\n", flush=True)
-        if logger is not None:
-            logger.experiment.log_text(logger.run_id, table, "eval/final_table.md")
+    trainer: L.Trainer = build(cfg.trainer, callbacks=[evaluation, *progress], logger=False)
+    logger = make_logger(cfg, None)  # the MLflow run is made once everything is built
+    if logger is not None:
+        trainer.loggers = [logger]
+        logger.experiment.set_tag(logger.run_id, "flowlm.checkpoint", str(cfg.ckpt_path))
+    try:
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+        rows = [{"run": str(meta.get("config", {}).get("name", "checkpoint")), **r} for r in evaluation.results]
+        if trainer.is_global_zero and rows:
+            table = pivot_table(rows, evaluation.primary)
+            print(f"\n{evaluation.primary} by NFE budget (NFE spent)\n{table}\n", flush=True)
+            if logger is not None:
+                logger.experiment.log_text(logger.run_id, table, "eval/final_table.md")
+    except BaseException as err:
+        if logger is not None and trainer.is_global_zero:
+            record_error(logger, err)  # FAILED with its error (the run is new: no earlier error to clear)
+        raise
     return {"rows": rows, "metric": evaluation.primary, "mlflow_run_id": getattr(logger, "run_id", None)}
 
 

@@ -8,14 +8,17 @@ import hydra
 import lightning as L
 import torch.distributed as dist
 from hydra.utils import instantiate
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
+from callbacks.checkpoint import check_folder
 from callbacks.progress import progress_callbacks
 from callbacks.sampling_eval import SamplingEvaluation
 from runners.common import (
     CONF_DIR,
     build,
+    check_arguments,
     check_run_dir,
     is_rank_zero,
     make_logger,
@@ -23,6 +26,7 @@ from runners.common import (
     resolve_paths,
     write_run_config,
 )
+from runners.tracking import record_error
 from sweeps.objectives import check_objectives
 from sweeps.trial import run_trial
 
@@ -31,7 +35,8 @@ def train(cfg: DictConfig) -> dict:
     """Build data, model, evaluation and trainer from ``cfg``; fit (or resume); evaluate; return the results."""
     resolve_paths(cfg)
     run_dir = Path(cfg.paths.run_dir)
-    # Every check that can fail runs before any compute or any write into an existing run folder.
+    # Every check that can fail runs before any compute and before anything is written: the run folder, its
+    # run_config.yaml and the MLflow run are made only once data, model, evaluation and trainer are built.
     ckpt_path = check_run_dir(cfg) if is_rank_zero() else _last_ckpt(run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = build(cfg.data)
@@ -43,18 +48,43 @@ def train(cfg: DictConfig) -> dict:
     evaluation.check_data(datamodule)
     check_objectives(cfg.get("optimized_metric"), evaluation, datamodule)
     callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values() if c is not None]
-    if is_rank_zero():
-        write_run_config(cfg)
-    logger = make_logger(cfg, run_dir)
-    if logger is None:  # nothing to monitor into
+    if not cfg.get("logger"):  # nothing to monitor into
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+    check_arguments(cfg.trainer, "trainer")
     callbacks += progress_callbacks(cfg.trainer.get("enable_progress_bar", True), cfg.get("progress_every_s", 30))
-    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=[*callbacks, evaluation], logger=logger or False)
+    trainer: L.Trainer = build(cfg.trainer, callbacks=[*callbacks, evaluation], logger=False)
     if cfg.get("micro_batch_size"):
         if cfg.trainer.get("accumulate_grad_batches", 1) != 1:
             raise ValueError("set micro_batch_size or trainer.accumulate_grad_batches, not both")
         accumulate = accumulation_for(cfg.data.batch_size, trainer.world_size, cfg.micro_batch_size)
         trainer.accumulate_grad_batches = accumulate
+    if is_rank_zero():
+        # One checkpoint ≈ the weights and Adam's two moments; a read-only or full folder is found now, not at the
+        # first save after training.
+        need = 3 * sum(p.numel() * p.element_size() for p in module.parameters())
+        for callback in trainer.checkpoint_callbacks:
+            if callback.dirpath and _is_local_file_protocol(callback.dirpath):
+                check_folder(Path(callback.dirpath), need)
+        write_run_config(cfg)
+    logger = make_logger(cfg, run_dir)
+    if logger is not None:
+        trainer.loggers = [logger]
+    try:
+        result = _fit(cfg, trainer, module, datamodule, evaluation, ckpt_path, logger)
+    except BaseException as err:
+        if logger is not None and is_rank_zero():
+            record_error(logger, err)  # FAILED with its error, wherever it failed (Lightning marks only fit's)
+        raise
+    if logger is not None and is_rank_zero():
+        record_error(logger, None)  # a relaunch that succeeded: the earlier launch's error no longer applies
+    if dist.is_available() and dist.is_initialized():
+        # torch 2.13 + gloo aborts at exit in 10–40 % of runs unless the group is destroyed (ecosystem.md).
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+def _fit(cfg, trainer, module, datamodule, evaluation, ckpt_path, logger) -> dict:
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
     evaluated_last_step = evaluation.results and evaluation.results[0]["step"] == trainer.global_step
     if cfg.get("final_eval", True) and not evaluated_last_step:
@@ -65,18 +95,13 @@ def train(cfg: DictConfig) -> dict:
         print(f"\n{cfg.name}: {evaluation.primary} by NFE budget (NFE spent)\n{table}\n", flush=True)
         if logger is not None:
             logger.experiment.log_text(logger.run_id, table, "eval/final_table.md")
-    result = {
+    return {
         "rows": rows,
         "metric": evaluation.primary,
-        "run_dir": str(run_dir),
+        "run_dir": str(cfg.paths.run_dir),
         "mlflow_run_id": getattr(logger, "run_id", None),
         "global_step": trainer.global_step,
     }
-    if dist.is_available() and dist.is_initialized():
-        # torch 2.13 + gloo aborts at exit in 10–40 % of runs unless the group is destroyed (ecosystem.md).
-        dist.barrier()
-        dist.destroy_process_group()
-    return result
 
 
 def accumulation_for(global_batch: int, world_size: int, micro_batch_size: int) -> int:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import logging
+import os
 import re
+import shutil
 import uuid
 from collections.abc import Callable, Sequence
 from enum import Enum
@@ -49,7 +51,8 @@ def run_trial(task: Callable[[DictConfig], dict], cfg: DictConfig) -> float | li
 
     Returns the objective(s) named by ``optimized_metric`` (one float, or a list for several), which the Optuna
     sweeper optimises; None without one. With ``sweep.continue_on_error`` a failing trial is marked FAILED in
-    MLflow and returns None, which hydra-optuna-sweeper records as a failed trial; either sweeper goes on.
+    MLflow and returns None, which hydra-optuna-sweeper records as a failed trial; either sweeper goes on, and the
+    multirun exits with status 1 at its end (``SweepCallback``).
     A wrong ``optimized_metric`` is the sweep's mistake, not the trial's: it stops the sweep.
     """
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
@@ -70,6 +73,7 @@ def run_trial(task: Callable[[DictConfig], dict], cfg: DictConfig) -> float | li
             raise
         log.exception("trial %s (%s) failed; recorded as failed, the sweep goes on", cfg.sweep.trial, cfg.run_name)
         record_failure(cfg, err)
+        _note_failure(cfg, err)
         return None
     finally:
         _release(cfg)
@@ -219,9 +223,21 @@ def record_failure(cfg: DictConfig, err: BaseException) -> None:
         log.exception("could not record the failed trial in MLflow")
 
 
+# The folder where the trials of the running multirun note their failures (set by SweepCallback; inherited by
+# trials in joblib workers and submitit jobs, which run in other processes than the sweep's).
+FAILURES_ENV = "FLOWLM_SWEEP_FAILURES"
+
+
+def _note_failure(cfg: DictConfig, err: BaseException) -> None:
+    folder = os.environ.get(FAILURES_ENV)
+    if folder:
+        Path(folder, str(cfg.sweep.trial_id)).write_text(f"{type(err).__name__}: {err}"[:_MAX_VALUE])
+
+
 class SweepCallback(Callback):
     """Hydra callback: a multirun's runs folder, and its SQLite Optuna schema, exist before the sweeper opens it; a
-    relaunched Optuna sweep continues its study with new proposals."""
+    relaunched Optuna sweep continues its study with new proposals; a multirun in which any trial failed exits
+    with status 1 once every trial has run."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:  # noqa: D102
         Path(config.paths.root).mkdir(parents=True, exist_ok=True)
@@ -229,6 +245,22 @@ class SweepCallback(Callback):
         if isinstance(storage, str) and storage.startswith("sqlite:///"):
             init_sqlite_storage(storage)
         continue_study(config)
+        failures = Path(config.hydra.sweep.dir) / f".failed-{uuid.uuid4().hex}"  # this launch's, not a relaunch's
+        failures.mkdir(parents=True)
+        os.environ[FAILURES_ENV] = str(failures)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:  # noqa: D102
+        folder = os.environ.pop(FAILURES_ENV, None)
+        if not folder:
+            return
+        failed = {p.name: p.read_text() for p in sorted(Path(folder).iterdir())}
+        shutil.rmtree(folder, ignore_errors=True)
+        if failed:
+            lines = "\n".join(f"  {trial}: {error.splitlines()[0] if error else ''}" for trial, error in failed.items())
+            raise SystemExit(
+                f"sweep {config.sweep.name}: {len(failed)} trial(s) failed; each is FAILED in MLflow with its error "
+                f"(tag flowlm.error), the other trials ran:\n{lines}"
+            )
 
 
 def continue_study(config: DictConfig) -> None:

@@ -92,7 +92,9 @@ def test_a_run_begun_by_another_launch_after_the_check_is_refused_at_its_first_w
         write_run_config(cfg)
     proc.kill()
     proc.wait(timeout=60)
-    (run_dir / RUN_CONFIG).write_text("name: other\n")  # what it wrote before it ended
+    (run_dir / RUN_CONFIG).write_text("name: other\n")  # what it wrote before it ended, a checkpoint too
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"")
     with pytest.raises(RunExistsError, match="started by another launch.*relaunch to resume"):
         write_run_config(cfg)
     assert (run_dir / RUN_CONFIG).read_text() == "name: other\n"

@@ -21,8 +21,9 @@ from sweeps.trial import check_directions
 QUIET = ["trainer.enable_progress_bar=false"]
 
 
-def run_sweep(entry: str, overrides: list[str], root: Path) -> subprocess.CompletedProcess:
-    """`flowlm-<entry> -m ...` in a fresh process, as a user runs it, with runs and data under ``root``."""
+def run_sweep(entry: str, overrides: list[str], root: Path, failed: int = 0) -> subprocess.CompletedProcess:
+    """`flowlm-<entry> -m ...` in a fresh process, as a user runs it, with runs and data under ``root``; it exits
+    with status 1, naming them, when ``failed`` > 0 of its trials failed (after running all of them)."""
     module = {"train": "runners.train", "eval": "runners.evaluate"}[entry]
     env = {**os.environ, "FLOWLM_RUNS": str(root / "runs"), "FLOWLM_DATA": str(root / "data")}
     env.pop("MLFLOW_TRACKING_URI", None)
@@ -34,7 +35,11 @@ def run_sweep(entry: str, overrides: list[str], root: Path) -> subprocess.Comple
         text=True,
         timeout=900,
     )
-    assert proc.returncode == 0, f"the sweep stopped:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    output = f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    if failed:
+        assert proc.returncode == 1 and f"{failed} trial(s) failed" in proc.stderr, output
+    else:
+        assert proc.returncode == 0, f"the sweep stopped:\n{output}"
     return proc
 
 
@@ -75,6 +80,7 @@ def test_optuna_multi_objective_sweep_over_a_checkpoint(flow_ckpt):
             "hydra.sweeper.sampler.seed=3",  # draws thresholds 2.0, 0.5, 0.5 (optuna 4.9): a failure, then the rest
         ],
         root,
+        failed=1,
     )
     study = optuna.load_study(study_name="pr_test", storage=f"sqlite:///{root / 'runs' / 'optuna.db'}")
     assert study.directions == [optuna.study.StudyDirection.MAXIMIZE, optuna.study.StudyDirection.MINIMIZE]
@@ -158,7 +164,8 @@ def test_a_crashing_trial_does_not_stop_the_grid(flow_ckpt):
     ckpt, root = flow_ckpt
     overrides = [f"ckpt_path={ckpt}", "eval=sudoku_flow", "eval.nfe=[2]", "eval.max_batches=1", "sweep.name=crash"]
     overrides += ["optimized_metric=eval/pr/nfe2/valid_pct", "eval.samplers.pr.threshold=2.0,0.9"]  # 2.0 crashes
-    run_sweep("eval", overrides, root)
+    proc = run_sweep("eval", overrides, root, failed=1)
+    assert "  trial-" in proc.stderr and "PR threshold must lie in (0, 1], got 2.0" in proc.stderr
     runs = sweep_runs(root, "crash")
     assert list(runs["status"]) == ["FAILED", "FINISHED"]  # the first trial crashed, the second still ran
     assert "PR threshold must lie in (0, 1], got 2.0" in runs.loc[0, "tags.flowlm.error"]

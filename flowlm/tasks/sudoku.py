@@ -8,7 +8,6 @@ order while the solution stays unique, down to exactly the difficulty's clue cou
 from __future__ import annotations
 
 import csv
-import json
 import multiprocessing
 from collections.abc import Callable, Iterator, Set
 from dataclasses import dataclass
@@ -19,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import Tensor
+
+from flowlm.tasks.files import DataFileError, json_records, text_lines
 
 DIFFICULTY_CLUES_9X9: dict[str, int] = {"easy": 40, "medium": 35, "hard": 30}
 
@@ -525,12 +526,12 @@ _CHAR_VALUES = (
 def _parse_cells(text: object, spec: SudokuSpec, where: str, field: str) -> np.ndarray:
     n = spec.n
     if not isinstance(text, str):
-        raise ValueError(f"{where}: {field} must be a string of {n * n} cell characters, got {type(text).__name__}")
+        raise DataFileError(f"{where}: {field} must be a string of {n * n} cell characters, got {type(text).__name__}")
     text = text.strip()
     if len(text) != n * n:
         side = round(len(text) ** 0.5)
         hint = f" (that is a {side}x{side} grid)" if side * side == len(text) and side > 0 else ""
-        raise ValueError(
+        raise DataFileError(
             f"{where}: {field} has {len(text)} cells{hint}, but box shape {spec.name} needs n² = {n * n}; "
             f"the data seems to be for a box shape other than the one configured"
         )
@@ -538,7 +539,7 @@ def _parse_cells(text: object, spec: SudokuSpec, where: str, field: str) -> np.n
     for pos, ch in enumerate(text):
         v = _CHAR_VALUES.get(ch)
         if v is None or v > n:
-            raise ValueError(
+            raise DataFileError(
                 f"{where}: {field} has invalid character {ch!r} at position {pos}; allowed for n = {n}: "
                 f"'0' or '.' for empty and {SYMBOLS[1 : n + 1]!r} (letters A.. stand for 10..16)"
             )
@@ -549,38 +550,32 @@ def _parse_cells(text: object, spec: SudokuSpec, where: str, field: str) -> np.n
 def _records(path: Path) -> Iterator[tuple[int, dict]]:
     suffix = path.suffix.lower()
     if suffix == ".csv":
-        with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            if reader.fieldnames is None:
-                return
-            missing = {"puzzle", "solution"} - set(reader.fieldnames)
-            if missing:
-                raise ValueError(
-                    f"{path}: line 1: CSV header lacks column(s) {sorted(missing)}; found {reader.fieldnames}"
-                )
-            for row in reader:
-                yield reader.line_num, row
+        with path.open("rb") as f:
+            reader = csv.DictReader(line for _, line in text_lines(f, path))
+            try:
+                if reader.fieldnames is None:
+                    return
+                missing = {"puzzle", "solution"} - set(reader.fieldnames)
+                if missing:
+                    raise DataFileError(
+                        f"{path}: line 1: CSV header lacks column(s) {sorted(missing)}; found {reader.fieldnames}"
+                    )
+                for row in reader:
+                    yield reader.line_num, row
+            except csv.Error as e:
+                raise DataFileError(f"{path}: line {reader.reader.line_num}: not valid CSV ({e})") from e
     elif suffix in (".jsonl", ".json-lines"):
-        with path.open(encoding="utf-8") as f:
-            for line_num, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}: line {line_num}: invalid JSON ({e.msg})") from None
-                if not isinstance(obj, dict):
-                    raise ValueError(f"{path}: line {line_num}: expected a JSON object, got {type(obj).__name__}")
-                yield line_num, obj
+        with path.open("rb") as f:
+            yield from json_records(f, path)
     else:
-        raise ValueError(f"{path}: unknown file type {path.suffix!r}; supported: .csv, .jsonl, .json-lines")
+        raise DataFileError(f"{path}: unknown file type {path.suffix!r}; supported: .csv, .jsonl, .json-lines")
 
 
 def read_puzzle_file(path: str | Path, spec: SudokuSpec) -> tuple[np.ndarray, np.ndarray]:
     """(puzzles, solutions), (N, n, n) int8, from a CSV (columns puzzle, solution) or JSONL file.
 
     Cells are row-major characters: '0' or '.' empty, '1'-'9', then 'A'-'G' (any case) for 10-16.
-    Every problem raises a ValueError naming the file and line.
+    Every problem raises a DataFileError (a ValueError) naming the file and line.
     """
     path = Path(path)
     if not path.is_file():
@@ -590,23 +585,23 @@ def read_puzzle_file(path: str | Path, spec: SudokuSpec) -> tuple[np.ndarray, np
         where = f"{path}: line {line_num}"
         for key in ("puzzle", "solution"):
             if record.get(key) is None:
-                raise ValueError(f"{where}: missing {key!r} (each record needs 'puzzle' and 'solution')")
+                raise DataFileError(f"{where}: missing {key!r} (each record needs 'puzzle' and 'solution')")
         puzzle = _parse_cells(record["puzzle"], spec, where, "puzzle")
         solution = _parse_cells(record["solution"], spec, where, "solution")
         if not is_valid_grid(solution, spec):
-            raise ValueError(
+            raise DataFileError(
                 f"{where}: solution is not a valid {spec.name} grid (some row, column or box repeats "
                 f"a digit or has an empty cell)"
             )
         clash = (puzzle != 0) & (puzzle != solution)
         if clash.any():
             r, c = (int(x) for x in np.argwhere(clash)[0])
-            raise ValueError(
+            raise DataFileError(
                 f"{where}: puzzle clue {puzzle[r, c]} at row {r + 1}, column {c + 1} disagrees with "
                 f"the solution's {solution[r, c]}"
             )
         puzzles.append(puzzle)
         solutions.append(solution)
     if not puzzles:
-        raise ValueError(f"{path}: file is empty (no puzzle records)")
+        raise DataFileError(f"{path}: file is empty (no puzzle records)")
     return np.stack(puzzles), np.stack(solutions)

@@ -1,0 +1,39 @@
+"""Line-based data files (CSV, JSON Lines, plain text) read with errors that name the file, the line and the problem."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+
+
+class DataFileError(ValueError):
+    """A data file does not hold what it should; the message names the file, the line or record, and the problem."""
+
+
+def text_lines(raw: Iterable[bytes], path: str | os.PathLike) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a binary stream decoded as UTF-8, a leading byte-order mark dropped; a line that is
+    not UTF-8 raises DataFileError (Python's UnicodeDecodeError names neither the file nor the line)."""
+    for num, line in enumerate(raw, start=1):
+        try:
+            yield num, line.decode("utf-8-sig" if num == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            raise DataFileError(
+                f"{path}: line {num}: not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1}); "
+                "save the file as UTF-8"
+            ) from e
+
+
+def json_records(raw: Iterable[bytes], path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-blank line of a JSON Lines stream; a line that is not UTF-8 or not one
+    JSON object raises DataFileError."""
+    for num, line in text_lines(raw, path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataFileError(f"{path}: line {num}: invalid JSON at column {e.colno}: {e.msg}") from e
+        if not isinstance(record, dict):
+            raise DataFileError(f"{path}: line {num}: expected a JSON object, got {type(record).__name__}")
+        yield num, record
