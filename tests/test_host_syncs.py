@@ -52,7 +52,10 @@ def _probe_run(experiment: str, *extra: str) -> list[HostSyncs]:
     def with_probe(self, *args, callbacks=None, **kwargs):
         original(self, *args, callbacks=[*(callbacks or []), probe], **kwargs)
 
+    # No progress display: it reads the logged loss back when it prints (every progress_every_s and at the last
+    # step, as Lightning's bar does at each refresh), which is the display's read, not the training step's.
     overrides = [f"experiment={experiment}", *FAST, "logger=none", "trainer.max_steps=3", *extra]
+    overrides.append("trainer.enable_progress_bar=false")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pl.Trainer, "__init__", with_probe)
         train(compose_config(overrides=[*overrides, "trainer.val_check_interval=3", "trainer.log_every_n_steps=50"]))
