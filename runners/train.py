@@ -85,6 +85,7 @@ def train(cfg: DictConfig) -> dict:
 
 
 def _fit(cfg, trainer, module, datamodule, evaluation, ckpt_path, logger) -> dict:
+    """Fit (or resume), evaluate the final weights unless just done, print and log the table; the run's results."""
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
     evaluated_last_step = evaluation.results and evaluation.results[0]["step"] == trainer.global_step
     if cfg.get("final_eval", True) and not evaluated_last_step:

@@ -258,8 +258,8 @@ class SweepCallback(Callback):
         if failed:
             lines = "\n".join(f"  {trial}: {error.splitlines()[0] if error else ''}" for trial, error in failed.items())
             raise SystemExit(
-                f"sweep {config.sweep.name}: {len(failed)} trial(s) failed; each is FAILED in MLflow with its error "
-                f"(tag flowlm.error), the other trials ran:\n{lines}"
+                f"sweep {config.sweep.name}: {len(failed)} trial(s) failed (the others ran; a tracked trial is FAILED "
+                f"in MLflow with its error in the tag flowlm.error):\n{lines}"
             )
 
 
