@@ -12,6 +12,23 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def subprocess_env(root: Path, **extra: str) -> dict:
+    """Environment of a `flowlm-train` subprocess whose runs and data live under ``root`` (one thread, this
+    checkout on the path, no tracking URI inherited from the caller), plus ``extra`` variables."""
+    env = {
+        **os.environ,
+        "FLOWLM_RUNS": str(root / "runs"),
+        "FLOWLM_DATA": str(root / "data"),
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
 
 class KillAtStep(Callback):
     """SIGKILL this process when the optimizer step counter reaches ``step`` (no cleanup, no checkpoint: a crash)."""

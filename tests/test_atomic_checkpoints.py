@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from tests.conftest import FAST, compose_config
+from tests.process_helpers import subprocess_env
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,16 +140,8 @@ class SaveFaults(Callback):
 
 # ------------------------------------------------------------------------------------------------ helpers
 def _env(root: Path) -> dict:
-    env = {
-        **os.environ,
-        "FLOWLM_RUNS": str(root / "runs"),
-        "FLOWLM_DATA": str(root / "data"),
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-        "TMPDIR": str(_systmp(root)),  # where Lightning's own temporary file would go: outside the runs folder
-    }
-    env.pop("MLFLOW_TRACKING_URI", None)
-    return env
+    # TMPDIR: where Lightning's own temporary file would go, outside the runs folder
+    return subprocess_env(root, TMPDIR=str(_systmp(root)))
 
 
 def _run(cmd: list[str], root: Path) -> subprocess.CompletedProcess:

@@ -3,7 +3,6 @@ single-process evaluation and by a resumed run."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import warnings
@@ -13,6 +12,8 @@ import mlflow
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+
+from tests.process_helpers import subprocess_env
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,20 +58,8 @@ class GatherWeights(Callback):
             torch.save(self.gathered, self.path)
 
 
-def _env(root: Path) -> dict:
-    env = {
-        **os.environ,
-        "FLOWLM_RUNS": str(root / "runs"),
-        "FLOWLM_DATA": str(root / "data"),
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-    }
-    env.pop("MLFLOW_TRACKING_URI", None)
-    return env
-
-
 def _run(cmd: list[str], root: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, env=_env(root), capture_output=True, text=True, timeout=600, cwd=root)
+    proc = subprocess.run(cmd, env=subprocess_env(root), capture_output=True, text=True, timeout=600, cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
