@@ -12,6 +12,7 @@ One code path for every variant:
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +25,12 @@ from flowlm.processes.gaussian_flow import (
     DIAGONAL,
     DISTILL,
     KIND_NAMES,
+    STATE_SPACES,
+    EmbeddingSpace,
+    OneHotSpace,
     batch_kinds_and_times,
     batch_uniforms,
+    choose_space,
     flow_map,
     noisy_state,
     one_hot,
@@ -62,6 +67,7 @@ class FMLMPlusModule(FlowLMModule):
         teacher_train_mode: bool = True,
         zero_t_embedding: bool = False,
         antithetic: bool = True,
+        state_space: str = "auto",
         seed: int = 0,
     ) -> None:
         super().__init__(data_vocab_size=data_vocab_size, seq_len=seq_len, backbone=backbone, optim=optim, seed=seed)
@@ -75,19 +81,40 @@ class FMLMPlusModule(FlowLMModule):
         self.teacher_train_mode = teacher_train_mode
         self.zero_t_embedding = zero_t_embedding
         self.antithetic = antithetic
+        if state_space not in STATE_SPACES:
+            raise ValueError(f"state_space must be one of {STATE_SPACES}, got {state_space!r}")
+        self.state_space = state_space
         self.net = self.build_backbone(data_vocab_size, two_times=True)
+        self._space_cache: tuple | None = None  # (key of the embedding's storage and version, its state space)
         self.init_report: dict[str, list[str]] | None = None
         self._teacher = None  # a frozen MDM, kept out of the state dict
 
     # ------------------------------------------------------------------------------------------------ network
-    def forward(self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor | None = None, *, embedded: bool = False
+    ) -> Tensor:
         """log δ_{s,t}(x): (B, L, |V|) log-probabilities, soft-capped at 30, at per-token times (s, t); or, with
-        ``pinned`` (B, L), at per-sequence times (s, t) with the pinned tokens at s = t = 1 (cheaper, see DiT)."""
+        ``pinned`` (B, L), at per-sequence times (s, t) with the pinned tokens at s = t = 1 (cheaper, see DiT).
+        ``embedded``: x is already h = x·E (B, L, d), a state of the embedding space."""
+        if embedded:
+            return log_delta(self.net.forward_embeddings(x, s, t, pinned=pinned))
         return log_delta(self.net(x, s, t, pinned=pinned))
 
-    def denoiser(self) -> FlowDenoiser:
-        """This model as flow samplers see it."""
-        return FlowDenoiser(fn=self, vocab_size=self.data_vocab_size, pinned_fn=self)
+    def states(self, kind: str | None = None) -> OneHotSpace | EmbeddingSpace:
+        """The flow state space (``state_space``, or ``kind``): chosen by shape with ``auto`` (methods.md §4).
+        The embedding space's factor is kept while the embedding's values are unchanged (one per evaluation)."""
+        weight = self.net.embed.weight.detach()
+        key = (kind or self.state_space, weight.data_ptr(), weight._version, weight.device, weight.dtype)
+        if self._space_cache is None or self._space_cache[0] != key:
+            with torch.no_grad():
+                self._space_cache = (key, choose_space(key[0], weight.float()))
+        return self._space_cache[1]
+
+    def denoiser(self, space: str | None = None) -> FlowDenoiser:
+        """This model as flow samplers see it, reading states of its state space (or of ``space``)."""
+        states = self.states(space)
+        fn = functools.partial(self, embedded=True) if states.embedded else self
+        return FlowDenoiser(fn=fn, vocab_size=self.data_vocab_size, pinned_fn=fn, space=states)
 
     # ------------------------------------------------------------------------------------------ MDM sources
     def validate_inputs(self) -> None:

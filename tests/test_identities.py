@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flowlm.processes.gaussian_flow import OneHotSpace
 from flowlm.samplers import AncestralSampler, ConfidenceSampler, MaskedDenoiser, PosteriorRefinementSampler
 from flowlm.samplers.base import FlowDenoiser, gumbel_argmax, pick_tokens
 from lightning_modules.mdm import MDMModule
@@ -253,10 +254,10 @@ def test_ancestral_and_confidence_samplers_draw_through_float64_gumbel_max():
 
 
 def test_posterior_refinement_noise_is_drawn_in_float64():
-    """PR's fresh noise is torch.randn(..., float64) cast to float32, drawn from the sampler's generator: directly
-    (``_noise``) and as the first round's input on every uncommitted position."""
+    """PR's fresh noise (the one-hot space) is torch.randn(..., float64) cast to float32, drawn from the sampler's
+    generator: directly (``OneHotSpace.noise``) and as the first round's input on every uncommitted position."""
     shape, v = (4, 7), 5
-    noise = PosteriorRefinementSampler._noise(shape, v, torch.Generator().manual_seed(13), "cpu")
+    noise = OneHotSpace(v).noise(shape, torch.Generator().manual_seed(13), "cpu")
     ref = torch.randn((*shape, v), generator=torch.Generator().manual_seed(13), dtype=torch.float64).float()
     assert noise.dtype == torch.float32 and torch.equal(noise, ref)
     assert not torch.equal(ref, torch.randn((*shape, v), generator=torch.Generator().manual_seed(13)))

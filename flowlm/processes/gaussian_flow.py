@@ -25,6 +25,86 @@ def noisy_state(onehot: Tensor, noise: Tensor, time: Tensor) -> Tensor:
     return (1 - time) * noise + time * onehot
 
 
+STATE_SPACES = ("auto", "onehot", "embedding")
+
+
+class OneHotSpace:
+    """Flow states over the vocabulary, x ∈ R^{L×|V|} (the released code's representation; the network projects
+    them, h = x·E). Noise: ε ~ N(0, I_|V|) drawn in float64 (methods.md §9), used in float32."""
+
+    embedded = False
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def noise(self, shape: tuple[int, int], generator: torch.Generator | None, device) -> Tensor:
+        """ε (B, L, |V|)."""
+        return torch.randn((*shape, self.vocab_size), generator=generator, device=device, dtype=torch.float64).float()
+
+    def data(self, tokens: Tensor) -> Tensor:
+        """onehot(y) (B, L, |V|)."""
+        return one_hot(tokens, self.vocab_size)
+
+    def lift(self, probs: Tensor) -> Tensor:
+        """A point of the simplex (a denoiser output δ) as a state: δ itself."""
+        return probs
+
+
+class EmbeddingSpace:
+    """Flow states as the network reads them, h = x·E ∈ R^{L×d}, for a vocabulary larger than the width.
+
+    Every state the flow models build is linear in noise, one-hot rows and denoiser outputs, so it can be carried
+    projected: onehot(y)·E = E[y], δ·E (``lift``), and the noise ε·E with ε ~ N(0, I_|V|) is N(0, EᵀE): it has the
+    law of z·R with z ~ N(0, I_d) and RᵀR = EᵀE (R from a Cholesky factor, computed in float64; differentiable, so
+    a training loss keeps unbiased gradients with respect to E). A draw then costs O(L·d²) instead of O(L·|V|), and
+    the network skips its (B·L) × |V| × d input product. Exact in distribution, not in the random stream: the
+    one-hot space reproduces the released code's draws. EᵀE is singular when |V| < d: there the one-hot space is
+    also the cheaper one (``choose_space``).
+    """
+
+    embedded = True
+
+    def __init__(self, embeddings: Tensor) -> None:
+        if embeddings.dim() != 2 or embeddings.shape[0] < embeddings.shape[1]:
+            raise ValueError(
+                f"the embedding space needs an embedding matrix (|V|, d) with |V| ≥ d, got {tuple(embeddings.shape)}"
+            )
+        self.embeddings = embeddings
+        self.vocab_size = embeddings.shape[0]
+        e64 = embeddings.double()
+        # R (d, d), upper: RᵀR = EᵀE. Without the error check: raising would read the status back from the device;
+        # EᵀE is positive definite for any E of full column rank (every initialised or trained embedding here).
+        self.factor = torch.linalg.cholesky_ex(e64.mT @ e64, check_errors=False).L.mT
+
+    def noise(self, shape: tuple[int, int], generator: torch.Generator | None, device) -> Tensor:
+        """z·R (B, L, d), z ~ N(0, I_d) drawn in float64: the law of ε·E."""
+        z = torch.randn((*shape, self.factor.shape[0]), generator=generator, device=device, dtype=torch.float64)
+        with torch.autocast(device_type=z.device.type, enabled=False):
+            return (z @ self.factor).to(self.embeddings.dtype)
+
+    def data(self, tokens: Tensor) -> Tensor:
+        """E[y] (B, L, d) = onehot(y)·E."""
+        return self.embeddings[tokens]
+
+    def lift(self, probs: Tensor) -> Tensor:
+        """δ·E (B, L, d): one (B·L) × |V| × d product (what a flow-map sub-step needs by its definition), in the
+        embedding's precision as the network's own input product (``input_fp32``, the released code)."""
+        with torch.autocast(device_type=probs.device.type, enabled=False):
+            return probs.to(self.embeddings.dtype) @ self.embeddings
+
+
+def choose_space(kind: str, embeddings: Tensor) -> OneHotSpace | EmbeddingSpace:
+    """The state space of a flow model with input embedding E (|V|, d): ``auto`` takes the embedding space when
+    |V| > d (text vocabularies: its draws and input are d-dimensional) and the one-hot space otherwise (Sudoku:
+    there the direct draw is cheaper and EᵀE is singular); ``onehot`` / ``embedding`` force one."""
+    if kind not in STATE_SPACES:
+        raise ValueError(f"state_space must be one of {STATE_SPACES}, got {kind!r}")
+    vocab, width = embeddings.shape
+    if kind == "embedding" or (kind == "auto" and vocab > width):
+        return EmbeddingSpace(embeddings)
+    return OneHotSpace(vocab)
+
+
 def flow_map(x: Tensor, delta: Tensor, s: Tensor, t: Tensor) -> Tensor:
     """X_{s,t}(x) = ((1−t)/(1−s))·x + ((t−s)/(1−s))·δ_{s,t}(x); per-token (B, L) times.
 

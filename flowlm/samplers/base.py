@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flowlm.processes.gaussian_flow import EmbeddingSpace, OneHotSpace
+
 
 @dataclass
 class SampleOutput:
@@ -39,11 +41,22 @@ class FlowDenoiser:
     Times are per token; positions at s = t = 1 are clean one-hot vectors (prompt, context, committed tokens).
     ``pinned_fn(x, s, t, pinned)``, when the model has it, computes the same with the times of the unpinned tokens
     given once (scalars or per sequence) and the pinned ones at s = t = 1, cheaper; samplers call ``at``.
+
+    ``space``: how states are represented (``flowlm.processes.gaussian_flow``): x over the vocabulary (the one-hot
+    space, the default) or projected by the input embedding, h = x·E (the embedding space, for text vocabularies);
+    fn and pinned_fn read states of that space. Samplers build every state through it (``noise``, ``data``,
+    ``lift``), so they run unchanged in either.
     """
 
     fn: Callable[[Tensor, Tensor, Tensor], Tensor]
     vocab_size: int
     pinned_fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
+    space: OneHotSpace | EmbeddingSpace | None = None
+
+    @property
+    def states(self) -> OneHotSpace | EmbeddingSpace:
+        """The state space the model reads (the one-hot space unless ``space`` says otherwise)."""
+        return self.space if self.space is not None else OneHotSpace(self.vocab_size)
 
     def at(self, x: Tensor, s: float | Tensor, t: float | Tensor, pinned: Tensor) -> Tensor:
         """log δ_{s,t}(x) with the unpinned tokens at (s, t) (scalars or (B,)) and the pinned ones at s = t = 1."""

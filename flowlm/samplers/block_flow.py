@@ -7,7 +7,6 @@ import math
 import torch
 from torch import Tensor
 
-from flowlm.processes.gaussian_flow import one_hot
 from flowlm.samplers.base import FlowDenoiser, SampleOutput, Sampler
 from flowlm.samplers.flow_map import flow_jumps
 
@@ -59,12 +58,12 @@ class BlockFlowSampler(Sampler):
         free = ~prompt_mask
         n_blocks, steps = self.plan(nfe, int(free.sum(-1).max()))
         block_id = torch.where(free, (free.cumsum(-1) - 1) // self.block_size, -1)
-        v = model.vocab_size
-        noise = torch.randn((*prompt.shape, v), generator=generator, device=prompt.device, dtype=torch.float64).float()
+        space = model.states
+        noise = space.noise(prompt.shape, generator, prompt.device)
         tokens, committed, confidence = prompt.clone(), prompt_mask.clone(), prompt_mask.float()
         calls = 0
         for b in range(n_blocks):
-            z = torch.where(committed[..., None], one_hot(tokens, v), noise)
+            z = torch.where(committed[..., None], space.data(tokens), noise)
             delta = flow_jumps(model, z, committed, steps)
             calls += steps
             p_max, argmax = delta.max(-1)

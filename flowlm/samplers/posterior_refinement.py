@@ -7,7 +7,6 @@ import math
 import torch
 from torch import Tensor
 
-from flowlm.processes.gaussian_flow import one_hot
 from flowlm.samplers.base import (
     FlowDenoiser,
     SampleOutput,
@@ -106,16 +105,15 @@ class PosteriorRefinementSampler(Sampler):
     ) -> SampleOutput:
         """Sample with exactly R × N network calls."""
         rounds, steps = self.plan(nfe)
-        v, device = model.vocab_size, prompt.device
+        space, device = model.states, prompt.device  # states over the vocabulary, or h = x·E (see FlowDenoiser)
         committed = prompt_mask.clone()
         tokens = prompt.clone()
         confidence = prompt_mask.float()
         positions = torch.arange(prompt.shape[1], device=device)
-        noise = self._noise(prompt.shape, v, generator, device)
+        noise = space.noise(prompt.shape, generator, device)
         calls = 0
         for r in range(rounds):
-            onehot = one_hot(tokens, v)
-            x = torch.where(committed[..., None], onehot, noise)
+            x = torch.where(committed[..., None], space.data(tokens), noise)
             probs, calls = self._draft(model, x, committed, calls, steps)
             if self.temperature == 0:  # argmax p = argmax log p: no (B, L, |V|) log for the greedy draft
                 draft = probs.argmax(dim=-1)
@@ -129,7 +127,7 @@ class PosteriorRefinementSampler(Sampler):
             confidence = torch.where(commit, p_draft, confidence)
             committed = committed | commit
             if self.noise == "fresh" and r < rounds - 1:  # re-noise every uncommitted position with fresh N(0, I)
-                noise = self._noise(prompt.shape, v, generator, device)
+                noise = space.noise(prompt.shape, generator, device)
         return SampleOutput(tokens=tokens, confidence=confidence, nfe=calls)
 
     def _draft(self, model: FlowDenoiser, x: Tensor, committed: Tensor, calls: int, steps: int) -> tuple[Tensor, int]:
@@ -151,8 +149,3 @@ class PosteriorRefinementSampler(Sampler):
         order = masked_score.argsort(dim=-1, descending=True)
         rank = torch.empty_like(order).scatter_(-1, order, positions.expand_as(order))
         return open_ & ((rank < k[:, None]) | (score >= self.threshold))
-
-    @staticmethod
-    def _noise(shape, v: int, generator: torch.Generator | None, device) -> Tensor:
-        # Drawn in float64 (methods.md §9), used in float32.
-        return torch.randn((*shape, v), generator=generator, device=device, dtype=torch.float64).float()
