@@ -234,16 +234,17 @@ class RandomLogits:
 
 
 def test_ancestral_and_confidence_samplers_draw_through_float64_gumbel_max():
-    """One step (nfe = 1) decodes every masked token: the ancestral sampler's tokens equal a hand float64
-    Gumbel-max of log_softmax(logits) on the stream's first (B, L, V) float64 uniforms (its unmask coins come
-    after them), and so do the confidence sampler's at temperature 1."""
+    """One step (nfe = 1) decodes every masked token: with ``draws="full"`` (the earlier stream) the ancestral
+    sampler's tokens equal a hand float64 Gumbel-max of log_softmax(logits) on the stream's first (B, L, V) float64
+    uniforms (its unmask coins come after them), and so do the confidence sampler's at temperature 1. (The default
+    draws at the committing positions only: tests/test_committed_draws.py.)"""
     b, length, v = 16, 9, 6
     net = RandomLogits(b, length, v)
     prompt, prompt_mask = _all_masked(b, length, 3, v)
     uniforms = torch.rand((b, length, v), generator=torch.Generator().manual_seed(12), dtype=torch.float64)
     hand = _hand_gumbel(torch.log_softmax(net.logits.double(), -1), uniforms)
     free = ~prompt_mask
-    for sampler in (AncestralSampler(), ConfidenceSampler(temperature=1.0)):
+    for sampler in (AncestralSampler(draws="full"), ConfidenceSampler(temperature=1.0, draws="full")):
         out = sampler(
             net.view(), prompt=prompt, prompt_mask=prompt_mask, nfe=1, generator=torch.Generator().manual_seed(12)
         )

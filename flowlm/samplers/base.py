@@ -106,6 +106,19 @@ def check_score(score: str) -> str:
     return score
 
 
+DRAWS = ("committed", "full")
+
+
+def check_draws(draws: str) -> str:
+    """Where a sampler draws its float64 categorical: "committed", only at the positions that commit or unmask in
+    a step (the same law: which positions commit does not depend on the draw), or "full", every position, the
+    suite's earlier random stream (a (B, L, |V|) float64 pass per step, the cost that dominates at a text
+    vocabulary)."""
+    if draws not in DRAWS:
+        raise ValueError(f"draws must be one of {DRAWS}, got {draws!r}")
+    return draws
+
+
 def masked_start(prompt: Tensor, prompt_mask: Tensor, mask_id: int) -> tuple[Tensor, Tensor]:
     """The all-[MASK] state with the prompt in place, and its confidence (1 on the prompt, 0 elsewhere)."""
     return torch.where(prompt_mask, prompt, mask_id), prompt_mask.float()

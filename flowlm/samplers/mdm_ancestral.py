@@ -9,6 +9,7 @@ from flowlm.samplers.base import (
     MaskedDenoiser,
     SampleOutput,
     Sampler,
+    check_draws,
     check_temperature,
     masked_start,
     pick_tokens,
@@ -22,14 +23,16 @@ class AncestralSampler(Sampler):
     is decoded within the budget and no extra "noise removal" call is spent. A step in which no token changed
     leaves the input unchanged, so a time-agnostic network's output is reused at no NFE (``ddpm_cache``).
     Each step reads one number back from the device, how many tokens unmask: it decides whether the next step
-    spends an NFE (the cache, and the early exit once nothing is masked).
+    spends an NFE (the cache, and the early exit once nothing is masked). The float64 draw is made at the unmasking
+    positions only (``draws``, see ``check_draws``).
     """
 
     family = "mdm"
 
-    def __init__(self, *, temperature: float = 1.0, cache: bool = True) -> None:
+    def __init__(self, *, temperature: float = 1.0, cache: bool = True, draws: str = "committed") -> None:
         self.temperature = check_temperature(temperature)
         self.cache = cache
+        self.draws = check_draws(draws)
 
     def __call__(
         self,
@@ -54,13 +57,13 @@ class AncestralSampler(Sampler):
             if logits is None:
                 logits = model.fn(x, torch.full((batch,), t, device=x.device))
                 calls += 1
-            # The step's draws, in their fixed stream order: the categorical draw's Gumbel uniforms over the whole
-            # (B, L, V), then the unmask coins. Only the positions that unmask need the draw itself, so the float64
-            # log-softmax, the Gumbel transform and the argmax run on those rows (each row's result is the one the
-            # whole-tensor computation gives).
+            # Only the positions that unmask need the categorical draw, so the float64 log-softmax, the Gumbel
+            # transform and the argmax run on those rows. ``draws="committed"``: the unmask coins, then the Gumbel
+            # uniforms of those rows only; ``"full"`` (the earlier stream): uniforms over the whole (B, L, V) first,
+            # then the coins (each row's result is the one the whole-tensor computation gives).
             uniforms = (
                 torch.rand(logits.shape, generator=generator, device=x.device, dtype=torch.float64)
-                if self.temperature > 0
+                if self.temperature > 0 and self.draws == "full"
                 else None
             )
             p_unmask = (t - s) / t  # (α_s − α_t)/(1 − α_t) with α = 1 − t

@@ -9,6 +9,7 @@ from flowlm.samplers.base import (
     MaskedDenoiser,
     SampleOutput,
     Sampler,
+    check_draws,
     check_score,
     check_temperature,
     masked_start,
@@ -24,13 +25,19 @@ class ConfidenceSampler(Sampler):
     "sampled", p_θ(candidate) (LLaDA's low-confidence remasking); the two agree at T = 0. The reported confidence
     of a committed token is p_θ(token). The network sees the fraction of still-masked non-prompt tokens as its
     time, if it is time-conditioned.
+
+    Cost beyond the network: the ranking reads the logits once in float32 (log max p = max logit − logsumexp);
+    with "max_prob" the ranking does not depend on the draw, so the float64 draw is made at the committing positions
+    only (``draws="committed"``): at most ⌈#masked / steps_left⌉ rows per sequence, whose number is known on the
+    host, so the step reads nothing back. "sampled" ranks by the draw itself and draws at every masked position.
     """
 
     family = "mdm"
 
-    def __init__(self, *, temperature: float = 0.0, score: str = "max_prob") -> None:
+    def __init__(self, *, temperature: float = 0.0, score: str = "max_prob", draws: str = "committed") -> None:
         self.temperature = check_temperature(temperature)
         self.score = check_score(score)
+        self.draws = check_draws(draws)
 
     def __call__(
         self,
@@ -48,19 +55,36 @@ class ConfidenceSampler(Sampler):
         positions = torch.arange(x.shape[1], device=x.device)
         calls = 0
         most_masked = int((x == model.mask_id).sum(-1).max()) if x.numel() else 0  # the call's one host read
+        full = self.draws == "full" or (self.score == "sampled" and self.temperature > 0)
         for k in range(decode_steps(most_masked, nfe)):
             masked = x == model.mask_id
             n_masked = masked.sum(-1)
-            log_p = torch.log_softmax(model.fn(x, n_masked / n_free).double(), -1)
+            logits = model.fn(x, n_masked / n_free)
             calls += 1
-            candidate = pick_tokens(log_p, self.temperature, generator)
-            p_candidate = log_p.gather(-1, candidate[..., None]).squeeze(-1)
-            score = log_p.amax(-1) if self.score == "max_prob" else p_candidate  # log-probabilities: same order
-            score = torch.where(masked, score, -torch.inf)
             n_commit = torch.div(n_masked + (nfe - k) - 1, nfe - k, rounding_mode="floor")  # ⌈masked/left⌉
+            if full:
+                log_p = torch.log_softmax(logits.double(), -1)
+                candidate = pick_tokens(log_p, self.temperature, generator)
+                p_candidate = log_p.gather(-1, candidate[..., None]).squeeze(-1)
+                score = log_p.amax(-1) if self.score == "max_prob" else p_candidate  # log-probabilities: same order
+            else:
+                logits = logits.float()
+                top, argmax = logits.max(-1)
+                score = top - logits.logsumexp(-1)  # log max_v p(v), in float32
+                candidate, p_candidate = argmax, score
+            score = torch.where(masked, score, -torch.inf)
             order = score.argsort(dim=-1, descending=True)
             rank = torch.empty_like(order).scatter_(-1, order, positions.expand_as(order))
             commit = masked & (rank < n_commit[:, None])
+            if not full and self.temperature > 0:  # the draw, at the (at most) k_max committing positions
+                k_max = -(-most_masked // (nfe - k))  # the most-masked row commits the most (⌈n/m⌉ is monotone)
+                idx = order[:, :k_max]  # every committing position of a row is among its first k_max
+                rows = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
+                log_p = torch.log_softmax(rows.double(), -1)
+                drawn = pick_tokens(log_p, self.temperature, generator)
+                candidate = x.scatter(1, idx, drawn)
+                p_candidate = score.scatter(1, idx, log_p.gather(-1, drawn[..., None]).squeeze(-1).float())
+            most_masked -= -(-most_masked // (nfe - k))
             x = torch.where(commit, candidate, x)
             confidence = torch.where(commit, p_candidate.exp().float(), confidence)
         return SampleOutput(tokens=x, confidence=confidence, nfe=calls)

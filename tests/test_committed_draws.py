@@ -1,0 +1,141 @@
+"""MDM samplers draw their float64 categorical at the committing positions only (``draws="committed"``, the
+default), in the same law as the whole-tensor draw (``draws="full"``, the earlier stream), and rank in float32.
+
+Exact laws by enumeration on a 2-position, 3-token toy whose logits at a position depend on the other position's
+token: a sampler that draws at the wrong rows, ranks by the draw, or skips the temperature lands outside the
+tolerance; at temperature 0 both paths give identical tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from flowlm.samplers import AncestralSampler, ConfidenceSampler, MaskedDenoiser
+
+V, MASK, N = 3, 3, 60_000
+BASE = torch.tensor([[1.2, 0.1, -0.5], [0.0, 0.4, 0.9]])  # logits of positions 0, 1 when the other is masked
+COUPLING = torch.tensor([[0.0, 1.5, -1.0], [1.0, -0.8, 0.2], [-1.2, 0.3, 1.1]])  # row: the other's token
+
+
+def toy(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """logits[l] = BASE[l] + COUPLING[x_other] where the other position is decoded (x: (B, 2) ids)."""
+    other = x.flip(-1)
+    shift = torch.where((other == MASK)[..., None], 0.0, COUPLING[other.clamp(max=V - 1)])
+    return BASE + shift
+
+
+def logits_given(l: int, other_token: int | None) -> torch.Tensor:  # noqa: E741
+    return BASE[l] + (0.0 if other_token is None else COUPLING[other_token])
+
+
+def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.double() / temperature, -1)
+
+
+def confidence_law(temperature: float) -> dict[tuple[int, int], float]:
+    """nfe = 2: the step commits the position with the larger max p (given nothing), drawn at T; then the other
+    given it."""
+    first = max((0, 1), key=lambda l: torch.softmax(BASE[l].double(), -1).max().item())  # noqa: E741
+    law = {}
+    for a, b in itertools.product(range(V), repeat=2):
+        tok = (a, b)
+        p1 = probs(logits_given(first, None), temperature)[tok[first]]
+        p2 = probs(logits_given(1 - first, tok[first]), temperature)[tok[1 - first]]
+        law[tok] = float(p1 * p2)
+    return law
+
+
+def ancestral_law(temperature: float) -> dict[tuple[int, int], float]:
+    """nfe = 2 (t: 1 → ½ → 0): each position unmasks at the first step with probability ½ (drawn given nothing
+    decoded), the rest at the second, given the first step's tokens."""
+    law = dict.fromkeys(itertools.product(range(V), repeat=2), 0.0)
+    for first in itertools.product((True, False), repeat=2):  # which positions unmask at step 1
+        for tok in law:
+            p = 0.25
+            for l in (0, 1):  # noqa: E741
+                other = 1 - l
+                given = None if first[l] or not first[other] else tok[other]
+                p *= probs(logits_given(l, given), temperature)[tok[l]].item()
+            law[tok] += p
+    return law
+
+
+def empirical(sampler, seed: int) -> dict[tuple[int, int], float]:
+    prompt = torch.zeros(N, 2, dtype=torch.long)
+    out = sampler(
+        MaskedDenoiser(fn=toy, mask_id=MASK),
+        prompt=prompt,
+        prompt_mask=torch.zeros(N, 2, dtype=torch.bool),
+        nfe=2,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    assert out.nfe == 2 and bool((out.tokens < V).all())
+    codes = (out.tokens[:, 0] * V + out.tokens[:, 1]).bincount(minlength=V * V).double() / N
+    return {(a, b): codes[a * V + b].item() for a, b in itertools.product(range(V), repeat=2)}
+
+
+def total_variation(p: dict, q: dict) -> float:
+    return 0.5 * sum(abs(p[k] - q[k]) for k in p)
+
+
+# n = 60 000 draws over 9 cells: the expected total variation from the exact law is ≈ ½ Σ √(2 p(1−p)/(π n)) ≈ 0.005;
+# 0.015 is three times that, and every mutation tried moves the law by more than 0.05.
+TOLERANCE = 0.015
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("draws", ["committed", "full"])
+def test_confidence_sampler_law(draws, temperature):
+    sampler = ConfidenceSampler(temperature=temperature, draws=draws)
+    tv = total_variation(empirical(sampler, seed=1), confidence_law(temperature))
+    assert tv <= TOLERANCE, tv
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("draws", ["committed", "full"])
+def test_ancestral_sampler_law(draws, temperature):
+    sampler = AncestralSampler(temperature=temperature, draws=draws, cache=False)
+    tv = total_variation(empirical(sampler, seed=2), ancestral_law(temperature))
+    assert tv <= TOLERANCE, tv
+
+
+def test_greedy_paths_agree_and_draws_are_checked():
+    """At T = 0 the float32 ranking and the float64 one commit the same tokens with the same confidence, on a
+    random network over a 50-token vocabulary and 4 steps; an unknown ``draws`` is refused."""
+    gen = torch.Generator().manual_seed(3)
+    v, length = 50, 24
+    table = torch.randn(v + 1, length, v, generator=gen) * 3
+
+    def net(x, t):
+        return table[x, torch.arange(length)] + x.float().mean(-1, keepdim=True)[..., None] / 10
+
+    prompt = torch.randint(0, v, (32, length), generator=gen)
+    mask = torch.zeros(32, length, dtype=torch.bool)
+    mask[:, :5] = True
+    model = MaskedDenoiser(fn=net, mask_id=v)
+    for sampler in (ConfidenceSampler, AncestralSampler):
+        a, b = (
+            sampler(temperature=0.0, draws=d)(
+                model, prompt=prompt, prompt_mask=mask, nfe=4, generator=torch.Generator().manual_seed(4)
+            )
+            for d in ("committed", "full")
+        )
+        assert torch.equal(a.tokens, b.tokens), sampler.__name__
+        assert torch.allclose(a.confidence, b.confidence, rtol=1e-5)
+    # At T = 1 on a network whose softmax is one-hot to float64 precision, the draw is the argmax wherever it is
+    # made: every committing position must have been drawn (none left at [MASK] or at a stale id).
+    sharp = MaskedDenoiser(fn=lambda x, t: net(x, t) * 1e4, mask_id=v)
+    greedy = ConfidenceSampler(temperature=0.0)(
+        sharp, prompt=prompt, prompt_mask=mask, nfe=4, generator=torch.Generator().manual_seed(5)
+    )
+    drawn = ConfidenceSampler(temperature=1.0)(
+        sharp, prompt=prompt, prompt_mask=mask, nfe=4, generator=torch.Generator().manual_seed(5)
+    )
+    assert torch.equal(drawn.tokens, greedy.tokens)
+    with pytest.raises(ValueError, match="draws"):
+        ConfidenceSampler(draws="some")
+    assert math.isclose(sum(confidence_law(1.0).values()), 1.0) and math.isclose(sum(ancestral_law(1.0).values()), 1.0)
