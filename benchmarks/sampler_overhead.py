@@ -1,26 +1,28 @@
-"""Sampler overhead: wall time of one sample batch / (NFE actually spent × one bare forward of the same model).
+"""Sampler overhead: wall time of one sample batch / (NFE actually spent × one forward of an MDM on ids).
 
-For every sampler of conf/sampler/ (plus CCFG + OTP and two-step PR variants), on an untrained model of its family
-(MDM, FMLM+, MLFM: conf/method/*.yaml on conf/backbone/<size>.yaml; zero-initialised layers given small random
-weights so outputs are not exactly uniform), under ``torch.no_grad()`` and the autocast the evaluation callback uses:
+For every sampler of conf/sampler/ (plus CCFG + OTP, two-step PR, and the earlier paths each sampler keeps as an
+option: flow states over the vocabulary, ``*_onehot``; float64 draws at every position, ``*_full``), on an untrained
+model of its family (MDM, FMLM+, MLFM: conf/method/*.yaml on conf/backbone/<size>.yaml; zero-initialised layers
+given small random weights so outputs are not exactly uniform), under ``torch.no_grad()`` and the autocast the
+evaluation callback uses:
 
-    ratio = time(sampler(batch, budget)) / (NFE reported by the sampler × time(model(inputs)))
+    ratio = time(sampler(batch, budget)) / (NFE reported by the sampler × time(MDM(ids, t)))
 
-where ``model(inputs)`` is the module's forward (backbone and output head: FMLM+'s soft-capped log δ) on what the
-sampler's first call feeds it (ids at one time per sequence for MDM; vectors over the vocabulary at per-sequence
-times with the prompt pinned at s = t = 1 for FMLM+; bridge embeddings for MLFM). A ratio of 1 means
-the sampler costs exactly its network calls; the excess is its own bookkeeping (draws, scoring, commits) and any
-hidden passes or host syncs. Bare forwards and sampler calls alternate in every repetition; medians are compared
-(wall time, and on a CPU also process CPU time, which other processes on a shared machine do not stretch).
+The denominator is the network's own cost, the physical limit of a sampler that calls it NFE times: one forward of
+an MDM of the same backbone on token ids (an embedding lookup, the blocks, the output head), whatever the family.
+A flow model's forward on vectors over the vocabulary costs more than that by its (B·L) × |V| × d input product;
+that excess is the sampler's to avoid (the embedding state space does), so it is counted in the ratio, not hidden in
+the denominator. Forwards and sampler calls alternate in every repetition; medians are compared (wall time, and on
+a CPU also process CPU time, which other processes on a shared machine do not stretch).
 
     .venv/bin/python benchmarks/sampler_overhead.py       # tiny DiT, a 6×6 Sudoku evaluation batch, CPU
-    .venv/bin/python benchmarks/sampler_overhead.py --batch 16 --seq-len 128 --vocab 401 --nfe 16   # CPU TinyStories
-    .venv/bin/python benchmarks/sampler_overhead.py --device cuda --backbone small --seq-len 1024 --vocab 50257
+    .venv/bin/python benchmarks/sampler_overhead.py --batch 4 --seq-len 128 --vocab 50258 --nfe 4   # GPT-2 vocab
+    .venv/bin/python benchmarks/sampler_overhead.py --device cuda --backbone small --seq-len 1024 --vocab 50258
 
 The last column, from one extra call with the network timed, splits the excess: the share of the sampler's time
-spent outside its network calls (its own work); the rest of any excess is network calls running slower inside the
-sampler than back to back (caches). The AR sampler is listed, not measured: with its KV cache a call processes one
-new position (benchmarks/ar_kv_cache.py compares it with full forwards).
+spent outside its network calls (its own work); the rest is its network calls costing more than an MDM forward
+(a |V|-sized input, per-token times) or running slower inside the sampler than back to back (caches). The AR sampler
+is listed, not measured: with its KV cache a call processes one new position (benchmarks/ar_kv_cache.py).
 """
 
 from __future__ import annotations
@@ -48,17 +50,23 @@ FAMILY_METHOD = {"mdm": "mdm", "flow": "fmlm_plus", "mlfm": "mlfm"}
 # A KV-cached AR step processes one new position, not a full forward: its cost is measured against the uncached
 # decoder instead (benchmarks/ar_kv_cache.py).
 NOT_MEASURED = {"ar": "n/a (KV cache: one position per call; see benchmarks/ar_kv_cache.py)"}
-# Variants beyond conf/sampler/*.yaml: (name, config, overrides).
+# Variants beyond conf/sampler/*.yaml: (name, config, sampler overrides, denoiser options).
 VARIANTS = [
-    ("pr_n2", "pr", {"flow_steps": 2}),
-    ("mlfm_ccfg_otp", "mlfm", {"guidance": 2.0, "otp_eps": 0.05}),
+    ("pr_n2", "pr", {"flow_steps": 2}, {}),
+    ("mlfm_ccfg_otp", "mlfm", {"guidance": 2.0, "otp_eps": 0.05}, {}),
+    # the earlier paths, side by side: flow states over the vocabulary (the released draws), float64 everywhere
+    ("pr_onehot", "pr", {}, {"space": "onehot"}),
+    ("a_priori_onehot", "a_priori", {}, {"space": "onehot"}),
+    ("flow_map_onehot", "flow_map", {}, {"space": "onehot"}),
+    ("confidence_full", "confidence", {"draws": "full"}, {}),
+    ("ancestral_full", "ancestral", {"draws": "full"}, {}),
 ]
 
 
-def sampler_specs() -> list[tuple[str, str, dict]]:
-    """(name, conf/sampler file, overrides) of every sampler to measure, the configs first."""
+def sampler_specs() -> list[tuple[str, str, dict, dict]]:
+    """(name, conf/sampler file, overrides, denoiser options) of every sampler to measure, the configs first."""
     names = sorted(p.stem for p in (Path(CONF_DIR) / "sampler").glob("*.yaml"))
-    return [(name, name, {}) for name in names] + VARIANTS
+    return [(name, name, {}, {}) for name in names] + VARIANTS
 
 
 def make_sampler(config: str, overrides: dict):
@@ -89,18 +97,19 @@ def bare_inputs(family: str, module, prompt: torch.Tensor, prompt_mask: torch.Te
     return (z, torch.zeros(b, device=device)), {}
 
 
-def measure_sampler(module, family: str, sampler, args, device, prompt, prompt_mask) -> dict:
-    """Bare-forward blocks and sampler calls alternate, B S B S … S B (after a warm-up of each): every sampler call
-    is compared with the mean of the two blocks around it (which cancels a drift of the machine's speed), and the
-    median of those per-call ratios is reported, with the medians of the times themselves."""
-    denoiser = module.denoiser()
-    inputs, kwargs = bare_inputs(family, module, prompt, prompt_mask, args.nfe)
+def measure_sampler(module, sampler, args, device, prompt, prompt_mask, *, limit, denoiser_options=None) -> dict:
+    """Blocks of MDM forwards on ids (``limit``: the module and its inputs) and sampler calls alternate, B S B S … S
+    B (after a warm-up of each): every sampler call is compared with the mean of the two blocks around it (which
+    cancels a drift of the machine's speed), and the median of those per-call ratios is reported, with the medians
+    of the times themselves."""
+    denoiser = module.denoiser(**(denoiser_options or {}))
+    bare, (inputs, kwargs) = limit
     clocks = (0, 1) if device.type == "cpu" else (0,)  # wall; and process CPU time on a CPU
 
     def bare_block(calls: int) -> tuple[float, float]:
         start = clock(device)
         for _ in range(calls):
-            module(*inputs, **kwargs)
+            bare(*inputs, **kwargs)
         wall, cpu = elapsed(start, device)
         return wall / calls, cpu / calls
 
@@ -169,6 +178,26 @@ def interleaved_medians(calls: dict, reps: int, device) -> dict[str, float]:
             if rep:
                 times[key].append(elapsed(start, device)[pick])
     return {key: median(values) for key, values in times.items()}
+
+
+def flow_forward_cost(module, limit, args, device, prompt, prompt_mask) -> tuple[float, float]:
+    """An FMLM+ no-grad forward (pinned form) on states over the vocabulary, and on the same states projected
+    (h = x·E, the embedding space), each over one MDM forward on ids (``limit``)."""
+    (x, s, t), kwargs = bare_inputs("flow", module, prompt, prompt_mask, args.nfe)
+    bare, (inputs, bare_kwargs) = limit
+    with torch.no_grad():
+        h = module.net.input_embeddings(x)
+    with torch.no_grad(), autocast(args.precision, device):
+        times = interleaved_medians(
+            {
+                "mdm": lambda: bare(*inputs, **bare_kwargs),
+                "onehot": lambda: module(x, s, t, **kwargs),
+                "embedded": lambda: module(h, s, t, embedded=True, **kwargs),
+            },
+            args.reps,
+            device,
+        )
+    return times["onehot"] / times["mdm"], times["embedded"] / times["mdm"]
 
 
 def per_token_time_cost(module, args, device, prompt, prompt_mask) -> tuple[float, float]:
@@ -240,13 +269,14 @@ def measure(args, *, log=print) -> dict:
     )
     on_cpu = device.type == "cpu"
     log(
-        "| sampler | family | NFE spent | ms / batch | ms / bare forward | ratio (wall) |"
+        "| sampler | family | NFE spent | ms / batch | ms / MDM forward | ratio (wall) |"
         + (" ratio (CPU time) |" if on_cpu else "")
         + " outside network calls |"
     )
     log("|---|---|---|---|---|---|---|" + ("---|" if on_cpu else ""))
     rows, lines = {}, []
-    for name, config, overrides in sampler_specs():
+    limit = (modules["mdm"], bare_inputs("mdm", modules["mdm"], prompt, prompt_mask, args.nfe))
+    for name, config, overrides, options in sampler_specs():
         if args.samplers and name not in args.samplers:
             continue
         if name in NOT_MEASURED:
@@ -254,7 +284,13 @@ def measure(args, *, log=print) -> dict:
             log(f"| {name} | — | — | — | — | {NOT_MEASURED[name]} |" + (" |" if on_cpu else "") + " |")
             continue
         sampler = make_sampler(config, overrides)
-        row = measure_sampler(modules[sampler.family], sampler.family, sampler, args, device, prompt, prompt_mask)
+        free = args.seq_len - args.prompt_len
+        if name == "block" and sampler.block_size * args.nfe < free:  # more blocks than the budget: K = 1 per block
+            sampler = make_sampler(config, {**overrides, "block_size": -(-free // args.nfe)})
+            log(f"note: block_size {sampler.block_size} here, so that {free} positions fit {args.nfe} NFE")
+        row = measure_sampler(
+            modules[sampler.family], sampler, args, device, prompt, prompt_mask, limit=limit, denoiser_options=options
+        )
         rows[name] = {"family": sampler.family, **row}
         cpu_cell = f" {row['ratio_cpu']:.3f} |" if on_cpu else ""
         log(
@@ -266,6 +302,12 @@ def measure(args, *, log=print) -> dict:
     for line in lines:
         log(line)
     if any(r["family"] == "flow" for r in rows.values()):
+        onehot, embedded = flow_forward_cost(modules["flow"], limit, args, device, prompt, prompt_mask)
+        rows["_flow_forward_onehot"], rows["_flow_forward_embedded"] = onehot, embedded
+        log(
+            f"ratio flow forward/MDM forward: {onehot:.3f} (states over the vocabulary: x·E inside), {embedded:.3f} "
+            "(states h = x·E: the network alone), no grad, pinned form"
+        )
         dense, pinned = per_token_time_cost(modules["flow"], args, device, prompt, prompt_mask)
         rows["_flow_per_token_times"], rows["_flow_pinned_times"] = dense, pinned
         log(
@@ -281,7 +323,75 @@ def measure(args, *, log=print) -> dict:
             f"no-grad forward and {grad:.2f}× a forward + backward (on a CPU it is written out; uncapped, SDPA runs "
             "its flash kernel without autograd and its math kernel with it)"
         )
+    if getattr(args, "memory", False):
+        rows["_peak_memory"] = memory_rows(modules, args, device, prompt, prompt_mask, log)
     return rows
+
+
+def peak_memory(call, device) -> float:
+    """Bytes a call adds at its peak over what the process held before it: CUDA's peak allocated memory, or on a
+    CPU the process's peak resident set (VmHWM, reset first through /proc/self/clear_refs)."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        call()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+
+    def status(key: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"{key} not in /proc/self/status")
+
+    try:  # hand freed heap memory back first, so the call's allocations show as growth
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
+    before = status("VmRSS")
+    call()
+    return status("VmHWM") - before
+
+
+def memory_rows(modules, args, device, prompt, prompt_mask, log) -> dict[str, float]:
+    """Peak memory of one call of PR (both state spaces), the a-priori loop and the MDM confidence sampler (both
+    draws), each added to the process's memory before it; printed as MiB and over the confidence sampler's."""
+    specs = [
+        ("confidence", "confidence", {}, {}),
+        ("confidence_full", "confidence", {"draws": "full"}, {}),
+        ("pr", "pr", {}, {}),
+        ("pr_onehot", "pr", {}, {"space": "onehot"}),
+        ("a_priori", "a_priori", {}, {}),
+    ]
+    out = {}
+    for name, config, overrides, options in specs:
+        sampler = make_sampler(config, overrides)
+        module = modules[sampler.family]
+
+        def call(sampler=sampler, module=module, options=options) -> None:
+            with torch.no_grad(), autocast(args.precision, device):
+                denoiser = module.denoiser(**options)
+                gen = torch.Generator(device=device).manual_seed(args.seed)
+                sampler(denoiser, prompt=prompt, prompt_mask=prompt_mask, nfe=args.nfe, generator=gen)
+
+        call()  # warm-up: allocator caches, lazy initialisation
+        out[name] = min(peak_memory(call, device) for _ in range(2))
+    base = out["confidence"]
+    per_bld = args.batch * args.seq_len * modules["flow"].net.d_model * 4
+    for name, value in out.items():
+        over = f"{value / base:.3f}×" if base > 0 else "n/a ×"
+        log(
+            f"peak memory [{name}]: {value / 2**20:.1f} MiB, {over} the confidence sampler's "
+            f"(B·L·d float32 = {per_bld / 2**20:.2f} MiB)"
+        )
+    return out
 
 
 def parser() -> argparse.ArgumentParser:
@@ -290,6 +400,7 @@ def parser() -> argparse.ArgumentParser:
     add_model_args(ap, batch=128)  # an evaluation batch of the CPU demo
     ap.add_argument("--nfe", type=int, default=12, help="NFE budget of every sampler")
     ap.add_argument("--samplers", nargs="*", default=None, help="only these (names as printed)")
+    ap.add_argument("--memory", action="store_true", help="also the peak memory of one PR / confidence call")
     return ap
 
 

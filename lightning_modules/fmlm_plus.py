@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from flowlm.objectives.flow import log_delta, soft_cross_entropy
+from flowlm.objectives.flow import log_delta, log_delta_, soft_cross_entropy
 from flowlm.processes.gaussian_flow import (
     DIAGONAL,
     DISTILL,
@@ -96,9 +96,8 @@ class FMLMPlusModule(FlowLMModule):
         """log δ_{s,t}(x): (B, L, |V|) log-probabilities, soft-capped at 30, at per-token times (s, t); or, with
         ``pinned`` (B, L), at per-sequence times (s, t) with the pinned tokens at s = t = 1 (cheaper, see DiT).
         ``embedded``: x is already h = x·E (B, L, d), a state of the embedding space."""
-        if embedded:
-            return log_delta(self.net.forward_embeddings(x, s, t, pinned=pinned))
-        return log_delta(self.net(x, s, t, pinned=pinned))
+        logits = self.net.forward_embeddings(x, s, t, pinned=pinned) if embedded else self.net(x, s, t, pinned=pinned)
+        return log_delta(logits) if torch.is_grad_enabled() else log_delta_(logits)  # in place without autograd
 
     def states(self, kind: str | None = None) -> OneHotSpace | EmbeddingSpace:
         """The flow state space (``state_space``, or ``kind``): chosen by shape with ``auto`` (methods.md §4).

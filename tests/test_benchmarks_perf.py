@@ -52,9 +52,12 @@ def test_sampler_overhead_prints_a_ratio_per_sampler(outputs):
     run = outputs["sampler_overhead"]
     assert run.returncode == 0, run.stderr[-3000:]
     names = sorted(p.stem for p in (ROOT / "conf" / "sampler").glob("*.yaml") if p.stem != "ar")
-    for name in [*names, "pr_n2", "mlfm_ccfg_otp"]:
+    variants = ["pr_n2", "mlfm_ccfg_otp", "pr_onehot", "a_priori_onehot", "flow_map_onehot"]
+    for name in [*names, *variants, "confidence_full", "ancestral_full"]:
         assert re.search(rf"^ratio sampler/\(NFE × forward\) \[{name}\]: {RATIO} ", run.stdout, re.M), run.stdout
     assert re.search(r"^ratio sampler/\(NFE × forward\) \[ar\]: n/a", run.stdout, re.M)
+    assert "ms / MDM forward" in run.stdout  # the denominator: the network's own cost, an MDM forward on ids
+    assert re.search(rf"^ratio flow forward/MDM forward: {RATIO} \(states over the vocabulary", run.stdout, re.M)
 
 
 def test_gpu_check_fails_fast_without_cuda():

@@ -158,3 +158,21 @@ def test_module_state_space_option():
                 module.denoiser(), prompt=prompt, prompt_mask=mask, nfe=2, generator=torch.Generator().manual_seed(0)
             )
         assert out.nfe == 2 and out.tokens.shape == (2, L) and bool(((out.tokens >= 0) & (out.tokens < V)).all())
+
+
+def test_inference_log_delta_in_place_equals_log_delta():
+    """Without autograd the module computes log δ in place (one buffer): the same values as ``log_delta`` to float
+    rounding, on float32 and bf16 logits, leaving bf16 inputs untouched; with autograd it is ``log_delta`` itself."""
+    from flowlm.objectives.flow import log_delta, log_delta_
+
+    x = torch.randn(3, 5, 70, generator=torch.Generator().manual_seed(6)) * 40
+    assert torch.allclose(log_delta_(x.clone()), log_delta(x), atol=2e-5, rtol=0)
+    xb = x.bfloat16()
+    assert torch.allclose(log_delta_(xb), log_delta(xb), atol=2e-5, rtol=0) and torch.equal(xb, x.bfloat16())
+    module = flow_module()
+    h = torch.randn(2, L, D)
+    s = torch.zeros(2)
+    with torch.no_grad():
+        fast = module(h, s, s, embedded=True)
+    slow = module(h, s, s, embedded=True)
+    assert slow.requires_grad and torch.allclose(fast, slow.detach(), atol=2e-5, rtol=0)

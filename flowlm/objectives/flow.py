@@ -15,6 +15,14 @@ def log_delta(logits: Tensor, cap: float = SOFT_CAP) -> Tensor:
     return F.log_softmax(cap * torch.tanh(logits / cap), dim=-1)
 
 
+def log_delta_(logits: Tensor, cap: float = SOFT_CAP) -> Tensor:
+    """``log_delta`` computed in place where it can be (inference: no autograd), on one (B, L, |V|) float32 buffer
+    instead of four: the logits' own when they are float32, else their float32 copy. Equal to ``log_delta``."""
+    x = logits.float()
+    x.div_(cap).tanh_().mul_(cap)
+    return x.sub_(x.logsumexp(-1, keepdim=True))
+
+
 def soft_cross_entropy(log_probs: Tensor, target: Tensor, active: Tensor) -> tuple[Tensor, Tensor]:
     """Σ_active −Σ_v target_v · log δ_v / #active, and the per-token loss (zero off the active set).
 

@@ -106,14 +106,27 @@ def check_score(score: str) -> str:
     return score
 
 
+def sample_categorical(log_probs: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
+    """A draw from softmax(log_probs / T) per row by inverting its CDF in float64: one U(0, 1) per row against the
+    cumulative sum, where Gumbel-max needs |V| uniforms and two logarithms each (3× the time at |V| = 50 258,
+    measured). Exact in law to float64 resolution; a zero-probability token is never drawn. T = 0: the argmax."""
+    if temperature == 0:
+        return log_probs.argmax(dim=-1)
+    scaled = log_probs.double()
+    cdf = torch.softmax(scaled if temperature == 1 else scaled / temperature, -1).cumsum_(-1)
+    u = torch.rand((*cdf.shape[:-1], 1), generator=generator, device=cdf.device, dtype=torch.float64)
+    index = torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1)  # first v with CDF(v) > u
+    return index.clamp_max_(cdf.shape[-1] - 1)
+
+
 DRAWS = ("committed", "full")
 
 
 def check_draws(draws: str) -> str:
     """Where a sampler draws its float64 categorical: "committed", only at the positions that commit or unmask in
-    a step (the same law: which positions commit does not depend on the draw), or "full", every position, the
-    suite's earlier random stream (a (B, L, |V|) float64 pass per step, the cost that dominates at a text
-    vocabulary)."""
+    a step (the same law: which positions commit does not depend on the draw), by inverse CDF
+    (``sample_categorical``), or "full", every position by Gumbel-max, the suite's earlier random stream (a
+    (B, L, |V|) float64 pass per step, the cost that dominates at a text vocabulary)."""
     if draws not in DRAWS:
         raise ValueError(f"draws must be one of {DRAWS}, got {draws!r}")
     return draws

@@ -64,11 +64,10 @@ class BlockFlowSampler(Sampler):
         calls = 0
         for b in range(n_blocks):
             z = torch.where(committed[..., None], space.data(tokens), noise)
-            delta = flow_jumps(model, z, committed, steps)
+            log_max, argmax = flow_jumps(model, z, committed, steps).max(-1)
             calls += steps
-            p_max, argmax = delta.max(-1)
             block = block_id == b
             tokens = torch.where(block, argmax, tokens)
-            confidence = torch.where(block, p_max, confidence)
+            confidence = torch.where(block, log_max.exp(), confidence)
             committed = committed | block
         return SampleOutput(tokens=tokens, confidence=confidence, nfe=calls)

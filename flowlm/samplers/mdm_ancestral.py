@@ -13,6 +13,7 @@ from flowlm.samplers.base import (
     check_temperature,
     masked_start,
     pick_tokens,
+    sample_categorical,
 )
 
 
@@ -72,12 +73,18 @@ class AncestralSampler(Sampler):
             rows = unmask.nonzero(as_tuple=True)  # the step's one host read (how many positions unmask)
             n_unmask = rows[0].numel()
             if n_unmask:
-                log_p = torch.log_softmax(logits[rows].double(), -1)
-                draw = pick_tokens(
-                    log_p, self.temperature, generator, uniforms=None if uniforms is None else uniforms[rows]
-                )
+                if self.draws == "full":
+                    log_p = torch.log_softmax(logits[rows].double(), -1)
+                    draw = pick_tokens(
+                        log_p, self.temperature, generator, uniforms=None if uniforms is None else uniforms[rows]
+                    )
+                    p_draw = log_p.gather(-1, draw[:, None]).squeeze(-1).exp().float()
+                else:
+                    picked = logits[rows].float()
+                    draw = sample_categorical(picked, self.temperature, generator)
+                    p_draw = (picked.gather(-1, draw[:, None]).squeeze(-1) - picked.logsumexp(-1)).exp()
                 x = x.index_put(rows, draw.to(x.dtype))
-                confidence = confidence.index_put(rows, log_p.gather(-1, draw[:, None]).squeeze(-1).exp().float())
+                confidence = confidence.index_put(rows, p_draw)
             masked = masked & ~unmask
             remaining -= n_unmask
             if remaining == 0:  # everything decoded: no further call

@@ -14,6 +14,7 @@ from flowlm.samplers.base import (
     check_temperature,
     masked_start,
     pick_tokens,
+    sample_categorical,
 )
 
 
@@ -80,10 +81,10 @@ class ConfidenceSampler(Sampler):
                 k_max = -(-most_masked // (nfe - k))  # the most-masked row commits the most (⌈n/m⌉ is monotone)
                 idx = order[:, :k_max]  # every committing position of a row is among its first k_max
                 rows = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
-                log_p = torch.log_softmax(rows.double(), -1)
-                drawn = pick_tokens(log_p, self.temperature, generator)
+                drawn = sample_categorical(rows, self.temperature, generator)
+                log_p = (rows.gather(-1, drawn[..., None]).squeeze(-1) - rows.logsumexp(-1)).float()
                 candidate = x.scatter(1, idx, drawn)
-                p_candidate = score.scatter(1, idx, log_p.gather(-1, drawn[..., None]).squeeze(-1).float())
+                p_candidate = score.scatter(1, idx, log_p)
             most_masked -= -(-most_masked // (nfe - k))
             x = torch.where(commit, candidate, x)
             confidence = torch.where(commit, p_candidate.exp().float(), confidence)

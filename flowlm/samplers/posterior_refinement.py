@@ -114,13 +114,14 @@ class PosteriorRefinementSampler(Sampler):
         calls = 0
         for r in range(rounds):
             x = torch.where(committed[..., None], space.data(tokens), noise)
-            probs, calls = self._draft(model, x, committed, calls, steps)
-            if self.temperature == 0:  # argmax p = argmax log p: no (B, L, |V|) log for the greedy draft
-                draft = probs.argmax(dim=-1)
+            log_probs, calls = self._draft(model, x, committed, calls, steps)
+            # read off log δ: argmax and the probability there, no (B, L, |V|) exp for the greedy draft
+            if self.temperature == 0:
+                draft = log_probs.argmax(dim=-1)
             else:
-                draft = pick_tokens(probs.clamp_min(1e-30).log(), self.temperature, generator)
-            p_draft = probs.gather(-1, draft[..., None]).squeeze(-1)
-            score = probs.amax(-1) if self.score == "max_prob" and self.temperature > 0 else p_draft  # p_max
+                draft = pick_tokens(log_probs, self.temperature, generator)
+            p_draft = log_probs.gather(-1, draft[..., None]).squeeze(-1).exp()
+            score = log_probs.amax(-1).exp() if self.score == "max_prob" and self.temperature > 0 else p_draft  # p_max
             open_ = ~committed
             commit = self._commit_mask(score, open_, rounds - r, positions)
             tokens = torch.where(commit, draft, tokens)
@@ -131,9 +132,9 @@ class PosteriorRefinementSampler(Sampler):
         return SampleOutput(tokens=tokens, confidence=confidence, nfe=calls)
 
     def _draft(self, model: FlowDenoiser, x: Tensor, committed: Tensor, calls: int, steps: int) -> tuple[Tensor, int]:
-        """δ_{0,1} of the uncommitted tokens in N flow-map jumps (PR), or δ_{0,0} (a-priori)."""
+        """log δ_{0,1} of the uncommitted tokens in N flow-map jumps (PR), or log δ_{0,0} (a-priori)."""
         if self.confidence == "a_priori":
-            return model.at(x, 0.0, 0.0, committed).exp(), calls + 1
+            return model.at(x, 0.0, 0.0, committed), calls + 1
         return flow_jumps(model, x, committed, steps), calls + steps
 
     def _commit_mask(self, score: Tensor, open_: Tensor, rounds_left: int, positions: Tensor) -> Tensor:
