@@ -1,4 +1,7 @@
-"""Gaussian → one-hot flow (t = 0 noise, t = 1 data), its two-time flow map and the batch split (methods.md §3–4)."""
+"""Gaussian → one-hot flow (t = 0 noise, t = 1 data), its two-time flow map and the batch split (methods.md §3–4).
+
+The loss built on them (semigroup targets, context set) is flowlm/objectives/fmlm_plus.py.
+"""
 
 from __future__ import annotations
 
@@ -35,20 +38,6 @@ def flow_map(x: Tensor, delta: Tensor, s: Tensor, t: Tensor) -> Tensor:
     denom = torch.where(done, torch.ones_like(s), 1 - s)
     out = ((1 - t) / denom) * x + ((t - s) / denom) * delta
     return torch.where(done, x, out)
-
-
-def semigroup_gamma(s: Tensor, u: Tensor, t: Tensor) -> Tensor:
-    """γ = (1−t)(u−s) / ((1−u)(t−s)): the weight of δ_{s,u} in the midpoint target (in [0, 1/2] for u = (s+t)/2).
-
-    Derived from X_{s,t} = X_{u,t} ∘ X_{s,u}: δ_{s,t} = γ·δ_{s,u}(x_s) + (1−γ)·δ_{u,t}(X_{s,u}(x_s)).
-    """
-    return (1 - t) * (u - s) / ((1 - u) * (t - s)).clamp_min(1e-12)
-
-
-def semigroup_target(d1: Tensor, d2: Tensor, gamma: Tensor) -> Tensor:
-    """target = γ·D1 + (1−γ)·D2, a convex combination of two simplex points (so on the simplex)."""
-    gamma = gamma[..., None].to(d1.dtype)
-    return gamma * d1 + (1 - gamma) * d2
 
 
 def split_counts(global_batch: int, *, diagonal: float = 0.5, boundary: float = 1 / 64, distill: float = 0.0):
