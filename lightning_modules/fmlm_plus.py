@@ -1,5 +1,8 @@
 """FMLM+ (and FMLM): two-time flow map language models trained by progressive self-distillation (methods.md §3–4).
 
+The loss is flowlm/objectives/fmlm_plus.py; this module draws its random inputs (pair kinds and times, context rates
+and set, noise), runs the teacher passes in ``teacher_train_mode``, loads the MDM teacher and logs.
+
 One code path for every variant:
   - ``context=True`` (FMLM+): per-token times; a context set of clean tokens (rate f ~ U(0, 1)) pinned at s = t = 1;
     ``context=False`` (FMLM): one global time per sequence (only the prompt is pinned).
