@@ -24,7 +24,13 @@ from torch import Tensor
 from flowlm.objectives.base import LossOutput
 from flowlm.objectives.flow import log_delta
 from flowlm.objectives.fmlm_plus import context_set, fmlm_plus_loss
-from flowlm.processes.gaussian_flow import DIAGONAL, KIND_NAMES, batch_kinds_and_times, batch_uniforms
+from flowlm.processes.gaussian_flow import (
+    DIAGONAL,
+    KIND_NAMES,
+    GaussianFlowProcess,
+    batch_kinds_and_times,
+    batch_uniforms,
+)
 from flowlm.samplers.base import FlowDenoiser
 from lightning_modules.base import FlowLMModule
 from lightning_modules.checkpoints import (
@@ -68,6 +74,7 @@ class FMLMPlusModule(FlowLMModule):
         self.teacher_train_mode = teacher_train_mode
         self.zero_t_embedding = zero_t_embedding
         self.antithetic = antithetic
+        self.process = GaussianFlowProcess(vocab_size=data_vocab_size)
         self.net = self.build_backbone(data_vocab_size, two_times=True)
         self.init_report: dict[str, list[str]] | None = None
         self._teacher = None  # a frozen MDM, kept out of the state dict
@@ -160,6 +167,7 @@ class FMLMPlusModule(FlowLMModule):
             t,
             context=ctx,
             noise=noise,
+            process=self.process,
             **self.teachers(),
             loss_mask=batch.get("loss_mask"),  # text data may leave PAD out of the loss
             parts=parts,

@@ -53,11 +53,11 @@ class MDMModule(FlowLMModule):
     ) -> LossOutput:
         """ELBO on one batch at times t (B,); masks from ``u`` (B, L) when given, else drawn with ``generator``."""
         tokens, prompt_mask = batch["tokens"], batch["prompt_mask"]
-        x_t, masked = self.process.corrupt(tokens, prompt_mask, t, generator, u=u)
-        logits = self(x_t, t)
+        noised = self.process.noise(tokens, t, prompt_mask, generator=generator, draws=u)
+        logits = self(noised.state, t)
         weight = self.process.schedule.loss_weight(t)  # −α'_t/(1−α_t) = 1/t
         loss_mask = batch.get("loss_mask", ~prompt_mask)  # text data may leave PAD out of the loss
-        return mdm_elbo_loss(logits, tokens, masked & loss_mask, weight, loss_mask, self.mask_id)
+        return mdm_elbo_loss(logits, tokens, noised.noised & loss_mask, weight, loss_mask, self.mask_id)
 
     def sample_times(self, local_batch: int, batch_idx: int) -> Tensor:
         """This micro-batch's slice of one stratified draw of t over the global batch (all ranks, accumulation)."""

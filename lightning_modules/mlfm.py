@@ -132,9 +132,8 @@ class MLFMModule(FlowLMModule):
         pick = torch.rand(b, length, generator=gen, device=tokens.device).masked_fill(~free, -1).argmax(-1)
         masked |= empty[:, None] & (torch.arange(length, device=tokens.device) == pick[:, None])
         t = self.process.sample_t(b, generator=gen_cpu, device=tokens.device)
-        emb = self.net.embeddings
-        z = self.process.sample(emb[self.mask_id], emb[tokens], t, masked, gen)
-        logits = self(z, t)
+        emb = self.net.embeddings  # [MASK] is the last row (mask_id = |V|)
+        logits = self(self.process.noise(tokens, t, ~masked, generator=gen, embeddings=emb).state, t)
         scored = masked & batch.get("loss_mask", masked)  # text data may leave PAD out of the loss
         return mlfm_loss(logits, tokens, scored, self.mask_id, embeddings=emb, aux_weight=self.aux_mse_weight)
 

@@ -60,6 +60,7 @@ def _targets(module: FMLMPlusModule, batch, kinds, x_s, times, token_times, oneh
         token_times,
         onehot,
         active,
+        process=module.process,
         tokens=batch["tokens"],
         prompt=batch["prompt_mask"],
         **module.teachers(),

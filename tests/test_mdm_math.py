@@ -37,7 +37,8 @@ def test_masking_spares_the_prompt():
     tokens = torch.randint(0, 9, (4, 20))
     prompt = torch.zeros(4, 20, dtype=torch.bool)
     prompt[:, :5] = True
-    x_t, masked = proc.corrupt(tokens, prompt, torch.ones(4), torch.Generator().manual_seed(0))
+    noised = proc.noise(tokens, torch.ones(4), prompt, generator=torch.Generator().manual_seed(0))
+    x_t, masked = noised.state, noised.noised
     assert not masked[:, :5].any() and masked[:, 5:].all()  # t = 1 masks every non-prompt token
     assert (x_t[:, :5] == tokens[:, :5]).all() and (x_t[:, 5:] == 9).all()
 
@@ -81,8 +82,8 @@ def test_loss_decreases_on_a_tiny_overfit_set():
     def loss_at(gen_seed):
         gen = torch.Generator().manual_seed(gen_seed)
         t = stratified_times(4, offset=0, count=4, eps=1e-3, generator=gen)
-        x_t, masked = proc.corrupt(data, prompt, t, gen)
-        return mdm_elbo_loss(net(x_t, torch.zeros(4)), data, masked, 1 / t, ~prompt, v).loss
+        noised = proc.noise(data, t, prompt, generator=gen)
+        return mdm_elbo_loss(net(noised.state, torch.zeros(4)), data, noised.noised, 1 / t, ~prompt, v).loss
 
     with torch.no_grad():
         before = sum(loss_at(s).item() for s in range(20))

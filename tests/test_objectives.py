@@ -28,9 +28,10 @@ import torch
 
 from flowlm.objectives.base import LossOutput
 from flowlm.objectives.fmlm_plus import context_set, fmlm_plus_loss
-from flowlm.processes.gaussian_flow import BOUNDARY, DIAGONAL, DISTILL, OFF_DIAGONAL
+from flowlm.processes.gaussian_flow import BOUNDARY, DIAGONAL, DISTILL, OFF_DIAGONAL, GaussianFlowProcess
 
 V, MASK = 3, 3
+FLOW = GaussianFlowProcess(vocab_size=V)
 LOG = math.log
 KINDS = torch.tensor([DIAGONAL, BOUNDARY, OFF_DIAGONAL, DISTILL])
 S = torch.tensor([1 / 4, 0.0, 1 / 5, 0.0])
@@ -107,7 +108,8 @@ LOSS_D2 = ce((1 / 3, 1 / 2, 1 / 6), (1 / 4, 1 / 4, 1 / 2))  # = (11/6)·log 2
 def _loss(**kwargs) -> tuple[LossOutput, Net]:
     net = Net()
     out = fmlm_plus_loss(
-        net, TOKENS, PROMPT, KINDS, S, T, context=CONTEXT, noise=_noise(), mdm_teacher=mdm_teacher, mask_id=MASK,
+        net, TOKENS, PROMPT, KINDS, S, T, context=CONTEXT, noise=_noise(), process=FLOW, mdm_teacher=mdm_teacher,
+        mask_id=MASK,
         **kwargs,
     )  # fmt: skip
     return out, net
@@ -176,4 +178,4 @@ def test_the_context_set_is_drawn_off_the_prompt_below_the_rate():
 
 def test_distill_rows_need_the_mdm_teacher():
     with pytest.raises(ValueError, match="MDM teacher"):
-        fmlm_plus_loss(Net(), TOKENS, PROMPT, KINDS, S, T, context=CONTEXT, noise=_noise())
+        fmlm_plus_loss(Net(), TOKENS, PROMPT, KINDS, S, T, context=CONTEXT, noise=_noise(), process=FLOW)

@@ -13,7 +13,8 @@ One batch, given every random draw (the caller draws them: pair kinds and times,
     loss          Σ_{A ∩ scored} −Σ_v target_v · log δ_{s,t}(x_s)_v / |A ∩ scored|
 
 FMLM is the same loss with an empty context set, FLM its diagonal-only case. The state operations (the noisy state,
-the flow map) are the process's functions, called here by name, so another state space can replace them.
+the flow map) are the process's (``GaussianFlowProcess.noise`` and ``.flow_map``), so a process on another state
+space can stand in for it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import Tensor
 
 from flowlm.objectives.base import LossOutput
 from flowlm.objectives.flow import soft_cross_entropy
-from flowlm.processes.gaussian_flow import DIAGONAL, DISTILL, KIND_NAMES, flow_map, noisy_state, one_hot
+from flowlm.processes.gaussian_flow import DIAGONAL, DISTILL, KIND_NAMES, GaussianFlowProcess
 
 # student(x (B, L, |V|), s (B,), t (B,), pinned (B, L)) → log δ_{s,t}(x) (B, L, |V|): per-sequence times, the
 # pinned tokens at s = t = 1.
@@ -64,15 +65,16 @@ def targets(
     active: Tensor,
     *,
     teacher: FlowModel,
+    process: GaussianFlowProcess,
     tokens: Tensor | None = None,
     prompt: Tensor | None = None,
     mdm_teacher: MDMTeacher | None = None,
     mask_id: int | None = None,
 ) -> Tensor:
     """Per-token target distributions (B, L, |V|), stop-gradient: one-hot (diagonal), semigroup midpoint (off-diagonal
-    and boundary, two ``teacher`` passes), MDM teacher probabilities (distill: needs ``tokens``, ``prompt``,
-    ``mdm_teacher`` and its ``mask_id``). ``kinds``: host tensor (B,); ``times``: (s, t) per sequence (B,);
-    ``token_times``: the same per token (1 off the active set)."""
+    and boundary: two ``teacher`` passes joined by the ``process``'s flow map), MDM teacher probabilities (distill:
+    needs ``tokens``, ``prompt``, ``mdm_teacher`` and its ``mask_id``). ``kinds``: host tensor (B,); ``times``: (s, t)
+    per sequence (B,); ``token_times``: the same per token (1 off the active set)."""
     (s_seq, t_seq), (s_tok, t_tok) = times, token_times
     target = onehot.clone()
     device = onehot.device
@@ -86,7 +88,7 @@ def targets(
         u_seq = (s_seq[idx] + t_seq[idx]) / 2
         u = torch.where(act, u_seq[:, None], 1.0)  # = (s + t) / 2 on the active tokens
         d1 = teacher(x, s_seq[idx], u_seq, ~act).exp()  # D1 = δ_{s,u}(x_s)
-        x_u = flow_map(x, d1, s, u)  # X_u = X_{s,u}(x_s)
+        x_u = process.flow_map(x, d1, s, u)  # X_u = X_{s,u}(x_s)
         d2 = teacher(x_u, u_seq, t_seq[idx], ~act).exp()  # D2 = δ_{u,t}(X_u)
         gamma = torch.where(act, semigroup_gamma(s, u, t), 0.0)
         target[idx] = semigroup_target(d1, d2, gamma)
@@ -112,6 +114,7 @@ def fmlm_plus_loss(
     *,
     context: Tensor,
     noise: Tensor,
+    process: GaussianFlowProcess,
     teacher: FlowModel | None = None,
     mdm_teacher: MDMTeacher | None = None,
     mask_id: int | None = None,
@@ -121,16 +124,17 @@ def fmlm_plus_loss(
     """The soft CE of δ_{s,t}(x_s) against each row's target, on the active tokens (see the module docstring).
 
     tokens, prompt, context (B, L): ids, prompt mask, context set (``context_set``; all False for FMLM); kinds (B,) on
-    the host (``batch_kinds_and_times``); s, t (B,) per-sequence times; noise ε (B, L, |V|). ``teacher`` runs the
+    the host (``batch_kinds_and_times``); s, t (B,) per-sequence times; noise ε (B, L, |V|) for the ``process``'s
+    noisy state. ``teacher`` runs the
     semigroup passes (default: the student; the caller may wrap it, e.g. to switch dropout); ``loss_mask`` (B, L)
     leaves tokens out of the loss (text PAD). With ``parts``, each kind's mean per-token loss (one host read; a kind
     whose rows score no token is left out).
     """
-    onehot = one_hot(tokens, noise.shape[-1])
     active = ~prompt & ~context
     s_tok = torch.where(active, s[:, None], 1.0)  # prompt and context pinned at s = t = 1
     t_tok = torch.where(active, t[:, None], 1.0)
-    x_s = torch.where(active[..., None], noisy_state(onehot, noise, s_tok), onehot)  # (1 − s)·ε + s·onehot(y)
+    noised = process.noise(tokens, s_tok, ~active, draws=noise)  # x_s = (1 − s)·ε + s·onehot(y) on the active tokens
+    x_s, onehot = noised.state, noised.clean
     log_d = student(x_s, s, t, ~active)  # log δ_{s,t}(x_s), the student pass (before the teacher passes)
 
     target = targets(
@@ -141,6 +145,7 @@ def fmlm_plus_loss(
         onehot,
         active,
         teacher=teacher or student,
+        process=process,
         tokens=tokens,
         prompt=prompt,
         mdm_teacher=mdm_teacher,

@@ -6,9 +6,12 @@ The loss built on them (semigroup targets, context set) is flowlm/objectives/fml
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from flowlm.processes.base import NoisedBatch, NoiseProcess
 
 # Kinds of training pairs (s, t) in one batch.
 DIAGONAL, BOUNDARY, OFF_DIAGONAL, DISTILL = 0, 1, 2, 3
@@ -38,6 +41,38 @@ def flow_map(x: Tensor, delta: Tensor, s: Tensor, t: Tensor) -> Tensor:
     denom = torch.where(done, torch.ones_like(s), 1 - s)
     out = ((1 - t) / denom) * x + ((t - s) / denom) * delta
     return torch.where(done, x, out)
+
+
+@dataclass(frozen=True)
+class GaussianFlowProcess(NoiseProcess):
+    """The flow's state operations on one-hot vectors of a ``vocab_size`` vocabulary: the noisy state and the flow
+    map (an objective calls these two, so a process on another state space can stand in)."""
+
+    vocab_size: int
+
+    def noise(
+        self,
+        tokens: Tensor,
+        times: Tensor,
+        keep: Tensor,
+        *,
+        generator: torch.Generator | None = None,
+        draws: Tensor | None = None,
+        embeddings: Tensor | None = None,
+    ) -> NoisedBatch:
+        """x_t = (1 − t)·ε + t·onehot(y) off ``keep``, the exact one-hot on it; times (B, L) per token or (B,).
+        ``draws``: ε (B, L, |V|) when the caller drew it, else drawn from ``generator``."""
+        onehot = one_hot(tokens, self.vocab_size)
+        if draws is None:
+            draws = torch.randn(onehot.shape, generator=generator, device=tokens.device)
+        times = times if times.dim() == tokens.dim() else times[:, None]
+        return NoisedBatch(
+            state=torch.where(keep[..., None], onehot, noisy_state(onehot, draws, times)), clean=onehot, noised=~keep
+        )
+
+    def flow_map(self, x: Tensor, delta: Tensor, s: Tensor, t: Tensor) -> Tensor:
+        """X_{s,t}(x) (``flow_map``)."""
+        return flow_map(x, delta, s, t)
 
 
 def split_counts(global_batch: int, *, diagonal: float = 0.5, boundary: float = 1 / 64, distill: float = 0.0):
