@@ -125,10 +125,9 @@ def fmlm_plus_loss(
 
     tokens, prompt, context (B, L): ids, prompt mask, context set (``context_set``; all False for FMLM); kinds (B,) on
     the host (``batch_kinds_and_times``); s, t (B,) per-sequence times; noise ε (B, L, |V|) for the ``process``'s
-    noisy state. ``teacher`` runs the
-    semigroup passes (default: the student; the caller may wrap it, e.g. to switch dropout); ``loss_mask`` (B, L)
-    leaves tokens out of the loss (text PAD). With ``parts``, each kind's mean per-token loss (one host read; a kind
-    whose rows score no token is left out).
+    noisy state. ``teacher`` runs the semigroup passes (default: the student; the caller may wrap it, e.g. to switch
+    dropout); ``loss_mask`` (B, L) leaves tokens out of the loss (text PAD). With ``parts``, each kind's mean
+    per-token loss (one host read; a kind whose rows score no token is left out).
     """
     active = ~prompt & ~context
     s_tok = torch.where(active, s[:, None], 1.0)  # prompt and context pinned at s = t = 1
@@ -144,7 +143,7 @@ def fmlm_plus_loss(
         (s_tok, t_tok),
         onehot,
         active,
-        teacher=teacher or student,
+        teacher=student if teacher is None else teacher,
         process=process,
         tokens=tokens,
         prompt=prompt,
