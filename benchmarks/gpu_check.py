@@ -179,7 +179,7 @@ def sampler_section(args, device, log) -> dict:
         [
             *("--backbone", args.backbone, "--batch", str(args.sampler_batch), "--seq-len", str(args.seq_len)),
             *("--vocab", str(args.vocab), "--nfe", str(args.sampler_nfe), "--reps", str(args.reps)),
-            *("--precision", args.precision, "--device", str(device)),
+            *("--precision", args.precision, "--device", str(device), "--memory"),
         ]
     )
     return S.measure(sargs, log=log)
@@ -244,7 +244,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--backbone", default="small")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--vocab", type=int, default=50257, help="GPT-2's vocabulary (OWT, TinyGSM)")
+    ap.add_argument("--vocab", type=int, default=50258, help="GPT-2's vocabulary + [PAD] (OWT, TinyGSM)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--reps", type=int, default=2)

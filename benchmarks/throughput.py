@@ -48,18 +48,18 @@ def loss_function(method: str, module) -> Callable[[dict, int], Tensor]:
 
     def mdm(batch: dict, i: int) -> Tensor:
         t = module.sample_times(batch["tokens"].shape[0], i).to(module.device, non_blocking=True)
-        return module.mdm_loss(batch, t, module.step_generator(1, i, shared=False, device=module.device))
+        return module.mdm_loss(batch, t, module.step_generator(1, i, shared=False, device=module.device)).loss
 
     def fmlm_plus(batch: dict, i: int) -> Tensor:
         kinds, s, t = module.sample_pairs(batch["tokens"].shape[0], i)  # kinds stay on the host
         gen = module.step_generator(1, i, shared=False, device=module.device)
         s, t = (x.to(module.device, non_blocking=True) for x in (s, t))
-        return module.flow_loss(batch, kinds, s, t, gen)["loss"]
+        return module.flow_loss(batch, kinds, s, t, gen).loss
 
     def mlfm(batch: dict, i: int) -> Tensor:
         gen_cpu = module.step_generator(0, i, shared=False)
         gen = module.step_generator(1, i, shared=False, device=module.device)
-        return module.mlfm_loss(batch, gen_cpu, gen)["loss"]
+        return module.mlfm_loss(batch, gen_cpu, gen).loss
 
     return {"mdm": mdm, "fmlm_plus": fmlm_plus, "mlfm": mlfm}[method]
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from flowlm.backbones.dit import KVCache
+from flowlm.objectives.ar import ar_loss
+from flowlm.objectives.base import LossOutput
 from flowlm.samplers.autoregressive import CausalDenoiser
 from lightning_modules.base import FlowLMModule
 
@@ -52,21 +53,20 @@ class ARModule(FlowLMModule):
         """This model as the AR sampler sees it (with incremental KV-cached decoding)."""
         return CausalDenoiser(fn=self, new_cache=self.new_cache, extend=self.extend)
 
-    def nll(self, batch: dict) -> Tensor:
+    def nll(self, batch: dict) -> LossOutput:
         """Mean next-token NLL over the non-prompt positions of the batch."""
         tokens, prompt = batch["tokens"], batch["prompt_mask"]
-        nll = F.cross_entropy(self(tokens).float().transpose(1, 2), tokens, reduction="none")
         loss_mask = batch.get("loss_mask", ~prompt)  # text data may leave PAD out of the loss
-        return (nll * loss_mask).sum() / loss_mask.sum().clamp_min(1)
+        return ar_loss(self(tokens), tokens, loss_mask)
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         """Teacher-forced next-token cross-entropy."""
-        loss = self.nll(batch)
+        loss = self.nll(batch).loss
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> Tensor:
         """Validation NLL (nats per generated token)."""
-        loss = self.nll(batch)
+        loss = self.nll(batch).loss
         self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["tokens"].shape[0])
         return loss

@@ -1,5 +1,8 @@
 """FMLM+ (and FMLM): two-time flow map language models trained by progressive self-distillation (methods.md §3–4).
 
+The loss is flowlm/objectives/fmlm_plus.py; this module draws its random inputs (pair kinds and times, context rates
+and set, noise), runs the teacher passes in ``teacher_train_mode``, loads the MDM teacher and logs.
+
 One code path for every variant:
   - ``context=True`` (FMLM+): per-token times; a context set of clean tokens (rate f ~ U(0, 1)) pinned at s = t = 1;
     ``context=False`` (FMLM): one global time per sequence (only the prompt is pinned).
@@ -15,27 +18,23 @@ import copy
 import functools
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from flowlm.objectives.flow import log_delta, log_delta_, soft_cross_entropy
+from flowlm.objectives.base import LossOutput
+from flowlm.objectives.flow import log_delta, log_delta_
+from flowlm.objectives.fmlm_plus import context_set, fmlm_plus_loss
 from flowlm.processes.gaussian_flow import (
     DIAGONAL,
-    DISTILL,
     KIND_NAMES,
     STATE_SPACES,
     EmbeddingSpace,
+    GaussianFlowProcess,
     OneHotSpace,
     batch_kinds_and_times,
     batch_uniforms,
     choose_space,
-    flow_map,
-    noisy_state,
-    one_hot,
-    semigroup_gamma,
-    semigroup_target,
 )
 from flowlm.samplers.base import FlowDenoiser
 from lightning_modules.base import FlowLMModule
@@ -84,6 +83,7 @@ class FMLMPlusModule(FlowLMModule):
         if state_space not in STATE_SPACES:
             raise ValueError(f"state_space must be one of {STATE_SPACES}, got {state_space!r}")
         self.state_space = state_space
+        self.process = GaussianFlowProcess(vocab_size=data_vocab_size)
         self.net = self.build_backbone(data_vocab_size, two_times=True)
         self._space_cache: tuple | None = None  # (key of the embedding's storage and version, its state space)
         self.init_report: dict[str, list[str]] | None = None
@@ -171,73 +171,53 @@ class FMLMPlusModule(FlowLMModule):
         *,
         parts: bool = False,
         rates: Tensor | None = None,
-    ) -> dict:
-        """Loss of one batch for given pair kinds (on the host: they pick the rows of the teacher passes without a
-        device read), per-sequence times (B,) and context rates f (B,) (drawn from ``gen`` when not given); with
+    ) -> LossOutput:
+        """The FMLM+ loss (flowlm/objectives/fmlm_plus.py) of one batch for given pair kinds (on the host: they
+        pick the rows of the teacher passes without a device read), per-sequence times (B,) and context rates f (B,)
+        (drawn from ``gen`` when not given); the context set and the noise are drawn here from ``gen``. With
         ``parts`` also each kind's mean per-token loss."""
         tokens, prompt = batch["tokens"], batch["prompt_mask"]
         b, length = tokens.shape
-        v = self.data_vocab_size
-        onehot = one_hot(tokens, v)
         if self.context:  # context set: each non-prompt token is clean with probability f ~ U(0, 1)
             f = torch.rand(b, generator=gen, device=tokens.device) if rates is None else rates.to(tokens.device)
-            ctx = (torch.rand(b, length, generator=gen, device=tokens.device) < f[:, None]) & ~prompt
+            ctx = context_set(f, torch.rand(b, length, generator=gen, device=tokens.device), prompt)
         else:
             ctx = torch.zeros_like(prompt)
-        active = ~prompt & ~ctx
-        s_tok = torch.where(active, s[:, None], 1.0)  # prompt and context pinned at s = t = 1
-        t_tok = torch.where(active, t[:, None], 1.0)
-        noise = torch.randn(onehot.shape, generator=gen, device=tokens.device)
-        x_s = torch.where(active[..., None], noisy_state(onehot, noise, s_tok), onehot)
-        log_d = self(x_s, s, t, pinned=~active)  # = self(x_s, s_tok, t_tok), with two adaLN rows per sequence
+        noise = torch.randn((b, length, self.data_vocab_size), generator=gen, device=tokens.device)
+        return fmlm_plus_loss(
+            self,  # log δ_{s,t}(x) at per-sequence times, the pinned tokens at s = t = 1 (two adaLN rows per sequence)
+            tokens,
+            prompt,
+            kinds,
+            s,
+            t,
+            context=ctx,
+            noise=noise,
+            process=self.process,
+            **self.teachers(),
+            loss_mask=batch.get("loss_mask"),  # text data may leave PAD out of the loss
+            parts=parts,
+        )
 
-        target = self.targets(batch, kinds, x_s, (s, t), (s_tok, t_tok), onehot, active)
-        scored = active & batch.get("loss_mask", active)  # text data may leave PAD out of the loss
-        loss, per_token = soft_cross_entropy(log_d, target, scored)
-        out = {"loss": loss}
-        if parts:  # one host read for all kinds; a kind whose rows score no token this step is left out
-            with torch.no_grad():
-                on_device = kinds.to(tokens.device, non_blocking=True)
-                rows = on_device[None, :] == torch.arange(len(KIND_NAMES), device=tokens.device)[:, None]
-                weight = rows[:, :, None] & scored  # (kinds, B, L)
-                sums = torch.stack([(weight * per_token).sum((1, 2)), weight.sum((1, 2)).float()]).tolist()
-            out.update({name: num / den for name, num, den in zip(KIND_NAMES, *sums, strict=True) if den > 0})
-        return out
+    def teachers(self) -> dict:
+        """The objective's teachers: this model for the semigroup passes (``teacher_pass``), the frozen MDM (when
+        loaded) for the distill rows."""
+        mdm = self._teacher
+        return {
+            "teacher": self.teacher_pass,
+            "mdm_teacher": None if mdm is None else mdm.denoiser().fn,  # logits over the data vocabulary
+            "mask_id": None if mdm is None else mdm.mask_id,
+        }
 
-    @torch.no_grad()
-    def targets(self, batch, kinds, x_s, times, token_times, onehot, active) -> Tensor:
-        """Per-token target distributions: one-hot (diagonal), semigroup midpoint (off-diagonal and boundary),
-        MDM teacher probabilities (distill). ``times``: (s, t) per sequence; ``token_times``: the same per token
-        (1 off the active set)."""
-        (s_seq, t_seq), (s_tok, t_tok) = times, token_times
-        target = onehot.clone()
-        device = onehot.device
-        # kinds are host data (sample_pairs draws them on the CPU): the rows of each pass are chosen on the host and
-        # their indices copied to the device without a stream sync
-        host = kinds.tolist()
-        jump = [i for i, kind in enumerate(host) if kind not in (DIAGONAL, DISTILL)]
-        if jump:
-            idx = torch.tensor(jump).to(device, non_blocking=True)
-            x, s, t, act = x_s[idx], s_tok[idx], t_tok[idx], active[idx]
-            u_seq = (s_seq[idx] + t_seq[idx]) / 2
-            u = torch.where(act, u_seq[:, None], 1.0)  # = (s + t) / 2 on the active tokens
-            was_training = self.training
-            self.train(self.teacher_train_mode)  # the released code runs these passes in train mode (dropout)
-            d1 = self(x, s_seq[idx], u_seq, pinned=~act).exp()  # D1 = δ_{s,u}(x_s)
-            x_u = flow_map(x, d1, s, u)  # X_u = X_{s,u}(x_s)
-            d2 = self(x_u, u_seq, t_seq[idx], pinned=~act).exp()  # D2 = δ_{u,t}(X_u)
+    def teacher_pass(self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor) -> Tensor:
+        """log δ_{s,t}(x) as the semigroup target's teacher: this model in ``teacher_train_mode`` (the released code
+        runs these passes in train mode, dropout on), its own mode restored after."""
+        was_training = self.training
+        self.train(self.teacher_train_mode)
+        try:
+            return self(x, s, t, pinned)
+        finally:
             self.train(was_training)
-            gamma = torch.where(act, semigroup_gamma(s, u, t), 0.0)
-            target[idx] = semigroup_target(d1, d2, gamma)
-        distill = [i for i, kind in enumerate(host) if kind == DISTILL]
-        if distill:
-            idx = torch.tensor(distill).to(device, non_blocking=True)
-            tokens, act = batch["tokens"][idx], active[idx]
-            teacher = self._teacher
-            masked_in = torch.where(act, teacher.mask_id, tokens)  # teacher sees the active tokens as [MASK]
-            rate = act.float().sum(-1) / (~batch["prompt_mask"][idx]).float().sum(-1).clamp_min(1)
-            target[idx] = F.softmax(teacher.denoiser().fn(masked_in, rate).float(), dim=-1)
-        return target
 
     def sample_pairs(self, local_batch: int, batch_idx: int) -> tuple[Tensor, Tensor, Tensor]:
         """This micro-batch's slice of one global draw of pair kinds (exact counts) and times."""
@@ -266,12 +246,12 @@ class FMLMPlusModule(FlowLMModule):
         gen = self.step_generator(1, batch_idx, shared=False, device=self.device)
         # a blocking copy would sync the stream
         s, t, rates = (x.to(self.device, non_blocking=True) for x in (s, t, rates))
-        parts = self.flow_loss(batch, kinds, s, t, gen, parts=self.logs_this_step(), rates=rates)
-        self.log("train/loss", parts["loss"], prog_bar=True)
+        out = self.flow_loss(batch, kinds, s, t, gen, parts=self.logs_this_step(), rates=rates)
+        self.log("train/loss", out.loss, prog_bar=True)
         for name in KIND_NAMES:
-            if name in parts:
-                self.log(f"train/loss_{name}", parts[name])
-        return parts["loss"]
+            if name in out.parts:
+                self.log(f"train/loss_{name}", out.parts[name])
+        return out.loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> Tensor:
         """Diagonal CE at fixed times and contexts (comparable across evaluations)."""
@@ -279,6 +259,6 @@ class FMLMPlusModule(FlowLMModule):
         gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + batch_idx)
         s = (torch.arange(b, device=self.device) + 0.5) / b
         kinds = torch.full((b,), DIAGONAL)
-        loss = self.flow_loss(batch, kinds, s, s, gen)["loss"]
+        loss = self.flow_loss(batch, kinds, s, s, gen).loss
         self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=b)
         return loss

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flowlm.objectives.base import LossOutput
 from flowlm.objectives.mdm import mdm_elbo_loss
 from flowlm.processes.masking import MaskingProcess, stratified_times
 from flowlm.samplers.base import MaskedDenoiser
@@ -47,15 +48,16 @@ class MDMModule(FlowLMModule):
             time_conditioned=self.time_conditioning,
         )
 
-    def mdm_loss(self, batch: dict, t: Tensor, generator: torch.Generator | None, *, u: Tensor | None = None) -> Tensor:
+    def mdm_loss(
+        self, batch: dict, t: Tensor, generator: torch.Generator | None, *, u: Tensor | None = None
+    ) -> LossOutput:
         """ELBO on one batch at times t (B,); masks from ``u`` (B, L) when given, else drawn with ``generator``."""
         tokens, prompt_mask = batch["tokens"], batch["prompt_mask"]
-        x_t, masked = self.process.corrupt(tokens, prompt_mask, t, generator, u=u)
-        logits = self(x_t, t)
+        noised = self.process.noise(tokens, t, prompt_mask, generator=generator, draws=u)
+        logits = self(noised.state, t)
         weight = self.process.schedule.loss_weight(t)  # −α'_t/(1−α_t) = 1/t
         loss_mask = batch.get("loss_mask", ~prompt_mask)  # text data may leave PAD out of the loss
-        loss, _ = mdm_elbo_loss(logits, tokens, masked & loss_mask, weight, loss_mask, self.mask_id)
-        return loss
+        return mdm_elbo_loss(logits, tokens, noised.noised & loss_mask, weight, loss_mask, self.mask_id)
 
     def sample_times(self, local_batch: int, batch_idx: int) -> Tensor:
         """This micro-batch's slice of one stratified draw of t over the global batch (all ranks, accumulation)."""
@@ -68,7 +70,7 @@ class MDMModule(FlowLMModule):
         the ELBO."""
         tokens = batch["tokens"]
         t = self.sample_times(tokens.shape[0], batch_idx).to(self.device, non_blocking=True)
-        loss = self.mdm_loss(batch, t, None, u=self.global_rand(tuple(tokens.shape), batch_idx, stream=1))
+        loss = self.mdm_loss(batch, t, None, u=self.global_rand(tuple(tokens.shape), batch_idx, stream=1)).loss
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
@@ -78,6 +80,6 @@ class MDMModule(FlowLMModule):
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_idx)
         t = stratified_times(b, offset=0, count=b, eps=self.process.eps, generator=gen).to(self.device)
         mask_gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + batch_idx)
-        loss = self.mdm_loss(batch, t, mask_gen)
+        loss = self.mdm_loss(batch, t, mask_gen).loss
         self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=b)
         return loss

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from flowlm.backbones.adapters import MLFMAdapter
+from flowlm.objectives.base import LossOutput
 from flowlm.objectives.mlfm import mlfm_loss
 from flowlm.processes.bridge import BridgeProcess
 from flowlm.samplers.mlfm import BridgeDenoiser
@@ -114,7 +115,7 @@ class MLFMModule(FlowLMModule):
         return report
 
     # ---------------------------------------------------------------------------------------------- training
-    def mlfm_loss(self, batch: dict, gen_cpu: torch.Generator, gen: torch.Generator | None) -> dict[str, Tensor]:
+    def mlfm_loss(self, batch: dict, gen_cpu: torch.Generator, gen: torch.Generator | None) -> LossOutput:
         """Mask with s from the cosine schedule (``bridge.mask_schedule``), the whole response with probability
         ``full_response_mask_prob``; bridge at t from the training distribution; CE (+ MSE)."""
         tokens, prompt = batch["tokens"], batch["prompt_mask"]
@@ -131,9 +132,8 @@ class MLFMModule(FlowLMModule):
         pick = torch.rand(b, length, generator=gen, device=tokens.device).masked_fill(~free, -1).argmax(-1)
         masked |= empty[:, None] & (torch.arange(length, device=tokens.device) == pick[:, None])
         t = self.process.sample_t(b, generator=gen_cpu, device=tokens.device)
-        emb = self.net.embeddings
-        z = self.process.sample(emb[self.mask_id], emb[tokens], t, masked, gen)
-        logits = self(z, t)
+        emb = self.net.embeddings  # [MASK] is the last row (mask_id = |V|)
+        logits = self(self.process.noise(tokens, t, ~masked, generator=gen, embeddings=emb).state, t)
         scored = masked & batch.get("loss_mask", masked)  # text data may leave PAD out of the loss
         return mlfm_loss(logits, tokens, scored, self.mask_id, embeddings=emb, aux_weight=self.aux_mse_weight)
 
@@ -141,18 +141,18 @@ class MLFMModule(FlowLMModule):
         """One step of the MLFM objective."""
         gen_cpu = self.step_generator(0, batch_idx, shared=False)
         gen = self.step_generator(1, batch_idx, shared=False, device=self.device)
-        parts = self.mlfm_loss(batch, gen_cpu, gen)
-        self.log("train/loss", parts["loss"], prog_bar=True)
-        if "mse" in parts:
-            self.log("train/ce", parts["ce"])
-            self.log("train/mse", parts["mse"])
-        return parts["loss"]
+        out = self.mlfm_loss(batch, gen_cpu, gen)
+        self.log("train/loss", out.loss, prog_bar=True)
+        if "mse" in out.parts:
+            self.log("train/ce", out.parts["ce"])
+            self.log("train/mse", out.parts["mse"])
+        return out.loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> Tensor:
         """The same objective with fixed draws, comparable across evaluations."""
         b = batch["tokens"].shape[0]
         gen_cpu = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_idx)
         gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + batch_idx)
-        loss = self.mlfm_loss(batch, gen_cpu, gen)["loss"]
+        loss = self.mlfm_loss(batch, gen_cpu, gen).loss
         self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=b)
         return loss

@@ -1,7 +1,7 @@
-"""FMLM+ inside the module (methods.md §3–4, issue 14): the semigroup, boundary and MDM-distill targets of
-``FMLMPlusModule.targets`` / ``flow_loss`` against dense hand computations with the same network, the context rate
-f ~ U(0, 1), the interpolant, the soft-cap as the module applies it, ``teacher_train_mode`` and
-``zero_t_embedding``.
+"""FMLM+ inside the module (methods.md §3–4, issue 14): the semigroup, boundary and MDM-distill targets of the
+objective (flowlm/objectives/fmlm_plus.py) with the module's teachers, and ``flow_loss``, against dense hand
+computations with the same network, the context rate f ~ U(0, 1), the interpolant, the soft-cap as the module
+applies it, ``teacher_train_mode`` and ``zero_t_embedding``.
 
 Every reference here recomputes the module's quantities from its own network with dense per-token times (the
 module uses the cheaper pinned form), in float64 wherever the combination is hand-written, so these tests do not
@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flowlm.objectives.fmlm_plus import targets
 from flowlm.processes.gaussian_flow import BOUNDARY, DIAGONAL, DISTILL, OFF_DIAGONAL
 from lightning_modules.fmlm_plus import FMLMPlusModule
 from lightning_modules.mdm import MDMModule
@@ -48,6 +49,22 @@ def _delta(module: FMLMPlusModule, x: torch.Tensor, s_tok: torch.Tensor, t_tok: 
     with torch.no_grad():
         logits = module.net(x.float(), s_tok.float(), t_tok.float()).double()
     return torch.softmax(CAP * torch.tanh(logits / CAP), dim=-1)
+
+
+def _targets(module: FMLMPlusModule, batch, kinds, x_s, times, token_times, onehot, active) -> torch.Tensor:
+    """The objective's per-token targets with the module's teachers, as ``flow_loss`` wires them."""
+    return targets(
+        kinds,
+        x_s,
+        times,
+        token_times,
+        onehot,
+        active,
+        process=module.process,
+        tokens=batch["tokens"],
+        prompt=batch["prompt_mask"],
+        **module.teachers(),
+    )
 
 
 def _hand_jump_target(module, x_s, s, t, active, onehot, *, d1_times=None, d2_times=None):
@@ -106,7 +123,7 @@ def test_targets_match_the_dense_semigroup_and_boundary_computation():
     tokens, prompt, active, onehot, x_s = _inputs(len(KINDS), seed=1, s=S)
     s_tok, t_tok = torch.where(active, S[:, None], 1.0), torch.where(active, T[:, None], 1.0)
     batch = {"tokens": tokens, "prompt_mask": prompt}
-    target = module.targets(batch, KINDS, x_s, (S, T), (s_tok, t_tok), onehot, active)
+    target = _targets(module, batch, KINDS, x_s, (S, T), (s_tok, t_tok), onehot, active)
 
     hand, _ = _hand_jump_target(module, x_s, S, T, active, onehot)
     jump = KINDS != DIAGONAL
@@ -142,7 +159,8 @@ def test_teacher_passes_see_the_flow_map_with_pinned_tokens_kept_one_hot():
         return forward(x, s, t, pinned=pinned)
 
     module.forward = spy
-    module.targets({"tokens": tokens, "prompt_mask": prompt}, KINDS, x_s, (S, T), (s_tok, t_tok), onehot, active)
+    batch = {"tokens": tokens, "prompt_mask": prompt}
+    _targets(module, batch, KINDS, x_s, (S, T), (s_tok, t_tok), onehot, active)
     jump = KINDS != DIAGONAL
     x1, x2 = seen
     assert torch.equal(x1, x_s[jump])
@@ -166,7 +184,7 @@ def test_flow_loss_is_the_soft_ce_of_the_hand_target_on_active_tokens():
 
     module.forward = spy
     batch = {"tokens": tokens, "prompt_mask": prompt}
-    loss = module.flow_loss(batch, KINDS, S, T, torch.Generator().manual_seed(4))["loss"]
+    loss = module.flow_loss(batch, KINDS, S, T, torch.Generator().manual_seed(4)).loss
     x_s, s_seen, t_seen, pinned = calls[0]
     assert len(calls) == 3  # the student pass, then D1 and D2 for the jump rows
     assert torch.equal(s_seen, S) and torch.equal(t_seen, T)  # the student sees (s, t), not (s, u) or (u, t)
@@ -209,7 +227,7 @@ def test_distill_target_is_the_mdm_teacher_softmax_with_mask_at_active_positions
     active = active & ~prompt
     s_tok = torch.where(active, 0.0, 1.0)
     batch = {"tokens": tokens, "prompt_mask": prompt}
-    target = module.targets(batch, kinds, x_s, (zeros, zeros), (s_tok, s_tok.clone()), onehot, active)
+    target = _targets(module, batch, kinds, x_s, (zeros, zeros), (s_tok, s_tok.clone()), onehot, active)
 
     masked_in = torch.where(active, teacher.mask_id, tokens)
     rate = active.double().sum(-1) / (~prompt).double().sum(-1)
@@ -361,11 +379,11 @@ def test_teacher_passes_run_in_the_chosen_mode_and_restore_it(teacher_train_mode
 
     module.forward = spy
     batch = {"tokens": tokens, "prompt_mask": prompt}
-    args = (batch, kinds, x_s, (s, t), (s_tok, t_tok), onehot, active)
+    args = (module, batch, kinds, x_s, (s, t), (s_tok, t_tok), onehot, active)
     torch.manual_seed(13)
-    first = module.targets(*args)
+    first = _targets(*args)
     torch.manual_seed(14)
-    second = module.targets(*args)
+    second = _targets(*args)
     assert modes == [(teacher_train_mode,) * 3] * 4  # D1 and D2, twice
     assert module.training is start_training and all(m.training is start_training for m in module.modules())
     if teacher_train_mode:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel
 
+import flowlm.objectives.fmlm_plus as objective
 from callbacks.ema import EMA, HostCountedAverage
 from flowlm.processes.gaussian_flow import BOUNDARY, DIAGONAL, DISTILL, KIND_NAMES, OFF_DIAGONAL
 from flowlm.samplers import (
@@ -89,13 +90,13 @@ def test_fmlm_plus_with_a_teacher_and_mlfm_losses_read_nothing_back():
     mlfm = adapted(mdm)
     perturb_adapter(mlfm)
     with HostSyncs() as syncs:
-        flow.flow_loss(batch, kinds, s, t, torch.Generator().manual_seed(1))["loss"].backward()
+        flow.flow_loss(batch, kinds, s, t, torch.Generator().manual_seed(1)).loss.backward()
         gens = torch.Generator().manual_seed(2), torch.Generator().manual_seed(3)
-        mlfm.mlfm_loss(batch, *gens)["loss"].backward()
+        mlfm.mlfm_loss(batch, *gens).loss.backward()
     assert syncs.count == 0, syncs.where
 
 
-def test_per_kind_losses_are_the_means_over_each_kinds_scored_tokens():
+def test_per_kind_losses_are_the_means_over_each_kinds_scored_tokens(monkeypatch):
     torch.manual_seed(0)
     flow = FMLMPlusModule(data_vocab_size=V, seq_len=L, backbone=BB, optim={})
     tokens = torch.randint(0, V, (6, L))
@@ -104,27 +105,27 @@ def test_per_kind_losses_are_the_means_over_each_kinds_scored_tokens():
     kinds = torch.tensor([DIAGONAL, OFF_DIAGONAL, DIAGONAL, OFF_DIAGONAL, BOUNDARY, DIAGONAL])
     s, t = torch.tensor([0.2, 0.1, 0.5, 0.3, 0.0, 0.9]), torch.tensor([0.2, 0.6, 0.5, 0.8, 1.0, 0.9])
     captured = {}
-    real = flow.targets
+    real = objective.targets
 
-    def spy(*args):
-        captured["args"] = args
-        return real(*args)
+    def spy(*args, **kwargs):
+        captured["args"], captured["kwargs"] = args, kwargs
+        return real(*args, **kwargs)
 
-    flow.targets = spy
-    parts = flow.flow_loss(batch, kinds, s, t, torch.Generator().manual_seed(1), parts=True)
-    assert set(parts) == {"loss", *(KIND_NAMES[k] for k in (DIAGONAL, OFF_DIAGONAL, BOUNDARY))}
+    monkeypatch.setattr(objective, "targets", spy)
+    out = flow.flow_loss(batch, kinds, s, t, torch.Generator().manual_seed(1), parts=True)
+    assert set(out.parts) == {KIND_NAMES[k] for k in (DIAGONAL, OFF_DIAGONAL, BOUNDARY)}
     # the reference: boolean indexing on the same per-token losses
-    _, _, x_s, times, (s_tok, t_tok), onehot, active = captured["args"]
+    _, x_s, _, (s_tok, t_tok), _, active = captured["args"]
     with torch.no_grad():
         log_d = flow(x_s, s_tok, t_tok)
-        target = real(batch, kinds, x_s, times, (s_tok, t_tok), onehot, active)
+        target = real(*captured["args"], **captured["kwargs"])
         per_token = -(target * log_d).sum(-1)
     scored = active & batch["loss_mask"]
     for kind in (DIAGONAL, OFF_DIAGONAL, BOUNDARY):
         rows = (kinds == kind)[:, None] & scored
-        assert parts[KIND_NAMES[kind]] == pytest.approx(per_token[rows].mean().item(), rel=1e-5)
+        assert out.parts[KIND_NAMES[kind]] == pytest.approx(per_token[rows].mean().item(), rel=1e-5)
     no_parts = flow.flow_loss(batch, kinds, s, t, torch.Generator().manual_seed(1))
-    assert set(no_parts) == {"loss"} and torch.equal(no_parts["loss"], parts["loss"])
+    assert no_parts.parts == {} and torch.equal(no_parts.loss, out.loss)
 
 
 def test_host_counted_average_matches_torchs_averaged_model_and_survives_a_load():

@@ -50,7 +50,7 @@ def test_mdm_loss_weights_the_masked_cross_entropy_by_one_over_t():
     prompt[:, :3] = True
     t = torch.tensor([0.05, 0.2, 0.4, 0.6, 0.8, 0.97])
     u = torch.rand(b, length, generator=gen)
-    loss = module.mdm_loss({"tokens": tokens, "prompt_mask": prompt}, t, None, u=u)
+    loss = module.mdm_loss({"tokens": tokens, "prompt_mask": prompt}, t, None, u=u).loss
     masked = (u < t[:, None]) & ~prompt
     with torch.no_grad():
         logits = module(torch.where(masked, module.mask_id, tokens), t)
@@ -63,7 +63,7 @@ def test_mdm_loss_weights_the_masked_cross_entropy_by_one_over_t():
     # text data: PAD positions (loss_mask False) leave the numerator and the denominator
     loss_mask = ~prompt
     loss_mask[:, -2:] = False
-    loss_pad = module.mdm_loss({"tokens": tokens, "prompt_mask": prompt, "loss_mask": loss_mask}, t, None, u=u)
+    loss_pad = module.mdm_loss({"tokens": tokens, "prompt_mask": prompt, "loss_mask": loss_mask}, t, None, u=u).loss
     torch.testing.assert_close(
         loss_pad.double(), _hand_elbo(logits, tokens, masked & loss_mask, t, loss_mask, v), rtol=1e-5, atol=0
     )

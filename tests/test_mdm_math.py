@@ -37,7 +37,8 @@ def test_masking_spares_the_prompt():
     tokens = torch.randint(0, 9, (4, 20))
     prompt = torch.zeros(4, 20, dtype=torch.bool)
     prompt[:, :5] = True
-    x_t, masked = proc.corrupt(tokens, prompt, torch.ones(4), torch.Generator().manual_seed(0))
+    noised = proc.noise(tokens, torch.ones(4), prompt, generator=torch.Generator().manual_seed(0))
+    x_t, masked = noised.state, noised.noised
     assert not masked[:, :5].any() and masked[:, 5:].all()  # t = 1 masks every non-prompt token
     assert (x_t[:, :5] == tokens[:, :5]).all() and (x_t[:, 5:] == 9).all()
 
@@ -50,8 +51,9 @@ def test_loss_is_weighted_ce_on_masked_positions_only():
     masked = torch.tensor([[1, 0, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1]], dtype=torch.bool)
     t = torch.tensor([0.2, 0.8])
     loss_mask = torch.ones(2, 6, dtype=torch.bool)
-    loss, nll = mdm_elbo_loss(logits, tokens, masked, 1 / t, loss_mask, mask_id)
-    assert (nll[~masked] == 0).all()  # unmasked positions contribute exactly zero
+    out = mdm_elbo_loss(logits, tokens, masked, 1 / t, loss_mask, mask_id)
+    loss = out.loss
+    assert (out.per_token[~masked] == 0).all()  # unmasked positions contribute exactly zero
     # hand computation: CE over the data vocabulary ([MASK] logit removed), weighted by 1/t, / #tokens
     total = 0.0
     for b in range(2):
@@ -63,7 +65,7 @@ def test_loss_is_weighted_ce_on_masked_positions_only():
     # changing logits at unmasked positions does not change the loss
     logits2 = logits.clone()
     logits2[~masked] += 3 * torch.randn_like(logits2[~masked])
-    assert math.isclose(mdm_elbo_loss(logits2, tokens, masked, 1 / t, loss_mask, mask_id)[0].item(), loss.item())
+    assert math.isclose(mdm_elbo_loss(logits2, tokens, masked, 1 / t, loss_mask, mask_id).loss.item(), loss.item())
     # the [MASK] logit gets zero probability under SUBS
     assert subs_log_probs(logits, mask_id).shape[-1] == v
 
@@ -80,8 +82,8 @@ def test_loss_decreases_on_a_tiny_overfit_set():
     def loss_at(gen_seed):
         gen = torch.Generator().manual_seed(gen_seed)
         t = stratified_times(4, offset=0, count=4, eps=1e-3, generator=gen)
-        x_t, masked = proc.corrupt(data, prompt, t, gen)
-        return mdm_elbo_loss(net(x_t, torch.zeros(4)), data, masked, 1 / t, ~prompt, v)[0]
+        noised = proc.noise(data, t, prompt, generator=gen)
+        return mdm_elbo_loss(net(noised.state, torch.zeros(4)), data, noised.noised, 1 / t, ~prompt, v).loss
 
     with torch.no_grad():
         before = sum(loss_at(s).item() for s in range(20))

@@ -195,7 +195,7 @@ def test_loss_at_t0_is_the_mdm_cross_entropy_on_the_same_masks():
 
     def mlfm_at(t: float) -> torch.Tensor:
         z = module.process.sample(emb[V], emb[tokens], torch.full((4,), t), masked, torch.Generator().manual_seed(1))
-        return mlfm_loss(module(z, torch.full((4,), t)), tokens, masked, V)["loss"]
+        return mlfm_loss(module(z, torch.full((4,), t)), tokens, masked, V).loss
 
     # MDM: the masked sequence as ids, CE at masked positions, per-sequence mean over them.
     logits = mdm(torch.where(masked, V, tokens), torch.zeros(4))
@@ -215,11 +215,11 @@ def test_auxiliary_mse_and_empty_rows():
     masked = torch.zeros(2, 5, dtype=torch.bool)
     masked[0, :2] = True  # row 1 has no masked position: it is left out of the mean, not counted as 0
     out = mlfm_loss(logits, tokens, masked, V, embeddings=emb, aux_weight=10.0)
-    assert out["mse"].item() < 1e-6 and out["ce"].item() < 1e-6
+    assert out.parts["mse"].item() < 1e-6 and out.parts["ce"].item() < 1e-6
     wrong = logits.roll(1, dims=-1)
     out = mlfm_loss(wrong, tokens, masked, V, embeddings=emb, aux_weight=10.0)
-    assert out["loss"].item() == pytest.approx(out["ce"].item() + 10 * out["mse"].item(), rel=1e-5)
-    assert out["ce"].item() > 10
+    assert out.loss.item() == pytest.approx(out.parts["ce"].item() + 10 * out.parts["mse"].item(), rel=1e-5)
+    assert out.parts["ce"].item() > 10
 
 
 def test_full_response_masking_masks_every_response_position(monkeypatch):

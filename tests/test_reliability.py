@@ -4,6 +4,7 @@ from another working directory."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import mlflow
@@ -31,8 +32,8 @@ def test_non_finite_loss_stops_before_the_update_and_keeps_the_last_checkpoint(r
     real = MDMModule.mdm_loss
 
     def poisoned(self, batch, t, gen, **kwargs):
-        loss = real(self, batch, t, gen, **kwargs)
-        return loss * float("nan") if self.global_step >= 3 else loss
+        out = real(self, batch, t, gen, **kwargs)
+        return replace(out, loss=out.loss * float("nan")) if self.global_step >= 3 else out
 
     monkeypatch.setattr(MDMModule, "mdm_loss", poisoned)
     with pytest.raises(NonFiniteLossError, match="non-finite training loss at step 3.*not applied"):
@@ -49,13 +50,13 @@ def test_non_finite_loss_can_skip_the_step_by_config(runs_env, monkeypatch):
     seen = {}
 
     def poisoned(self, batch, t, gen, **kwargs):
-        loss = real(self, batch, t, gen, **kwargs)
+        out = real(self, batch, t, gen, **kwargs)
         if self.global_step in (2, 3):  # the 3rd and 4th steps
             seen[self.global_step] = {k: v.detach().clone() for k, v in self.state_dict().items()}
-            return loss * float("nan")
+            return replace(out, loss=out.loss * float("nan"))
         if self.global_step == 4:
             seen[4] = {k: v.detach().clone() for k, v in self.state_dict().items()}
-        return loss
+        return out
 
     monkeypatch.setattr(MDMModule, "mdm_loss", poisoned)
     skip = [*RUN, "logger=none", "trainer.max_steps=6", "callbacks.finite_loss.action=skip"]

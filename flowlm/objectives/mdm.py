@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flowlm.objectives.base import LossOutput
+
 
 def subs_log_probs(logits: Tensor, mask_id: int) -> Tensor:
     """Log-probabilities over the data vocabulary: the [MASK] logit is −∞ (SUBS "zero masking probability").
@@ -19,8 +21,8 @@ def subs_log_probs(logits: Tensor, mask_id: int) -> Tensor:
 
 def mdm_elbo_loss(
     logits: Tensor, tokens: Tensor, masked: Tensor, weight: Tensor, loss_mask: Tensor, mask_id: int
-) -> tuple[Tensor, Tensor]:
-    """Σ_l masked · w(t) · (−log p_θ(y^l | x_t)) / #non-prompt tokens, and the per-token NLL.
+) -> LossOutput:
+    """Σ_l masked · w(t) · (−log p_θ(y^l | x_t)) / #non-prompt tokens; per token: w(t) · NLL (0 where not masked).
 
     SUBS "carry-over unmasking": unmasked positions copy their input, so they contribute exactly zero.
     weight: (B,) ELBO weight −α'_t/(1−α_t) (= 1/t, log-linear). loss_mask: non-prompt positions (B, L).
@@ -29,4 +31,4 @@ def mdm_elbo_loss(
     nll = -log_p.gather(-1, tokens[..., None]).squeeze(-1)
     nll = torch.where(masked, nll, torch.zeros_like(nll))  # carry-over: zero loss where not masked
     per_token = nll * weight[:, None]
-    return per_token.sum() / loss_mask.sum().clamp_min(1), nll
+    return LossOutput(loss=per_token.sum() / loss_mask.sum().clamp_min(1), per_token=per_token)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flowlm.processes.base import NoisedBatch, NoiseProcess
+
 TIME_DISTRIBUTIONS = ("uniform", "gamma_uniform", "gamma_mixture")
 MASK_SCHEDULES = ("affine", "clip")
 
@@ -44,7 +46,7 @@ def cosine_mask_prob(u: Tensor, *, s_min: float = 0.05, schedule: str = "affine"
 
 
 @dataclass(frozen=True)
-class BridgeProcess:
+class BridgeProcess(NoiseProcess):
     """The forward bridge, its time distribution and the time feature the network is conditioned on.
 
     ``time_dist``:
@@ -104,12 +106,32 @@ class BridgeProcess:
         generator: torch.Generator | None,
         *,
         noise_dtype: torch.dtype | None = None,
+        eps: Tensor | None = None,
     ) -> Tensor:
-        """z_t: the bridge marginal at the ``noised`` (B, L) positions, E_y exactly elsewhere. The Gaussian noise is
-        drawn in ``noise_dtype`` (default: E_y's dtype) and used in E_y's dtype."""
+        """z_t: the bridge marginal at the ``noised`` (B, L) positions, E_y exactly elsewhere. The Gaussian noise ε
+        is ``eps`` when given, else drawn in ``noise_dtype`` (default: E_y's dtype); it is used in E_y's dtype."""
         mean, std = self.mean_std(m, e_y, t)
-        eps = torch.randn(e_y.shape, generator=generator, device=e_y.device, dtype=noise_dtype or e_y.dtype)
+        if eps is None:
+            eps = torch.randn(e_y.shape, generator=generator, device=e_y.device, dtype=noise_dtype or e_y.dtype)
         return torch.where(noised[..., None], mean + std * eps.to(e_y.dtype), e_y)  # (1 − t)·m + t·E_y + σ√(t(1−t))·ε
+
+    def noise(
+        self,
+        tokens: Tensor,
+        times: Tensor,
+        keep: Tensor,
+        *,
+        generator: torch.Generator | None = None,
+        draws: Tensor | None = None,
+        embeddings: Tensor | None = None,
+    ) -> NoisedBatch:
+        """z_t at bridge times t (B,) off ``keep`` (the unmasked positions, E_y exactly), from the ``embeddings``
+        table E (|V| + 1, d; m = E[MASK], the last row). ``draws``: ε (B, L, d), else drawn from ``generator``."""
+        if embeddings is None:
+            raise ValueError("the bridge lives on embeddings: pass the embedding table ([MASK] last)")
+        clean = embeddings[tokens]
+        z = self.sample(embeddings[-1], clean, times, ~keep, generator, eps=draws)
+        return NoisedBatch(state=z, clean=clean, noised=~keep)
 
     # ---------------------------------------------------------------------------------------------- training
     def sample_t(self, n: int, *, generator: torch.Generator | None, device: torch.device | str = "cpu") -> Tensor:

@@ -1,11 +1,17 @@
-"""Gaussian → one-hot flow (t = 0 noise, t = 1 data), its two-time flow map and the batch split (methods.md §3–4)."""
+"""Gaussian → one-hot flow (t = 0 noise, t = 1 data), its two-time flow map and the batch split (methods.md §3–4).
+
+The loss built on them (semigroup targets, context set) is flowlm/objectives/fmlm_plus.py.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from flowlm.processes.base import NoisedBatch, NoiseProcess
 
 # Kinds of training pairs (s, t) in one batch.
 DIAGONAL, BOUNDARY, OFF_DIAGONAL, DISTILL = 0, 1, 2, 3
@@ -117,18 +123,36 @@ def flow_map(x: Tensor, delta: Tensor, s: Tensor, t: Tensor) -> Tensor:
     return torch.where(done, x, out)
 
 
-def semigroup_gamma(s: Tensor, u: Tensor, t: Tensor) -> Tensor:
-    """γ = (1−t)(u−s) / ((1−u)(t−s)): the weight of δ_{s,u} in the midpoint target (in [0, 1/2] for u = (s+t)/2).
+@dataclass(frozen=True)
+class GaussianFlowProcess(NoiseProcess):
+    """The flow's state operations on one-hot vectors of a ``vocab_size`` vocabulary: the noisy state and the flow
+    map (an objective calls these two, so a process on another state space can stand in)."""
 
-    Derived from X_{s,t} = X_{u,t} ∘ X_{s,u}: δ_{s,t} = γ·δ_{s,u}(x_s) + (1−γ)·δ_{u,t}(X_{s,u}(x_s)).
-    """
-    return (1 - t) * (u - s) / ((1 - u) * (t - s)).clamp_min(1e-12)
+    vocab_size: int
 
+    def noise(
+        self,
+        tokens: Tensor,
+        times: Tensor,
+        keep: Tensor,
+        *,
+        generator: torch.Generator | None = None,
+        draws: Tensor | None = None,
+        embeddings: Tensor | None = None,
+    ) -> NoisedBatch:
+        """x_t = (1 − t)·ε + t·onehot(y) off ``keep``, the exact one-hot on it; times (B, L) per token or (B,).
+        ``draws``: ε (B, L, |V|) when the caller drew it, else drawn from ``generator``."""
+        onehot = one_hot(tokens, self.vocab_size)
+        if draws is None:
+            draws = torch.randn(onehot.shape, generator=generator, device=tokens.device)
+        times = times if times.dim() == tokens.dim() else times[:, None]
+        return NoisedBatch(
+            state=torch.where(keep[..., None], onehot, noisy_state(onehot, draws, times)), clean=onehot, noised=~keep
+        )
 
-def semigroup_target(d1: Tensor, d2: Tensor, gamma: Tensor) -> Tensor:
-    """target = γ·D1 + (1−γ)·D2, a convex combination of two simplex points (so on the simplex)."""
-    gamma = gamma[..., None].to(d1.dtype)
-    return gamma * d1 + (1 - gamma) * d2
+    def flow_map(self, x: Tensor, delta: Tensor, s: Tensor, t: Tensor) -> Tensor:
+        """X_{s,t}(x) (``flow_map``)."""
+        return flow_map(x, delta, s, t)
 
 
 def split_counts(global_batch: int, *, diagonal: float = 0.5, boundary: float = 1 / 64, distill: float = 0.0):

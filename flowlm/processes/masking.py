@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flowlm.processes.base import NoisedBatch, NoiseProcess
+
 
 class LogLinearSchedule:
     """α_t = 1 − t: at time t a token is still clean with probability α_t."""
@@ -32,7 +34,7 @@ def stratified_times(global_batch: int, *, offset: int, count: int, eps: float, 
     return (eps + (1.0 - eps) * strata[offset : offset + count]).float()
 
 
-class MaskingProcess:
+class MaskingProcess(NoiseProcess):
     """Replace each non-prompt token by [MASK] independently with probability 1 − α_t."""
 
     def __init__(self, *, mask_id: int, eps: float = 1e-3) -> None:
@@ -42,20 +44,21 @@ class MaskingProcess:
         self.eps = eps
         self.schedule = LogLinearSchedule()
 
-    def corrupt(
+    def noise(
         self,
         tokens: Tensor,
-        prompt_mask: Tensor,
-        t: Tensor,
-        generator: torch.Generator | None = None,
+        times: Tensor,
+        keep: Tensor,
         *,
-        u: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """x_t and the boolean mask of positions replaced by [MASK]; t has shape (B,).
+        generator: torch.Generator | None = None,
+        draws: Tensor | None = None,
+        embeddings: Tensor | None = None,
+    ) -> NoisedBatch:
+        """x_t (ids, [MASK] at the masked positions) at times t (B,); ``keep``: the prompt, never masked.
 
-        ``u``: the uniforms (B, L) deciding the masks, when the caller draws them (e.g. over the global batch).
+        ``draws``: the uniforms u (B, L) deciding the masks (u < 1 − α_t), when the caller draws them (e.g. over the
+        global batch); else drawn from ``generator``.
         """
-        if u is None:
-            u = torch.rand(tokens.shape, generator=generator, device=tokens.device)
-        masked = (u < (1.0 - self.schedule.alpha(t))[:, None]) & ~prompt_mask
-        return torch.where(masked, self.mask_id, tokens), masked
+        u = draws if draws is not None else torch.rand(tokens.shape, generator=generator, device=tokens.device)
+        masked = (u < (1.0 - self.schedule.alpha(times))[:, None]) & ~keep
+        return NoisedBatch(state=torch.where(masked, self.mask_id, tokens), clean=tokens, noised=masked)

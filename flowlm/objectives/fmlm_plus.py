@@ -1,0 +1,163 @@
+"""The FMLM+ objective (and FMLM's, FLM's): semigroup self-distillation of a two-time flow map (methods.md §3–4).
+
+One batch, given every random draw (the caller draws them: pair kinds and times, the context set, the noise ε):
+
+    active A      non-prompt tokens outside the context set; prompt and context are pinned at s = t = 1
+    x_s           (1 − s)·ε + s·onehot(y) on A, onehot(y) elsewhere                     (t = 0 noise, t = 1 data)
+    student       log δ_{s,t}(x_s)
+    target        per row, by its pair kind, under no_grad:
+      diagonal      s = t             onehot(y)
+      off-diagonal  s < t             γ·D1 + (1 − γ)·D2,  u = (s + t)/2,  D1 = δ_{s,u}(x_s),  X_u = X_{s,u}(x_s),
+      boundary      s = 0, t = 1                          D2 = δ_{u,t}(X_u),  γ = (1 − t)(u − s) / ((1 − u)(t − s))
+      distill       s = t = 0         softmax of an MDM teacher on y with A as [MASK], at rate |A| / #non-prompt
+    loss          Σ_{A ∩ scored} −Σ_v target_v · log δ_{s,t}(x_s)_v / |A ∩ scored|
+
+FMLM is the same loss with an empty context set, FLM its diagonal-only case. The state operations (the noisy state,
+the flow map) are the process's (``GaussianFlowProcess.noise`` and ``.flow_map``), so a process on another state
+space can stand in for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flowlm.objectives.base import LossOutput
+from flowlm.objectives.flow import soft_cross_entropy
+from flowlm.processes.gaussian_flow import DIAGONAL, DISTILL, KIND_NAMES, GaussianFlowProcess
+
+# student(x (B, L, |V|), s (B,), t (B,), pinned (B, L)) → log δ_{s,t}(x) (B, L, |V|): per-sequence times, the
+# pinned tokens at s = t = 1.
+FlowModel = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+# mdm_teacher(ids (B, L), rate (B,)) → logits over the data vocabulary (B, L, |V|), [MASK] removed.
+MDMTeacher = Callable[[Tensor, Tensor], Tensor]
+
+
+def context_set(rates: Tensor, uniforms: Tensor, prompt: Tensor) -> Tensor:
+    """Each non-prompt token is context (clean, pinned) with its sequence's probability f: uniforms (B, L) < f (B,)."""
+    return (uniforms < rates[:, None]) & ~prompt
+
+
+def semigroup_gamma(s: Tensor, u: Tensor, t: Tensor) -> Tensor:
+    """γ = (1−t)(u−s) / ((1−u)(t−s)): the weight of δ_{s,u} in the midpoint target (in [0, 1/2] for u = (s+t)/2).
+
+    Derived from X_{s,t} = X_{u,t} ∘ X_{s,u}: δ_{s,t} = γ·δ_{s,u}(x_s) + (1−γ)·δ_{u,t}(X_{s,u}(x_s)).
+    """
+    return (1 - t) * (u - s) / ((1 - u) * (t - s)).clamp_min(1e-12)
+
+
+def semigroup_target(d1: Tensor, d2: Tensor, gamma: Tensor) -> Tensor:
+    """target = γ·D1 + (1−γ)·D2, a convex combination of two simplex points (so on the simplex)."""
+    gamma = gamma[..., None].to(d1.dtype)
+    return gamma * d1 + (1 - gamma) * d2
+
+
+@torch.no_grad()
+def targets(
+    kinds: Tensor,
+    x_s: Tensor,
+    times: tuple[Tensor, Tensor],
+    token_times: tuple[Tensor, Tensor],
+    onehot: Tensor,
+    active: Tensor,
+    *,
+    teacher: FlowModel,
+    process: GaussianFlowProcess,
+    tokens: Tensor | None = None,
+    prompt: Tensor | None = None,
+    mdm_teacher: MDMTeacher | None = None,
+    mask_id: int | None = None,
+) -> Tensor:
+    """Per-token target distributions (B, L, |V|), stop-gradient: one-hot (diagonal), semigroup midpoint (off-diagonal
+    and boundary: two ``teacher`` passes joined by the ``process``'s flow map), MDM teacher probabilities (distill:
+    needs ``tokens``, ``prompt``, ``mdm_teacher`` and its ``mask_id``). ``kinds``: host tensor (B,); ``times``: (s, t)
+    per sequence (B,); ``token_times``: the same per token (1 off the active set)."""
+    (s_seq, t_seq), (s_tok, t_tok) = times, token_times
+    target = onehot.clone()
+    device = onehot.device
+    # kinds are host data: the rows of each pass are chosen on the host and their indices copied to the device
+    # without a stream sync
+    host = kinds.tolist()
+    jump = [i for i, kind in enumerate(host) if kind not in (DIAGONAL, DISTILL)]
+    if jump:
+        idx = torch.tensor(jump).to(device, non_blocking=True)
+        x, s, t, act = x_s[idx], s_tok[idx], t_tok[idx], active[idx]
+        u_seq = (s_seq[idx] + t_seq[idx]) / 2
+        u = torch.where(act, u_seq[:, None], 1.0)  # = (s + t) / 2 on the active tokens
+        d1 = teacher(x, s_seq[idx], u_seq, ~act).exp()  # D1 = δ_{s,u}(x_s)
+        x_u = process.flow_map(x, d1, s, u)  # X_u = X_{s,u}(x_s)
+        d2 = teacher(x_u, u_seq, t_seq[idx], ~act).exp()  # D2 = δ_{u,t}(X_u)
+        gamma = torch.where(act, semigroup_gamma(s, u, t), 0.0)
+        target[idx] = semigroup_target(d1, d2, gamma)
+    distill = [i for i, kind in enumerate(host) if kind == DISTILL]
+    if distill:
+        if mdm_teacher is None or tokens is None or prompt is None or mask_id is None:
+            raise ValueError("distill rows need the MDM teacher, its [MASK] id, the tokens and the prompt mask")
+        idx = torch.tensor(distill).to(device, non_blocking=True)
+        ids, act = tokens[idx], active[idx]
+        masked_in = torch.where(act, mask_id, ids)  # the teacher sees the active tokens as [MASK]
+        rate = act.float().sum(-1) / (~prompt[idx]).float().sum(-1).clamp_min(1)  # its masking rate
+        target[idx] = F.softmax(mdm_teacher(masked_in, rate).float(), dim=-1)
+    return target
+
+
+def fmlm_plus_loss(
+    student: FlowModel,
+    tokens: Tensor,
+    prompt: Tensor,
+    kinds: Tensor,
+    s: Tensor,
+    t: Tensor,
+    *,
+    context: Tensor,
+    noise: Tensor,
+    process: GaussianFlowProcess,
+    teacher: FlowModel | None = None,
+    mdm_teacher: MDMTeacher | None = None,
+    mask_id: int | None = None,
+    loss_mask: Tensor | None = None,
+    parts: bool = False,
+) -> LossOutput:
+    """The soft CE of δ_{s,t}(x_s) against each row's target, on the active tokens (see the module docstring).
+
+    tokens, prompt, context (B, L): ids, prompt mask, context set (``context_set``; all False for FMLM); kinds (B,) on
+    the host (``batch_kinds_and_times``); s, t (B,) per-sequence times; noise ε (B, L, |V|) for the ``process``'s
+    noisy state. ``teacher`` runs the semigroup passes (default: the student; the caller may wrap it, e.g. to switch
+    dropout); ``loss_mask`` (B, L) leaves tokens out of the loss (text PAD). With ``parts``, each kind's mean
+    per-token loss (one host read; a kind whose rows score no token is left out).
+    """
+    active = ~prompt & ~context
+    s_tok = torch.where(active, s[:, None], 1.0)  # prompt and context pinned at s = t = 1
+    t_tok = torch.where(active, t[:, None], 1.0)
+    noised = process.noise(tokens, s_tok, ~active, draws=noise)  # x_s = (1 − s)·ε + s·onehot(y) on the active tokens
+    x_s, onehot = noised.state, noised.clean
+    log_d = student(x_s, s, t, ~active)  # log δ_{s,t}(x_s), the student pass (before the teacher passes)
+
+    target = targets(
+        kinds,
+        x_s,
+        (s, t),
+        (s_tok, t_tok),
+        onehot,
+        active,
+        teacher=student if teacher is None else teacher,
+        process=process,
+        tokens=tokens,
+        prompt=prompt,
+        mdm_teacher=mdm_teacher,
+        mask_id=mask_id,
+    )
+    scored = active if loss_mask is None else active & loss_mask
+    loss, per_token = soft_cross_entropy(log_d, target, scored)
+    by_kind = {}
+    if parts:  # one host read for all kinds
+        with torch.no_grad():
+            on_device = kinds.to(tokens.device, non_blocking=True)
+            rows = on_device[None, :] == torch.arange(len(KIND_NAMES), device=tokens.device)[:, None]
+            weight = rows[:, :, None] & scored  # (kinds, B, L)
+            sums = torch.stack([(weight * per_token).sum((1, 2)), weight.sum((1, 2)).float()]).tolist()
+        by_kind = {name: num / den for name, num, den in zip(KIND_NAMES, *sums, strict=True) if den > 0}
+    return LossOutput(loss=loss, per_token=per_token, parts=by_kind)
