@@ -183,9 +183,12 @@ class FMLMPlusModule(FlowLMModule):
             ctx = context_set(f, torch.rand(b, length, generator=gen, device=tokens.device), prompt)
         else:
             ctx = torch.zeros_like(prompt)
-        noise = torch.randn((b, length, self.data_vocab_size), generator=gen, device=tokens.device)
+        process = self.training_process()
+        noise = torch.randn(process.draw_shape(tokens), generator=gen, device=tokens.device)
+        # log δ_{s,t}(x) at per-sequence times, the pinned tokens at s = t = 1 (two adaLN rows per sequence)
+        student = functools.partial(self, embedded=True) if process.embedded else self
         return fmlm_plus_loss(
-            self,  # log δ_{s,t}(x) at per-sequence times, the pinned tokens at s = t = 1 (two adaLN rows per sequence)
+            student,
             tokens,
             prompt,
             kinds,
@@ -193,29 +196,45 @@ class FMLMPlusModule(FlowLMModule):
             t,
             context=ctx,
             noise=noise,
-            process=self.process,
-            **self.teachers(),
+            process=process,
+            **self.teachers(embedded=process.embedded),
             loss_mask=batch.get("loss_mask"),  # text data may leave PAD out of the loss
             parts=parts,
         )
 
-    def teachers(self) -> dict:
-        """The objective's teachers: this model for the semigroup passes (``teacher_pass``), the frozen MDM (when
-        loaded) for the distill rows."""
+    def training_process(self) -> GaussianFlowProcess:
+        """The process of this step's states: over the vocabulary, or, when ``state_space`` chooses the embedding
+        space, h = x·E with the noise z·R built from this step's E (differentiable: the factor of EᵀE is recomputed
+        each step, O(|V|·d²), against the O(B·L·|V|·d) input product it saves). A sharded embedding (FSDP) is not
+        a full matrix outside the network's forward: ``auto`` then keeps the one-hot states."""
+        if self.state_space == "onehot":
+            return self.process
+        weight = self.net.embed.weight
+        full = type(weight.data) is torch.Tensor and tuple(weight.shape) == (self.data_vocab_size, self.net.d_model)
+        if not full:
+            if self.state_space == "embedding":
+                raise ValueError("state_space=embedding needs the full embedding matrix: not with a sharded (FSDP) DiT")
+            return self.process
+        space = choose_space(self.state_space, weight)
+        return GaussianFlowProcess(vocab_size=self.data_vocab_size, space=space) if space.embedded else self.process
+
+    def teachers(self, *, embedded: bool = False) -> dict:
+        """The objective's teachers: this model for the semigroup passes (``teacher_pass``, reading states h = x·E
+        when ``embedded``), the frozen MDM (when loaded) for the distill rows."""
         mdm = self._teacher
         return {
-            "teacher": self.teacher_pass,
+            "teacher": functools.partial(self.teacher_pass, embedded=True) if embedded else self.teacher_pass,
             "mdm_teacher": None if mdm is None else mdm.denoiser().fn,  # logits over the data vocabulary
             "mask_id": None if mdm is None else mdm.mask_id,
         }
 
-    def teacher_pass(self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor) -> Tensor:
+    def teacher_pass(self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor, *, embedded: bool = False) -> Tensor:
         """log δ_{s,t}(x) as the semigroup target's teacher: this model in ``teacher_train_mode`` (the released code
         runs these passes in train mode, dropout on), its own mode restored after."""
         was_training = self.training
         self.train(self.teacher_train_mode)
         try:
-            return self(x, s, t, pinned)
+            return self(x, s, t, pinned, embedded=True) if embedded else self(x, s, t, pinned)
         finally:
             self.train(was_training)
 

@@ -13,8 +13,8 @@ One batch, given every random draw (the caller draws them: pair kinds and times,
     loss          Σ_{A ∩ scored} −Σ_v target_v · log δ_{s,t}(x_s)_v / |A ∩ scored|
 
 FMLM is the same loss with an empty context set, FLM its diagonal-only case. The state operations (the noisy state,
-the flow map) are the process's (``GaussianFlowProcess.noise`` and ``.flow_map``), so a process on another state
-space can stand in for it.
+the flow map) are the process's (``GaussianFlowProcess.noise`` and ``.flow_map``): with an embedding space the
+states are h = x·E, the noise z·R, the student and teacher read h (exact in law; methods.md §9).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import Tensor
 
 from flowlm.objectives.base import LossOutput
 from flowlm.objectives.flow import soft_cross_entropy
-from flowlm.processes.gaussian_flow import DIAGONAL, DISTILL, KIND_NAMES, GaussianFlowProcess
+from flowlm.processes.gaussian_flow import DIAGONAL, DISTILL, KIND_NAMES, GaussianFlowProcess, one_hot
 
 # student(x (B, L, |V|), s (B,), t (B,), pinned (B, L)) → log δ_{s,t}(x) (B, L, |V|): per-sequence times, the
 # pinned tokens at s = t = 1.
@@ -124,16 +124,18 @@ def fmlm_plus_loss(
     """The soft CE of δ_{s,t}(x_s) against each row's target, on the active tokens (see the module docstring).
 
     tokens, prompt, context (B, L): ids, prompt mask, context set (``context_set``; all False for FMLM); kinds (B,) on
-    the host (``batch_kinds_and_times``); s, t (B,) per-sequence times; noise ε (B, L, |V|) for the ``process``'s
-    noisy state. ``teacher`` runs the semigroup passes (default: the student; the caller may wrap it, e.g. to switch
-    dropout); ``loss_mask`` (B, L) leaves tokens out of the loss (text PAD). With ``parts``, each kind's mean
-    per-token loss (one host read; a kind whose rows score no token is left out).
+    the host (``batch_kinds_and_times``); s, t (B,) per-sequence times; noise: the standard normal draws of the
+    ``process``'s noisy state (``process.draw_shape``: ε (B, L, |V|), or z (B, L, d) in the embedding space).
+    ``teacher`` runs the semigroup passes (default: the student; the caller may wrap it, e.g. to switch dropout);
+    ``loss_mask`` (B, L) leaves tokens out of the loss (text PAD). With ``parts``, each kind's mean per-token loss
+    (one host read; a kind whose rows score no token is left out).
     """
     active = ~prompt & ~context
     s_tok = torch.where(active, s[:, None], 1.0)  # prompt and context pinned at s = t = 1
     t_tok = torch.where(active, t[:, None], 1.0)
     noised = process.noise(tokens, s_tok, ~active, draws=noise)  # x_s = (1 − s)·ε + s·onehot(y) on the active tokens
-    x_s, onehot = noised.state, noised.clean
+    x_s = noised.state
+    onehot = one_hot(tokens, process.vocab_size) if process.embedded else noised.clean  # the diagonal target
     log_d = student(x_s, s, t, ~active)  # log δ_{s,t}(x_s), the student pass (before the teacher passes)
 
     target = targets(

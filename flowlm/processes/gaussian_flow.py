@@ -77,16 +77,26 @@ class EmbeddingSpace:
             )
         self.embeddings = embeddings
         self.vocab_size = embeddings.shape[0]
-        e64 = embeddings.double()
+        with torch.autocast(device_type=embeddings.device.type, enabled=False):
+            e64 = embeddings.double()
+            gram = e64.mT @ e64
         # R (d, d), upper: RᵀR = EᵀE. Without the error check: raising would read the status back from the device;
         # EᵀE is positive definite for any E of full column rank (every initialised or trained embedding here).
-        self.factor = torch.linalg.cholesky_ex(e64.mT @ e64, check_errors=False).L.mT
+        self.factor = torch.linalg.cholesky_ex(gram, check_errors=False).L.mT
+
+    @property
+    def width(self) -> int:
+        """d: the dimension of the draws z."""
+        return self.factor.shape[0]
 
     def noise(self, shape: tuple[int, int], generator: torch.Generator | None, device) -> Tensor:
         """z·R (B, L, d), z ~ N(0, I_d) drawn in float64: the law of ε·E."""
-        z = torch.randn((*shape, self.factor.shape[0]), generator=generator, device=device, dtype=torch.float64)
+        return self.project(torch.randn((*shape, self.width), generator=generator, device=device, dtype=torch.float64))
+
+    def project(self, z: Tensor) -> Tensor:
+        """z·R for standard normal draws z (…, d): noise of the law of ε·E (differentiable in E through R)."""
         with torch.autocast(device_type=z.device.type, enabled=False):
-            return (z @ self.factor).to(self.embeddings.dtype)
+            return (z.to(self.factor.dtype) @ self.factor).to(self.embeddings.dtype)
 
     def data(self, tokens: Tensor) -> Tensor:
         """E[y] (B, L, d) = onehot(y)·E."""
@@ -126,9 +136,16 @@ def flow_map(x: Tensor, delta: Tensor, s: Tensor, t: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class GaussianFlowProcess(NoiseProcess):
     """The flow's state operations on one-hot vectors of a ``vocab_size`` vocabulary: the noisy state and the flow
-    map (an objective calls these two, so a process on another state space can stand in)."""
+    map (an objective calls these two). With an embedding ``space`` the same operations act on h = x·E: clean rows
+    E[y], noise z·R, the flow map's δ lifted to δ·E (exact in law, see ``EmbeddingSpace``)."""
 
     vocab_size: int
+    space: EmbeddingSpace | None = None
+
+    @property
+    def embedded(self) -> bool:
+        """Whether states are h = x·E (the network reads them with ``embedded=True``)."""
+        return self.space is not None
 
     def noise(
         self,
@@ -141,18 +158,29 @@ class GaussianFlowProcess(NoiseProcess):
         embeddings: Tensor | None = None,
     ) -> NoisedBatch:
         """x_t = (1 − t)·ε + t·onehot(y) off ``keep``, the exact one-hot on it; times (B, L) per token or (B,).
-        ``draws``: ε (B, L, |V|) when the caller drew it, else drawn from ``generator``."""
-        onehot = one_hot(tokens, self.vocab_size)
-        if draws is None:
-            draws = torch.randn(onehot.shape, generator=generator, device=tokens.device)
+        ``draws``: ε (B, L, |V|) when the caller drew it, else drawn from ``generator``. In the embedding space:
+        (1 − t)·z·R + t·E[y], ``draws`` the standard normal z (B, L, d)."""
+        if self.space is not None:
+            clean = self.space.data(tokens)
+            if draws is None:
+                draws = torch.randn(clean.shape, generator=generator, device=tokens.device)
+            draws = self.space.project(draws)
+        else:
+            clean = one_hot(tokens, self.vocab_size)
+            if draws is None:
+                draws = torch.randn(clean.shape, generator=generator, device=tokens.device)
         times = times if times.dim() == tokens.dim() else times[:, None]
         return NoisedBatch(
-            state=torch.where(keep[..., None], onehot, noisy_state(onehot, draws, times)), clean=onehot, noised=~keep
+            state=torch.where(keep[..., None], clean, noisy_state(clean, draws, times)), clean=clean, noised=~keep
         )
 
+    def draw_shape(self, tokens: Tensor) -> tuple[int, ...]:
+        """The shape of the standard normal draws ``noise`` reads: (B, L, |V|), or (B, L, d) in the embedding space."""
+        return (*tokens.shape, self.vocab_size if self.space is None else self.space.width)
+
     def flow_map(self, x: Tensor, delta: Tensor, s: Tensor, t: Tensor) -> Tensor:
-        """X_{s,t}(x) (``flow_map``)."""
-        return flow_map(x, delta, s, t)
+        """X_{s,t}(x) (``flow_map``), δ a point of the simplex (lifted to δ·E in the embedding space)."""
+        return flow_map(x, delta if self.space is None else self.space.lift(delta), s, t)
 
 
 def split_counts(global_batch: int, *, diagonal: float = 0.5, boundary: float = 1 / 64, distill: float = 0.0):
