@@ -40,7 +40,10 @@ from common import (
 )
 from torch import Tensor
 
-METHODS = ("mdm", "fmlm_plus", "mlfm")
+METHODS = ("mdm", "fmlm_plus", "mlfm", "fmlm_plus_onehot")
+# Variants of a method: (its conf/method file, overrides). fmlm_plus_onehot: the flow states over the vocabulary
+# (ε and x·E of size |V|), which ``state_space: auto`` replaces by h = x·E when |V| > d.
+VARIANTS = {"fmlm_plus_onehot": ("fmlm_plus", {"state_space": "onehot"})}
 
 
 def loss_function(method: str, module) -> Callable[[dict, int], Tensor]:
@@ -61,7 +64,7 @@ def loss_function(method: str, module) -> Callable[[dict, int], Tensor]:
         gen = module.step_generator(1, i, shared=False, device=module.device)
         return module.mlfm_loss(batch, gen_cpu, gen).loss
 
-    return {"mdm": mdm, "fmlm_plus": fmlm_plus, "mlfm": mlfm}[method]
+    return {"mdm": mdm, "fmlm_plus": fmlm_plus, "mlfm": mlfm}[VARIANTS.get(method, (method,))[0]]
 
 
 class Batches(torch.utils.data.Dataset):
@@ -183,11 +186,12 @@ def net_inputs(method: str, module, batch: dict) -> tuple[tuple, dict]:
     gen = torch.Generator(device=tokens.device).manual_seed(0)
     if method == "mdm":
         return (tokens, torch.zeros(b, device=tokens.device)), {}
-    if method == "fmlm_plus":
-        x = torch.randn(b, length, module.data_vocab_size, generator=gen, device=tokens.device)
+    if method.startswith("fmlm_plus"):  # the states of its training process: x over the vocabulary, or h = x·E
+        process = module.training_process()
+        x = torch.randn(process.draw_shape(tokens), generator=gen, device=tokens.device)
         s = torch.rand(b, generator=gen, device=tokens.device)
         pinned = torch.rand(b, length, generator=gen, device=tokens.device) < 0.5
-        return (x, s, (s + 0.1).clamp(max=1)), {"pinned": pinned}
+        return (x, s, (s + 0.1).clamp(max=1)), {"pinned": pinned, "embedded": process.embedded}
     emb = module.net.embeddings
     t = torch.rand(b, generator=gen, device=tokens.device)
     return (emb[tokens].detach(), module.process.condition(t), torch.zeros_like(t)), {}
@@ -202,6 +206,8 @@ def forward_costs(modules: dict, batches: dict, *, reps: int, precision: str, de
     for _ in range(reps + 1):  # the first round warms up
         for method, module in modules.items():
             net, (inputs, kwargs) = module.net, net_inputs(method, module, batches[method])
+            if kwargs.pop("embedded", False):
+                net = net.forward_embeddings
             module.train()
             start = clock(device)
             with torch.no_grad(), autocast(precision, device):
@@ -226,7 +232,10 @@ def measure(args, *, log=print) -> dict:
     torch.manual_seed(args.seed)
     modules, batches, losses = {}, {}, {}
     for method in args.methods:
-        module = build_module(method, backbone=args.backbone, vocab=args.vocab, seq_len=args.seq_len, seed=args.seed)
+        config, overrides = VARIANTS.get(method, (method, {}))
+        module = build_module(
+            config, backbone=args.backbone, vocab=args.vocab, seq_len=args.seq_len, seed=args.seed, **overrides
+        )
         module.optim_cfg["warmup_steps"] = 1  # the schedule's value does not change the cost; full LR from step 1
         if args.compile:
             module.net = torch.compile(module.net)
@@ -281,8 +290,10 @@ def measure(args, *, log=print) -> dict:
             f" (wall-clock medians; process CPU time: {r['ratio_cpu']:.3f})" if on_cpu else " (wall-clock medians)"
         )
         log(f"ratio lightning/bare [{method}]: {r['ratio']:.3f}{cpu_note}")
-    if "mdm" in modules and "fmlm_plus" in modules:
-        result["fmlm_vs_mdm"] = fmlm_cost_report(args, modules, batches, result, device, log)
+    for flow in ("fmlm_plus", "fmlm_plus_onehot"):
+        if "mdm" in modules and flow in modules:
+            key = "fmlm_vs_mdm" if flow == "fmlm_plus" else f"{flow}_vs_mdm"
+            result[key] = fmlm_cost_report(args, modules, batches, result, device, log, flow=flow)
     return result
 
 
@@ -292,7 +303,7 @@ def backbone_of(module):
     return getattr(net, "base", net)
 
 
-def fmlm_cost_report(args, modules, batches, result, device, log) -> dict:
+def fmlm_cost_report(args, modules, batches, result, device, log, *, flow: str = "fmlm_plus") -> dict:
     """The FMLM+ step's cost relative to MDM's, measured, against its theoretical value.
 
     FMLM+ = one forward + backward on the whole batch + two no-grad teacher forwards (δ_{s,u} and δ_{u,t}) on the
@@ -304,28 +315,29 @@ def fmlm_cost_report(args, modules, batches, result, device, log) -> dict:
     """
     from flowlm.processes.gaussian_flow import split_counts
 
-    fm = modules["fmlm_plus"]
+    fm = modules[flow]
     n_diag, n_bound, n_off, _ = split_counts(
         args.batch, **{k: fm.shares[k] for k in ("diagonal", "boundary", "distill")}
     )
     share = (n_bound + n_off) / args.batch
     theory = 1 + 2 * share / 3
     key = "_cpu_s" if device.type == "cpu" else "_s"  # CPU time on a CPU (steadier on a shared machine)
-    measured = {loop: result["fmlm_plus"][loop + key] / result["mdm"][loop + key] for loop in ("bare", "lightning")}
+    measured = {loop: result[flow][loop + key] / result["mdm"][loop + key] for loop in ("bare", "lightning")}
     costs = forward_costs(
-        {m: modules[m] for m in ("mdm", "fmlm_plus")},
-        {m: batches[m][0] for m in ("mdm", "fmlm_plus")},
+        {m: modules[m] for m in ("mdm", flow)},
+        {m: batches[m][0] for m in ("mdm", flow)},
         reps=max(3, args.reps),
         precision=args.precision,
         device=device,
     )
-    mdm_c, fm_c = costs["mdm"], costs["fmlm_plus"]
+    mdm_c, fm_c = costs["mdm"], costs[flow]
     k_mdm = mdm_c["fwdbwd"] / mdm_c["fwd"] - 1
     k_fm = fm_c["fwdbwd"] / fm_c["fwd"] - 1
     theory_measured = (fm_c["fwdbwd"] + 2 * share * fm_c["nograd"]) / mdm_c["fwdbwd"]
     clock_name = "process CPU time" if device.type == "cpu" else "wall time"
+    states = "h = x·E input" if fm.training_process().embedded else "dense |V| input"
     log(
-        f"ratio fmlm_plus/mdm step cost: {measured['bare']:.3f} (bare loop), {measured['lightning']:.3f} (Lightning) "
+        f"ratio {flow}/mdm step cost: {measured['bare']:.3f} (bare loop), {measured['lightning']:.3f} (Lightning) "
         f"[{clock_name}]; theory {theory:.3f}"
     )
     log(
@@ -335,7 +347,7 @@ def fmlm_cost_report(args, modules, batches, result, device, log) -> dict:
     )
     log(
         f"  with this machine's network costs: backward/forward k = {k_mdm:.2f} (MDM), {k_fm:.2f} (FMLM+); FMLM+ "
-        f"forward = {fm_c['fwd'] / mdm_c['fwd']:.2f}× MDM's (dense |V| input; per-token times, pinned form) → "
+        f"forward = {fm_c['fwd'] / mdm_c['fwd']:.2f}× MDM's ({states}; pinned form) → "
         f"(fwdbwd_FMLM+ + 2·share·fwd_nograd_FMLM+)/fwdbwd_MDM = {theory_measured:.3f}"
     )
     return {
