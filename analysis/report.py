@@ -28,6 +28,7 @@ from analysis.tables import (
     to_html,
     to_markdown,
 )
+from runners.experiment_kind import mark_model_training
 
 REPORT_MD, REPORT_HTML = "report.md", "report.html"
 
@@ -245,6 +246,7 @@ def log_report(
     client = MlflowClient(tracking_uri=tracking_uri)
     found = client.get_experiment_by_name(experiment)
     experiment_id = found.experiment_id if found else client.create_experiment(experiment, artifact_location)
+    mark_model_training(client, experiment_id)  # a model-training experiment for MLflow's UI
     sources = sorted(set(report.runs["experiment"])) if report.runs is not None else []
     run = client.create_run(
         experiment_id,

@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.strategies import FSDPStrategy
 from torchmetrics import MeanMetric, Metric
 
-from flowlm.samplers.base import Sampler
+from flowlm.samplers.base import CONFIDENCE_KINDS, Sampler
 from lightning_modules.sharding import full_parameters, unsharded_replica
 
 
@@ -66,6 +66,7 @@ class SamplingEvaluation(Callback):
         for name, sampler in samplers.items():
             if not isinstance(sampler, Sampler):
                 raise TypeError(f"eval sampler {name!r} is a {type(sampler).__name__}, not a Sampler")
+            confidence_kind(sampler)  # a declared kind, checked before any compute
             for budget in nfe:
                 sampler.check_budget(budget)
         self.samplers = dict(samplers)
@@ -246,19 +247,15 @@ class CalibrationBuffer:
 
 
 def confidence_kind(sampler: Sampler) -> str:
-    """'a-posteriori' if the sampler scores tokens of a finished draft (PR, flow-map endpoints), else 'a-priori'.
-
-    A sampler may declare ``confidence_kind``; a PR-style one says which score it commits by (``confidence=
-    'posterior'`` or ``'a_priori'``); otherwise MDM samplers score a token before the rest of the sequence exists
-    (a-priori) and the other families (flow map, MLFM) score a token of a whole draft (a-posteriori).
-    """
-    declared = getattr(sampler, "confidence_kind", None)
-    if declared is not None:
-        return str(declared)
-    mode = getattr(sampler, "confidence", None)
-    if mode is not None:
-        return "a-posteriori" if mode == "posterior" else "a-priori"
-    return "a-priori" if sampler.family == "mdm" else "a-posteriori"
+    """The sampler's declared confidence kind: 'a-posteriori' if it scores tokens of a finished draft (PR, flow-map
+    endpoints), 'a-priori' if it scores a token before the rest of the sequence exists (MDM confidence, δ_{0,0});
+    anything else is a clear error."""
+    kind = sampler.confidence_kind
+    if kind not in CONFIDENCE_KINDS:
+        raise ValueError(
+            f"{type(sampler).__name__} declares confidence_kind {kind!r}; a sampler declares one of {CONFIDENCE_KINDS}"
+        )
+    return kind
 
 
 def save_calibration(

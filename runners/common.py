@@ -19,6 +19,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from runners.experiment_kind import mark_model_training
 from runners.tracking import ResilientMLFlowLogger
 from sweeps.trial import trial_params, trial_tags
 
@@ -299,6 +300,7 @@ def make_logger(cfg: DictConfig, run_dir: Path | None) -> MLFlowLogger | None:
                 RuntimeWarning,
                 stacklevel=2,
             )
+        mark_model_training(client, logger.experiment_id)  # a model-training experiment for MLflow's UI
         client.set_tag(rid, "mlflow.source.git.commit", git_commit())
         client.set_tag(rid, "flowlm.name", str(cfg.name))
         if run_dir is not None:

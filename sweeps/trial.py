@@ -207,12 +207,14 @@ def record_failure(cfg: DictConfig, err: BaseException) -> None:
             run_id = runs[0].info.run_id
         else:
             from runners.common import git_commit
+            from runners.experiment_kind import mark_model_training
 
             experiment_id = (
                 experiment.experiment_id
                 if experiment is not None
                 else client.create_experiment(name, artifact_location=cfg.logger.get("artifact_location"))
             )
+            mark_model_training(client, experiment_id)
             tags = {**trial_tags(cfg), "flowlm.name": str(cfg.name), "mlflow.source.git.commit": git_commit()}
             run_id = client.create_run(experiment_id, run_name=cfg.logger.run_name, tags=tags).info.run_id
             for key, value in trial_params(cfg).items():

@@ -206,6 +206,8 @@ def test_report_is_logged_back_to_mlflow(store, report, tmp_path):
     client = MlflowClient(tracking_uri=store["uri"])
     run = client.get_run(run_id)
     assert run.data.tags["flowlm.kind"] == "report"
+    # the reports experiment is a model-training one for MLflow's UI (runners/experiment_kind.py)
+    assert client.get_experiment_by_name("reports").tags["mlflow.experimentKind"] == "custom_model_development"
     assert run.data.tags["flowlm.report.experiments"] == ",".join(sorted([COND, SWEEP, UNCOND]))
     files = {f.path for f in client.list_artifacts(run_id, "report")}
     assert {"report/report.md", "report/report.html", f"report/speed_quality_{UNCOND}.png"} <= files

@@ -112,6 +112,8 @@ def test_mlflow_run_holds_params_metrics_artifacts(trained):
         assert run[f"metrics.eval/{sampler}/nfe2/nfe"] <= 2
     assert run["metrics.train/loss"] > 0
     client = mlflow.MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name(cfg.task)  # a model-training experiment for MLflow's UI
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     files = {f.path for f in client.list_artifacts(result["mlflow_run_id"])}
     assert {"config", "eval"} <= files
     table = client.download_artifacts(result["mlflow_run_id"], "eval/final_table.md", str(root))

@@ -70,10 +70,38 @@ class FlowDenoiser:
         return self.fn(x, torch.where(pinned, 1.0, s[:, None]), torch.where(pinned, 1.0, t[:, None]))
 
 
+CONFIDENCE_KINDS = ("a-priori", "a-posteriori")
+
+
 class Sampler(ABC):
-    """A sampler for one model family; it spends at most ``nfe`` network calls and reports what it spent."""
+    """A sampler for one model family; it spends at most ``nfe`` network calls and reports what it spent.
+
+    A concrete sampler declares ``family`` (the models it samples) and ``confidence_kind``, how its per-token
+    confidence is scored: "a-priori" before the rest of the sequence exists (MDM confidence, FMLM+ δ_{0,0}) or
+    "a-posteriori" on a finished draft (PR, flow-map endpoints); a class attribute, or a property when a setting
+    decides it. A concrete subclass without a valid declaration is refused where it is defined.
+    """
 
     family: str = ""
+
+    @property
+    @abstractmethod
+    def confidence_kind(self) -> str:
+        """One of ``CONFIDENCE_KINDS``: how this sampler's reported confidence is scored."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if getattr(cls.__call__, "__isabstractmethod__", False):  # still abstract: a base for other samplers
+            return
+        kind = cls.confidence_kind
+        if isinstance(kind, property):
+            if getattr(kind, "__isabstractmethod__", False):
+                raise TypeError(
+                    f"{cls.__name__} must declare confidence_kind, one of {CONFIDENCE_KINDS} (a class attribute, "
+                    "or a property when a setting decides it)"
+                )
+        elif kind not in CONFIDENCE_KINDS:
+            raise TypeError(f"{cls.__name__}.confidence_kind must be one of {CONFIDENCE_KINDS}, got {kind!r}")
 
     @abstractmethod
     def __call__(

@@ -19,6 +19,7 @@ class BlockFlowSampler(Sampler):
     """
 
     family = "flow"
+    confidence_kind = "a-posteriori"  # max_v δ at the end of the block's jumps 0 → 1
 
     def __init__(self, *, block_size: int, steps_per_block: int | None = None) -> None:
         if block_size < 1:

@@ -29,6 +29,7 @@ class AncestralSampler(Sampler):
     """
 
     family = "mdm"
+    confidence_kind = "a-priori"  # p_θ(token) when it unmasks, before the masked rest is drawn
 
     def __init__(self, *, temperature: float = 1.0, cache: bool = True, draws: str = "committed") -> None:
         self.temperature = check_temperature(temperature)

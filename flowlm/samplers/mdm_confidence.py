@@ -34,6 +34,7 @@ class ConfidenceSampler(Sampler):
     """
 
     family = "mdm"
+    confidence_kind = "a-priori"  # p_θ(token) when it is committed, before the masked rest is drawn
 
     def __init__(self, *, temperature: float = 0.0, score: str = "max_prob", draws: str = "committed") -> None:
         self.temperature = check_temperature(temperature)

@@ -72,6 +72,7 @@ class MLFMSampler(Sampler):
     """
 
     family = "mlfm"
+    confidence_kind = "a-posteriori"  # the posterior at the end of the trajectory (or at a promotion)
 
     def __init__(
         self,

@@ -73,6 +73,11 @@ class PosteriorRefinementSampler(Sampler):
         self.temperature = check_temperature(temperature)
         self.score = check_score(score)
 
+    @property
+    def confidence_kind(self) -> str:
+        """PR scores the finished draft (a-posteriori); the a-priori loop scores δ_{0,0} (a-priori)."""
+        return "a-posteriori" if self.confidence == "posterior" else "a-priori"
+
     def plan(self, nfe: int) -> tuple[int, int]:
         """Rounds R and flow steps per round N for an NFE budget (R × N ≤ budget), or a clear error."""
         self.check_budget(nfe)
