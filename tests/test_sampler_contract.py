@@ -41,7 +41,7 @@ VARIANTS = [
 KINDS_BEFORE_DECLARATION = {
     "a_priori": "a-priori",
     "ancestral": "a-priori",
-    "ar": "a-posteriori",
+    "ar": "a-priori",
     "block": "a-posteriori",
     "confidence": "a-priori",
     "flm_euler": "a-posteriori",

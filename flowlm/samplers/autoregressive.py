@@ -40,9 +40,9 @@ class AutoregressiveSampler(Sampler):
     """
 
     family = "ar"
-    # p(x_i | x_<i), scored before the later tokens exist; recorded as a-posteriori (the kind the evaluation gave
-    # every non-MDM family before samplers declared one), kept so logged calibration data stay comparable.
-    confidence_kind = "a-posteriori"
+    # p(x_i | x_<i), scored before the later tokens exist: a-priori, like an MDM's (the evaluation recorded AR as
+    # a-posteriori before samplers declared their kind, by the fallback "not an MDM").
+    confidence_kind = "a-priori"
 
     def __init__(self, *, temperature: float = 1.0, top_k: int | None = None, kv_cache: bool = True) -> None:
         self.temperature = check_temperature(temperature)
