@@ -43,6 +43,7 @@ from common import (
     require_device,
 )
 
+from flowlm.compiled import compiled_tails
 from runners.common import CONF_DIR, build
 
 FAMILY_METHOD = {"mdm": "mdm", "flow": "fmlm_plus", "mlfm": "mlfm"}
@@ -63,10 +64,16 @@ VARIANTS = [
 ]
 
 
-def sampler_specs() -> list[tuple[str, str, dict, dict]]:
-    """(name, conf/sampler file, overrides, denoiser options) of every sampler to measure, the configs first."""
+# With --compile-tails: the samplers whose passes over the logits have a compiled version (flowlm/compiled.py).
+COMPILED = ["confidence", "pr", "a_priori", "flow_map", "block"]
+
+
+def sampler_specs(compile_tails: bool = False) -> list[tuple[str, str, dict, dict]]:
+    """(name, conf/sampler file, overrides, denoiser options) of every sampler to measure, the configs first; with
+    ``compile_tails`` also the ``*_compiled`` variants (option ``compile``: run inside ``compiled_tails()``)."""
     names = sorted(p.stem for p in (Path(CONF_DIR) / "sampler").glob("*.yaml"))
-    return [(name, name, {}, {}) for name in names] + VARIANTS
+    compiled = [(f"{name}_compiled", name, {}, {"compile": True}) for name in COMPILED] if compile_tails else []
+    return [(name, name, {}, {}) for name in names] + VARIANTS + compiled
 
 
 def make_sampler(config: str, overrides: dict):
@@ -102,7 +109,9 @@ def measure_sampler(module, sampler, args, device, prompt, prompt_mask, *, limit
     B (after a warm-up of each): every sampler call is compared with the mean of the two blocks around it (which
     cancels a drift of the machine's speed), and the median of those per-call ratios is reported, with the medians
     of the times themselves."""
-    denoiser = module.denoiser(**(denoiser_options or {}))
+    options = dict(denoiser_options or {})
+    compile_tails = options.pop("compile", False)
+    denoiser = module.denoiser(**options)
     bare, (inputs, kwargs) = limit
     clocks = (0, 1) if device.type == "cpu" else (0,)  # wall; and process CPU time on a CPU
 
@@ -116,7 +125,8 @@ def measure_sampler(module, sampler, args, device, prompt, prompt_mask, *, limit
     def sample(rep: int) -> tuple[tuple[float, float], int]:
         gen = torch.Generator(device=device).manual_seed(args.seed + rep)
         start = clock(device)
-        out = sampler(denoiser, prompt=prompt, prompt_mask=prompt_mask, nfe=args.nfe, generator=gen)
+        with compiled_tails(compile_tails):
+            out = sampler(denoiser, prompt=prompt, prompt_mask=prompt_mask, nfe=args.nfe, generator=gen)
         return elapsed(start, device), int(out.nfe)
 
     with torch.no_grad(), autocast(args.precision, device):
@@ -128,7 +138,8 @@ def measure_sampler(module, sampler, args, device, prompt, prompt_mask, *, limit
             samples.append(spent)
             nfes.append(nfe)
             bares.append(bare_block(max(calls, 1)))
-        inside, total = network_share(denoiser, sampler, args, device, prompt, prompt_mask)
+        with compiled_tails(compile_tails):
+            inside, total = network_share(denoiser, sampler, args, device, prompt, prompt_mask)
     row = {"nfe": median(nfes), "sample_s": median([x[0] for x in samples]), "forward_s": median([b[0] for b in bares])}
     for i, key in zip(clocks, ("ratio", "ratio_cpu"), strict=False):
         per_call = [
@@ -198,6 +209,24 @@ def flow_forward_cost(module, limit, args, device, prompt, prompt_mask) -> tuple
             device,
         )
     return times["onehot"] / times["mdm"], times["embedded"] / times["mdm"]
+
+
+def compiled_forward_cost(module, limit, args, device, prompt, prompt_mask) -> float:
+    """The FMLM+ no-grad forward on h = x·E with its soft-capped log-softmax compiled, over an MDM forward."""
+    (x, s, t), kwargs = bare_inputs("flow", module, prompt, prompt_mask, args.nfe)
+    bare, (inputs, bare_kwargs) = limit
+    with torch.no_grad():
+        h = module.net.input_embeddings(x)
+
+    def compiled() -> None:
+        with compiled_tails():
+            module(h, s, t, embedded=True, **kwargs)
+
+    with torch.no_grad(), autocast(args.precision, device):
+        times = interleaved_medians(
+            {"mdm": lambda: bare(*inputs, **bare_kwargs), "compiled": compiled}, args.reps, device
+        )
+    return times["compiled"] / times["mdm"]
 
 
 def per_token_time_cost(module, args, device, prompt, prompt_mask) -> tuple[float, float]:
@@ -276,7 +305,7 @@ def measure(args, *, log=print) -> dict:
     log("|---|---|---|---|---|---|---|" + ("---|" if on_cpu else ""))
     rows, lines = {}, []
     limit = (modules["mdm"], bare_inputs("mdm", modules["mdm"], prompt, prompt_mask, args.nfe))
-    for name, config, overrides, options in sampler_specs():
+    for name, config, overrides, options in sampler_specs(getattr(args, "compile_tails", False)):
         if args.samplers and name not in args.samplers:
             continue
         if name in NOT_MEASURED:
@@ -308,6 +337,11 @@ def measure(args, *, log=print) -> dict:
             f"ratio flow forward/MDM forward: {onehot:.3f} (states over the vocabulary: x·E inside), {embedded:.3f} "
             "(states h = x·E: the network alone), no grad, pinned form"
         )
+        if getattr(args, "compile_tails", False):
+            rows["_flow_forward_compiled"] = compiled = compiled_forward_cost(
+                modules["flow"], limit, args, device, prompt, prompt_mask
+            )
+            log(f"ratio flow forward/MDM forward, soft-capped log-softmax compiled: {compiled:.3f} (states h = x·E)")
         dense, pinned = per_token_time_cost(modules["flow"], args, device, prompt, prompt_mask)
         rows["_flow_per_token_times"], rows["_flow_pinned_times"] = dense, pinned
         log(
@@ -401,6 +435,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--nfe", type=int, default=12, help="NFE budget of every sampler")
     ap.add_argument("--samplers", nargs="*", default=None, help="only these (names as printed)")
     ap.add_argument("--memory", action="store_true", help="also the peak memory of one PR / confidence call")
+    ap.add_argument("--compile-tails", action="store_true", help="also the samplers with compiled logit passes")
     return ap
 
 

@@ -16,6 +16,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.strategies import FSDPStrategy
 from torchmetrics import MeanMetric, Metric
 
+from flowlm.compiled import compiled_tails
 from flowlm.samplers.base import CONFIDENCE_KINDS, Sampler
 from lightning_modules.sharding import full_parameters, unsharded_replica
 
@@ -46,6 +47,9 @@ class SamplingEvaluation(Callback):
 
     A task metric with ``artifact_rows()`` (per-sample texts, GSM8K answers) has its rows logged as JSONL,
     ``eval/step<step>/<sampler>_nfe<budget>.jsonl``: rank 0's rows (strings are not gathered across ranks).
+
+    ``compile_tails``: run the samplers' passes over the logits compiled (``flowlm.compiled``; seconds of compilation
+    once per process, then one fused pass each: worth it at text vocabularies).
     """
 
     def __init__(
@@ -58,6 +62,7 @@ class SamplingEvaluation(Callback):
         seed: int = 0,
         num_logged_samples: int = 8,
         calibration_tokens: int = 0,
+        compile_tails: bool = False,
     ) -> None:
         if not samplers:
             raise ValueError("evaluation needs at least one sampler")
@@ -75,6 +80,7 @@ class SamplingEvaluation(Callback):
         self.max_batches = max_batches
         self.seed = seed
         self.num_logged_samples = num_logged_samples
+        self.compile_tails = compile_tails  # torch.compile the passes over the logits (flowlm/compiled.py)
         if calibration_tokens < 0:
             raise ValueError(f"calibration_tokens must be ≥ 0, got {calibration_tokens}")
         self.calibration_tokens = calibration_tokens
@@ -142,7 +148,7 @@ class SamplingEvaluation(Callback):
             gen = torch.Generator(device=tokens.device)
             gen.manual_seed(self.seed * 1_000_003 + batch_idx * 1009 + trainer.global_rank)
             start = _now(tokens.device)
-            with trainer.precision_plugin.forward_context():
+            with trainer.precision_plugin.forward_context(), compiled_tails(self.compile_tails):
                 out = self.samplers[name](model, prompt=tokens, prompt_mask=prompt_mask, nfe=budget, generator=gen)
             seconds = _now(tokens.device) - start
             state["metric"].update(out.tokens, tokens)

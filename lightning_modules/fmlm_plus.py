@@ -22,6 +22,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
+from flowlm.compiled import tails_enabled
 from flowlm.objectives.base import LossOutput
 from flowlm.objectives.flow import log_delta, log_delta_
 from flowlm.objectives.fmlm_plus import context_set, fmlm_plus_loss
@@ -97,7 +98,9 @@ class FMLMPlusModule(FlowLMModule):
         ``pinned`` (B, L), at per-sequence times (s, t) with the pinned tokens at s = t = 1 (cheaper, see DiT).
         ``embedded``: x is already h = x·E (B, L, d), a state of the embedding space."""
         logits = self.net.forward_embeddings(x, s, t, pinned=pinned) if embedded else self.net(x, s, t, pinned=pinned)
-        return log_delta(logits) if torch.is_grad_enabled() else log_delta_(logits)  # in place without autograd
+        if torch.is_grad_enabled() or tails_enabled():  # compiled: one fused pass (flowlm/compiled.py)
+            return log_delta(logits)
+        return log_delta_(logits)  # in place without autograd
 
     def states(self, kind: str | None = None) -> OneHotSpace | EmbeddingSpace:
         """The flow state space (``state_space``, or ``kind``): chosen by shape with ``auto`` (methods.md §4).

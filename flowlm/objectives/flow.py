@@ -6,9 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flowlm.compiled import compilable
+
 SOFT_CAP = 30.0
 
 
+@compilable
 def log_delta(logits: Tensor, cap: float = SOFT_CAP) -> Tensor:
     """log δ_{s,t} = log_softmax(cap · tanh(logits / cap)) in float32 (the FMLM/FMLM+ soft-capped head)."""
     logits = logits.float()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flowlm.compiled import compilable
 from flowlm.samplers.base import (
     MaskedDenoiser,
     SampleOutput,
@@ -70,9 +71,7 @@ class ConfidenceSampler(Sampler):
                 p_candidate = log_p.gather(-1, candidate[..., None]).squeeze(-1)
                 score = log_p.amax(-1) if self.score == "max_prob" else p_candidate  # log-probabilities: same order
             else:
-                logits = logits.float()
-                top, argmax = logits.max(-1)
-                score = top - logits.logsumexp(-1)  # log max_v p(v), in float32
+                score, argmax = max_log_prob(logits)
                 candidate, p_candidate = argmax, score
             score = torch.where(masked, score, -torch.inf)
             order = score.argsort(dim=-1, descending=True)
@@ -81,7 +80,7 @@ class ConfidenceSampler(Sampler):
             if not full and self.temperature > 0:  # the draw, at the (at most) k_max committing positions
                 k_max = -(-most_masked // (nfe - k))  # the most-masked row commits the most (⌈n/m⌉ is monotone)
                 idx = order[:, :k_max]  # every committing position of a row is among its first k_max
-                rows = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1]))
+                rows = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1])).float()
                 drawn = sample_categorical(rows, self.temperature, generator)
                 log_p = (rows.gather(-1, drawn[..., None]).squeeze(-1) - rows.logsumexp(-1)).float()
                 candidate = x.scatter(1, idx, drawn)
@@ -90,6 +89,15 @@ class ConfidenceSampler(Sampler):
             x = torch.where(commit, candidate, x)
             confidence = torch.where(commit, p_candidate.exp().float(), confidence)
         return SampleOutput(tokens=x, confidence=confidence, nfe=calls)
+
+
+@compilable
+def max_log_prob(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """(log max_v p(v), argmax) per position from logits, in float32: max logit − logsumexp (one fused pass with
+    ``compiled_tails``)."""
+    x = logits.float()
+    top, argmax = x.max(-1)
+    return top - x.logsumexp(-1), argmax
 
 
 def decode_steps(n_masked: int, nfe: int) -> int:

@@ -1,0 +1,70 @@
+"""Compiled logit passes (``flowlm.compiled``): off by default, on inside ``compiled_tails()``, the same samples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowlm.compiled import compilable, compiled_tails, tails_enabled
+from flowlm.samplers import ConfidenceSampler, MaskedDenoiser, PosteriorRefinementSampler
+
+
+def test_switch_is_scoped_and_off_by_default(monkeypatch):
+    """Off outside the block, on inside, restored after an exception; a marked function runs eagerly when off and
+    through one torch.compile (made on first use, then reused) when on."""
+    calls, compiles = [], []
+
+    def fake_compile(fn, **kwargs):
+        compiles.append(kwargs)
+        return lambda *args: fn(*args) + 1  # marks the compiled path's results
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+
+    @compilable
+    def double(x):
+        calls.append(1)
+        return 2 * x
+
+    assert not tails_enabled()
+    assert torch.equal(double(torch.ones(2)), torch.full((2,), 2.0)) and calls == [1]
+    with pytest.raises(RuntimeError), compiled_tails():
+        assert tails_enabled()
+        raise RuntimeError
+    assert not tails_enabled()
+    with compiled_tails(False):
+        assert not tails_enabled()
+    assert double.eager(torch.ones(1)).item() == 2.0 and compiles == []
+    with compiled_tails():
+        assert double(torch.ones(1)).item() == 3.0 and double(torch.ones(1)).item() == 3.0
+    assert compiles == [{"dynamic": True}]
+
+
+@pytest.mark.slow
+def test_compiled_samplers_give_the_eager_samples():
+    """The MDM confidence sampler and PR on an FMLM+ in the embedding space give the same tokens (and confidences
+    to float rounding) with their logit passes compiled as eagerly, at T = 0 (compiling takes seconds)."""
+    from tests.test_state_spaces import B, L, V, flow_module
+
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(V + 1, L, V, generator=gen) * 3
+
+    def net(x, t):
+        return table[x, torch.arange(L)] + x.float().mean(-1, keepdim=True)[..., None] / 10
+
+    prompt = torch.randint(0, V, (B, L), generator=gen)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    mask[:, :3] = True
+    module = flow_module()
+    runs = [
+        (ConfidenceSampler(), MaskedDenoiser(fn=net, mask_id=V), 4),
+        (PosteriorRefinementSampler(rounds=3, threshold=0.5), module.denoiser(), 3),
+    ]
+    for sampler, model, nfe in runs:
+        outs = []
+        for compiled in (False, True):
+            with torch.no_grad(), compiled_tails(compiled):
+                outs.append(
+                    sampler(model, prompt=prompt, prompt_mask=mask, nfe=nfe, generator=torch.Generator().manual_seed(1))
+                )
+        assert torch.equal(outs[0].tokens, outs[1].tokens), type(sampler).__name__
+        assert torch.allclose(outs[0].confidence, outs[1].confidence, atol=1e-5)
