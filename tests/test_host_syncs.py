@@ -105,20 +105,21 @@ def test_per_kind_losses_are_the_means_over_each_kinds_scored_tokens(monkeypatch
     kinds = torch.tensor([DIAGONAL, OFF_DIAGONAL, DIAGONAL, OFF_DIAGONAL, BOUNDARY, DIAGONAL])
     s, t = torch.tensor([0.2, 0.1, 0.5, 0.3, 0.0, 0.9]), torch.tensor([0.2, 0.6, 0.5, 0.8, 1.0, 0.9])
     captured = {}
-    real = objective.targets
+    real = objective.soft_targets
 
     def spy(*args, **kwargs):
         captured["args"], captured["kwargs"] = args, kwargs
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(objective, "targets", spy)
+    monkeypatch.setattr(objective, "soft_targets", spy)
     out = flow.flow_loss(batch, kinds, s, t, torch.Generator().manual_seed(1), parts=True)
     assert set(out.parts) == {KIND_NAMES[k] for k in (DIAGONAL, OFF_DIAGONAL, BOUNDARY)}
-    # the reference: boolean indexing on the same per-token losses
-    _, x_s, _, (s_tok, t_tok), _, active = captured["args"]
+    # the reference: the dense soft CE against the dense targets, boolean indexing on its per-token losses
+    kinds_seen, x_s, times, (s_tok, t_tok), active = captured["args"]
     with torch.no_grad():
         log_d = flow(x_s, s_tok, t_tok)
-        target = real(*captured["args"], **captured["kwargs"])
+        onehot = torch.nn.functional.one_hot(tokens, V).float()
+        target = objective.targets(kinds_seen, x_s, times, (s_tok, t_tok), onehot, active, **captured["kwargs"])
         per_token = -(target * log_d).sum(-1)
     scored = active & batch["loss_mask"]
     for kind in (DIAGONAL, OFF_DIAGONAL, BOUNDARY):

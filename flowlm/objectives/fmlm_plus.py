@@ -26,8 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flowlm.objectives.base import LossOutput
-from flowlm.objectives.flow import soft_cross_entropy
-from flowlm.processes.gaussian_flow import DIAGONAL, DISTILL, KIND_NAMES, GaussianFlowProcess, one_hot
+from flowlm.processes.gaussian_flow import DIAGONAL, DISTILL, KIND_NAMES, GaussianFlowProcess
 
 # student(x (B, L, |V|), s (B,), t (B,), pinned (B, L)) → log δ_{s,t}(x) (B, L, |V|): per-sequence times, the
 # pinned tokens at s = t = 1.
@@ -56,12 +55,11 @@ def semigroup_target(d1: Tensor, d2: Tensor, gamma: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def targets(
+def soft_targets(
     kinds: Tensor,
     x_s: Tensor,
     times: tuple[Tensor, Tensor],
     token_times: tuple[Tensor, Tensor],
-    onehot: Tensor,
     active: Tensor,
     *,
     teacher: FlowModel,
@@ -70,18 +68,21 @@ def targets(
     prompt: Tensor | None = None,
     mdm_teacher: MDMTeacher | None = None,
     mask_id: int | None = None,
-) -> Tensor:
-    """Per-token target distributions (B, L, |V|), stop-gradient: one-hot (diagonal), semigroup midpoint (off-diagonal
-    and boundary: two ``teacher`` passes joined by the ``process``'s flow map), MDM teacher probabilities (distill:
-    needs ``tokens``, ``prompt``, ``mdm_teacher`` and its ``mask_id``). ``kinds``: host tensor (B,); ``times``: (s, t)
-    per sequence (B,); ``token_times``: the same per token (1 off the active set)."""
+) -> tuple[Tensor, Tensor] | None:
+    """The rows whose target is not one-hot and their targets (stop-gradient): (rows (n,), distributions
+    (n, L, |V|)), the jump rows (off-diagonal and boundary: the semigroup midpoint from two ``teacher`` passes joined
+    by the ``process``'s flow map) then the distill rows (MDM teacher probabilities: needs ``tokens``, ``prompt``,
+    ``mdm_teacher`` and its ``mask_id``); None when every row is diagonal. ``kinds``: host tensor (B,); ``times``:
+    (s, t) per sequence (B,); ``token_times``: the same per token (1 off the active set). On the inactive tokens of
+    these rows the targets are one-hot in the semigroup rows (D1 = D2 = the pinned one-hot) and never scored."""
     (s_seq, t_seq), (s_tok, t_tok) = times, token_times
-    target = onehot.clone()
-    device = onehot.device
+    device = x_s.device
     # kinds are host data: the rows of each pass are chosen on the host and their indices copied to the device
     # without a stream sync
     host = kinds.tolist()
     jump = [i for i, kind in enumerate(host) if kind not in (DIAGONAL, DISTILL)]
+    distill = [i for i, kind in enumerate(host) if kind == DISTILL]
+    parts = []
     if jump:
         idx = torch.tensor(jump).to(device, non_blocking=True)
         x, s, t, act = x_s[idx], s_tok[idx], t_tok[idx], active[idx]
@@ -91,8 +92,7 @@ def targets(
         x_u = process.flow_map(x, d1, s, u)  # X_u = X_{s,u}(x_s)
         d2 = teacher(x_u, u_seq, t_seq[idx], ~act).exp()  # D2 = δ_{u,t}(X_u)
         gamma = torch.where(act, semigroup_gamma(s, u, t), 0.0)
-        target[idx] = semigroup_target(d1, d2, gamma)
-    distill = [i for i, kind in enumerate(host) if kind == DISTILL]
+        parts.append(semigroup_target(d1, d2, gamma))
     if distill:
         if mdm_teacher is None or tokens is None or prompt is None or mask_id is None:
             raise ValueError("distill rows need the MDM teacher, its [MASK] id, the tokens and the prompt mask")
@@ -100,7 +100,30 @@ def targets(
         ids, act = tokens[idx], active[idx]
         masked_in = torch.where(act, mask_id, ids)  # the teacher sees the active tokens as [MASK]
         rate = act.float().sum(-1) / (~prompt[idx]).float().sum(-1).clamp_min(1)  # its masking rate
-        target[idx] = F.softmax(mdm_teacher(masked_in, rate).float(), dim=-1)
+        parts.append(F.softmax(mdm_teacher(masked_in, rate).float(), dim=-1))
+    if not parts:
+        return None
+    rows = torch.tensor(jump + distill).to(device, non_blocking=True)
+    return rows, torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def targets(
+    kinds: Tensor,
+    x_s: Tensor,
+    times: tuple[Tensor, Tensor],
+    token_times: tuple[Tensor, Tensor],
+    onehot: Tensor,
+    active: Tensor,
+    **kwargs,
+) -> Tensor:
+    """Per-token target distributions (B, L, |V|), stop-gradient: one-hot (diagonal), semigroup midpoint (off-diagonal
+    and boundary), MDM teacher probabilities (distill); ``soft_targets`` for the arguments. The loss never builds
+    this dense tensor: it scores the one-hot rows by a gather."""
+    target = onehot.clone()
+    soft = soft_targets(kinds, x_s, times, token_times, active, **kwargs)
+    if soft is not None:
+        rows, values = soft
+        target[rows] = values.to(target.dtype)
     return target
 
 
@@ -135,15 +158,13 @@ def fmlm_plus_loss(
     t_tok = torch.where(active, t[:, None], 1.0)
     noised = process.noise(tokens, s_tok, ~active, draws=noise)  # x_s = (1 − s)·ε + s·onehot(y) on the active tokens
     x_s = noised.state
-    onehot = one_hot(tokens, process.vocab_size) if process.embedded else noised.clean  # the diagonal target
     log_d = student(x_s, s, t, ~active)  # log δ_{s,t}(x_s), the student pass (before the teacher passes)
 
-    target = targets(
+    soft = soft_targets(
         kinds,
         x_s,
         (s, t),
         (s_tok, t_tok),
-        onehot,
         active,
         teacher=student if teacher is None else teacher,
         process=process,
@@ -153,7 +174,13 @@ def fmlm_plus_loss(
         mask_id=mask_id,
     )
     scored = active if loss_mask is None else active & loss_mask
-    loss, per_token = soft_cross_entropy(log_d, target, scored)
+    # −Σ_v target_v · log δ_v: a gather where the target is one-hot (diagonal rows), the full sum on the soft rows
+    per_token = -log_d.gather(-1, tokens[..., None]).squeeze(-1)
+    if soft is not None:
+        rows, values = soft
+        per_token = per_token.index_copy(0, rows, -(values.to(log_d.dtype) * log_d[rows]).sum(-1))
+    per_token = torch.where(scored, per_token, torch.zeros_like(per_token))
+    loss = per_token.sum() / scored.sum().clamp_min(1)
     by_kind = {}
     if parts:  # one host read for all kinds
         with torch.no_grad():
