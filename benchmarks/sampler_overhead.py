@@ -314,7 +314,7 @@ def measure(args, *, log=print) -> dict:
             continue
         sampler = make_sampler(config, overrides)
         free = args.seq_len - args.prompt_len
-        if name == "block" and sampler.block_size * args.nfe < free:  # more blocks than the budget: K = 1 per block
+        if config == "block" and sampler.block_size * args.nfe < free:  # more blocks than the budget: K = 1 per block
             sampler = make_sampler(config, {**overrides, "block_size": -(-free // args.nfe)})
             log(f"note: block_size {sampler.block_size} here, so that {free} positions fit {args.nfe} NFE")
         row = measure_sampler(
