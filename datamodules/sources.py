@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from flowlm.tasks.files import DataFileError, json_records, text_lines
+from runners.paths import PROJECT_DIR
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent  # = runners.common.PROJECT_DIR, without importing the runners
 PAD_TOKEN = "[PAD]"
 
 
