@@ -7,7 +7,7 @@ import time
 
 from hydra import compose, initialize_config_dir
 
-from runners.common import CONF_DIR
+from runners.paths import CONF_DIR
 from runners.train import train
 
 

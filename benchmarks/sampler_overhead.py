@@ -44,7 +44,8 @@ from common import (
 )
 
 from flowlm.compiled import compiled_tails
-from runners.common import CONF_DIR, build
+from runners.common import build
+from runners.paths import CONF_DIR
 
 FAMILY_METHOD = {"mdm": "mdm", "flow": "fmlm_plus", "mlfm": "mlfm"}
 # Samplers whose interface is being changed elsewhere (not measured; listed with the reason).

@@ -17,7 +17,7 @@ from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 
-from datamodules.text import project_path
+from datamodules.sources import project_path
 from flowlm.metrics.gsm8k import (
     SANDBOXES,
     ExecResult,

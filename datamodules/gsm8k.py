@@ -35,16 +35,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from datamodules.text import (
-    PaddedRows,
-    TokenCacheDataModule,
-    builder_for,
-    load_documents,
-    local_files,
-    source_identity,
-    token_dtype,
-    write_padded,
-)
+from datamodules.sources import builder_for, load_documents, local_files, source_identity
+from datamodules.token_arrays import PaddedRows, token_dtype, write_padded
+from datamodules.token_cache import TokenCacheDataModule
 from flowlm.metrics.gsm8k import parse_gold
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""Helpers shared by the console scripts: config paths, run folders, MLflow tracking, checkpoint checks."""
+"""Helpers shared by the console scripts: run folders (lock, identity, resume checks), config checks, building
+components. The project and config folders are in runners/paths.py, a run's MLflow record in runners/mlflow_run.py."""
 
 from __future__ import annotations
 
@@ -8,27 +9,18 @@ import json
 import logging
 import os
 import socket
-import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
-from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from runners.experiment_kind import mark_model_training
-from runners.tracking import ResilientMLFlowLogger
-from sweeps.trial import trial_params, trial_tags
-
 log = logging.getLogger(__name__)
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 # `flowlm-eval`'s default data (conf/eval.yaml): the checkpoint's recorded data config. An open (non-struct) node, so
 # that `data.<key>=...` sets single keys of that config, which runners/evaluate.py merges onto it.
 ConfigStore.instance().store(group="data", name="from_checkpoint", node=OmegaConf.create({}, flags={"struct": False}))
-PROJECT_DIR = Path(__file__).resolve().parent.parent
 RUN_CONFIG = "run_config.yaml"
 IF_EXISTS = ("resume", "error")  # what a launch does with a run folder that holds a checkpoint (conf/train.yaml)
 # Sections that define what a run trains; a resumed run must agree on them (data knobs that do not change the
@@ -253,68 +245,6 @@ def write_run_config(cfg: DictConfig) -> None:
     tmp = saved.with_name(f".{saved.name}.tmp{os.getpid()}")
     OmegaConf.save(cfg, tmp, resolve=True)
     os.replace(tmp, saved)
-
-
-def git_commit() -> str:
-    """The commit of the code that runs (with ``-dirty`` when the work tree has changes), or 'unknown'."""
-    try:
-        sha = subprocess.run(
-            ["git", "-C", str(PROJECT_DIR), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(PROJECT_DIR), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def make_logger(cfg: DictConfig, run_dir: Path | None) -> MLFlowLogger | None:
-    """The configured MLflow logger; a resumed run continues its MLflow run (id kept in the run folder)."""
-    if not cfg.get("logger"):
-        return None
-    from hydra.utils import instantiate
-
-    run_id_file = run_dir / "mlflow_run_id" if run_dir else None
-    run_id = (run_id_file.read_text().strip() or None) if run_id_file and run_id_file.exists() else None
-    logger = instantiate(cfg.logger, run_id=run_id)
-    if is_rank_zero() and isinstance(logger, ResilientMLFlowLogger):
-        logger.check_reachable()
-    if is_rank_zero() and isinstance(logger, MLFlowLogger):
-        client, rid = logger.experiment, logger.run_id
-        if run_id_file is not None and rid != run_id:
-            run_id_file.parent.mkdir(parents=True, exist_ok=True)
-            run_id_file.write_text(rid)
-        old = getattr(logger, "replaced_run_id", None)
-        if old:  # the store lost the run (a deleted or replaced mlflow.db): the resumed training gets a new one
-            client.set_tag(rid, "flowlm.previous_mlflow_run_id", old)
-            warnings.warn(
-                f"resuming {run_dir}: the MLflow store {logger._tracking_uri} has no run {old} (the id recorded in "
-                f"{run_id_file}): the store was deleted or replaced since this run was tracked. The resumed training "
-                f"is tracked in a new MLflow run {rid}, tagged flowlm.previous_mlflow_run_id; what the old run "
-                "logged is not in this store. If the run was tracked in another store, stop this launch, write "
-                f"{old} back into {run_id_file.name} and resume with logger.tracking_uri=<that store>.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        mark_model_training(client, logger.experiment_id)  # a model-training experiment for MLflow's UI
-        client.set_tag(rid, "mlflow.source.git.commit", git_commit())
-        client.set_tag(rid, "flowlm.name", str(cfg.name))
-        if run_dir is not None:
-            client.set_tag(rid, "flowlm.run_dir", str(run_dir))
-        for key, value in trial_tags(cfg).items():  # a sweep trial: its sweep, trial number, overrides
-            client.set_tag(rid, key, value)
-        client.log_text(rid, OmegaConf.to_yaml(cfg, resolve=True), "config/resolved.yaml")
-        logger.log_hyperparams({**_flat_params(cfg), **trial_params(cfg)})
-    return logger
-
-
-def _flat_params(cfg: DictConfig) -> dict:
-    keep = {k: cfg[k] for k in ("name", "task", "seed", "method", "backbone", "data", "eval", "trainer") if k in cfg}
-    return OmegaConf.to_container(OmegaConf.create(keep), resolve=True)
 
 
 def pivot_table(rows: list[dict], value: str) -> str:

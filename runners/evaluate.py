@@ -10,8 +10,9 @@ from omegaconf.errors import ConfigKeyError
 from callbacks.progress import progress_callbacks
 from callbacks.sampling_eval import SamplingEvaluation
 from lightning_modules.checkpoints import import_class, load_module, read_checkpoint_meta
-from runners.common import CONF_DIR, build, check_arguments, make_logger, pivot_table, resolve_paths
-from runners.tracking import record_error
+from runners.common import build, check_arguments, pivot_table, resolve_paths
+from runners.mlflow_run import make_logger, record_error
+from runners.paths import CONF_DIR
 from sweeps.objectives import check_objectives
 from sweeps.trial import run_trial
 

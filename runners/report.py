@@ -9,7 +9,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from analysis.report import Report, build_report, log_report
-from runners.common import CONF_DIR
+from runners.paths import CONF_DIR
 
 
 def report(cfg: DictConfig) -> tuple[Report, str | None]:

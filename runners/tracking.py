@@ -184,23 +184,3 @@ class _GuardedClient:
                 return None
 
         return guarded
-
-
-ERROR_TAG = "flowlm.error"  # the error a failed run ended with (also set on failed sweep trials, sweeps/trial.py)
-
-
-def record_error(logger: MLFlowLogger, err: BaseException | None) -> None:
-    """End the logger's MLflow run FAILED (KILLED for an interrupt) with ``err`` in the tag ``flowlm.error``
-    (type and message, truncated); with None, drop the tag that an earlier failed launch of the run left.
-    Never raises: the run's own error is the one to see."""
-    try:
-        client, run_id = MLFlowLogger.experiment.fget(logger), logger.run_id
-        if err is None:
-            if ERROR_TAG in client.get_run(run_id).data.tags:
-                client.delete_tag(run_id, ERROR_TAG)
-            return
-        client.set_tag(run_id, ERROR_TAG, f"{type(err).__name__}: {err}"[:5000])
-        client.set_terminated(run_id, "FAILED" if isinstance(err, Exception) else "KILLED")
-    except Exception as failure:  # noqa: BLE001
-        message = f"could not record the run's outcome in MLflow ({type(failure).__name__}: {failure})"
-        warnings.warn(message, RuntimeWarning, stacklevel=2)

@@ -16,17 +16,16 @@ from callbacks.checkpoint import check_folder
 from callbacks.progress import progress_callbacks
 from callbacks.sampling_eval import SamplingEvaluation
 from runners.common import (
-    CONF_DIR,
     build,
     check_arguments,
     check_run_dir,
     is_rank_zero,
-    make_logger,
     pivot_table,
     resolve_paths,
     write_run_config,
 )
-from runners.tracking import record_error
+from runners.mlflow_run import make_logger, record_error
+from runners.paths import CONF_DIR
 from sweeps.objectives import check_objectives
 from sweeps.trial import run_trial
 

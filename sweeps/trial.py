@@ -1,14 +1,9 @@
-"""One trial of a sweep: its own run folder, MLflow tags and params, its objective, and failures recorded as such.
+"""One trial of a sweep: its own run folder, its objective, and failures recorded as such.
 
 A multirun (``flowlm-train -m``, ``flowlm-eval -m``) calls the console script's task once per trial; ``run_trial``
-wraps that call. MLflow tags of a trial (documented in the README, read by ``analysis/``):
-
-- ``flowlm.sweep``: the sweep's name (``sweep.name``; also its folder under ``<runs>/sweeps/`` and its Optuna study)
-- ``flowlm.trial``: Hydra's job number within this launch; ``flowlm.trial_id``: the trial's folder (stable)
-- ``flowlm.sweeper``, ``flowlm.sweep_dir``, ``flowlm.study`` (Optuna), ``flowlm.overrides``, ``flowlm.objectives``
-- ``flowlm.error`` on a failed trial (MLflow status FAILED); ``flowlm.attempt`` identifies one execution.
-
-Params ``trial/<key>`` hold the trial's overrides; metrics ``sweep/objective_<i>`` its objective values.
+wraps that call. ``join_sweep`` records in ``cfg.sweep`` the facts a trial's MLflow tags and params hold (built in
+runners/mlflow_run.py, documented in the README, read by ``analysis/``); a failed trial's run is FAILED with
+``flowlm.error``, and metrics ``sweep/objective_<i>`` hold its objective values.
 """
 
 from __future__ import annotations
@@ -17,7 +12,6 @@ import fcntl
 import hashlib
 import logging
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Callable, Sequence
@@ -29,12 +23,12 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from runners.common import release_run_dir
+from runners.experiment_kind import mark_model_training
+from runners.mlflow_run import ERROR_TAG, MAX_VALUE, run_tags, trial_params
 from sweeps.objectives import ObjectiveError, objective_keys, objective_values, parse_key
 
 log = logging.getLogger(__name__)
-# MLflow accepts these characters in param names; tag and param values are capped well under its limits.
-_PARAM_NAME = re.compile(r"[^\w./\- :]")
-_MAX_VALUE = 5000
 
 
 def short_hash(text: object) -> str:
@@ -84,8 +78,6 @@ def run_trial(task: Callable[[DictConfig], dict], cfg: DictConfig) -> float | li
 def _release(cfg: DictConfig) -> None:
     """Drop the run folder's lock once the task is over: a launcher process that runs trial after trial (basic,
     joblib workers) then holds none of the finished ones."""
-    from runners.common import release_run_dir
-
     try:
         run_dir = OmegaConf.select(cfg, "paths.run_dir", default=None)
     except Exception:  # an unresolvable folder was never locked; the task's own error is the one to see
@@ -137,40 +129,6 @@ def join_sweep(cfg: DictConfig, hydra_cfg: DictConfig) -> None:
         cfg.sweep.attempt = uuid.uuid4().hex
 
 
-def trial_tags(cfg: DictConfig) -> dict[str, str]:
-    """MLflow tags of a sweep trial (none outside a sweep)."""
-    sweep = cfg.get("sweep")
-    if not sweep or sweep.get("trial") is None:
-        return {}
-    tags = {
-        "flowlm.sweep": str(sweep.name),
-        "flowlm.trial": str(sweep.trial),
-        "flowlm.trial_id": str(sweep.trial_id),
-        "flowlm.sweeper": str(sweep.sweeper),
-        "flowlm.sweep_dir": str(sweep.dir),
-        "flowlm.overrides": " ".join(sweep.overrides)[:_MAX_VALUE],
-        "flowlm.attempt": str(sweep.attempt),
-    }
-    if sweep.get("study"):
-        tags["flowlm.study"] = str(sweep.study)
-    keys = objective_keys(cfg.get("optimized_metric"))
-    if keys:
-        tags["flowlm.objectives"] = ",".join(keys)
-    return tags
-
-
-def trial_params(cfg: DictConfig) -> dict[str, str]:
-    """MLflow params ``trial/<key>`` of a sweep trial: its overrides, swept and fixed (none outside a sweep)."""
-    sweep = cfg.get("sweep")
-    if not sweep or sweep.get("trial") is None:
-        return {}
-    params = {}
-    for override in sweep.overrides:
-        key, _, value = override.partition("=")
-        params["trial/" + _PARAM_NAME.sub("_", key.lstrip("+~"))] = value[:_MAX_VALUE]
-    return params
-
-
 def _client(cfg: DictConfig):
     """An MLflow client on the run's tracking store, or None when the run is not tracked in MLflow."""
     logger = cfg.get("logger")
@@ -188,8 +146,8 @@ def record_success(cfg: DictConfig, run_id: str | None, values: Sequence[float])
         return
     for i, value in enumerate(values):
         client.log_metric(run_id, f"sweep/objective_{i}", value)
-    if "flowlm.error" in client.get_run(run_id).data.tags:  # a re-queued trial that failed before has now succeeded
-        client.delete_tag(run_id, "flowlm.error")
+    if ERROR_TAG in client.get_run(run_id).data.tags:  # a re-queued trial that failed before has now succeeded
+        client.delete_tag(run_id, ERROR_TAG)
 
 
 def record_failure(cfg: DictConfig, err: BaseException) -> None:
@@ -206,20 +164,17 @@ def record_failure(cfg: DictConfig, err: BaseException) -> None:
         if runs:
             run_id = runs[0].info.run_id
         else:
-            from runners.common import git_commit
-            from runners.experiment_kind import mark_model_training
-
             experiment_id = (
                 experiment.experiment_id
                 if experiment is not None
                 else client.create_experiment(name, artifact_location=cfg.logger.get("artifact_location"))
             )
             mark_model_training(client, experiment_id)
-            tags = {**trial_tags(cfg), "flowlm.name": str(cfg.name), "mlflow.source.git.commit": git_commit()}
+            tags = run_tags(cfg)  # a run made here has no run folder of its own
             run_id = client.create_run(experiment_id, run_name=cfg.logger.run_name, tags=tags).info.run_id
             for key, value in trial_params(cfg).items():
                 client.log_param(run_id, key, value)
-        client.set_tag(run_id, "flowlm.error", f"{type(err).__name__}: {err}"[:_MAX_VALUE])
+        client.set_tag(run_id, ERROR_TAG, f"{type(err).__name__}: {err}"[:MAX_VALUE])
         client.set_terminated(run_id, "FAILED")
     except Exception:  # the sweep must go on even when the tracking store cannot take the record
         log.exception("could not record the failed trial in MLflow")
@@ -233,7 +188,7 @@ FAILURES_ENV = "FLOWLM_SWEEP_FAILURES"
 def _note_failure(cfg: DictConfig, err: BaseException) -> None:
     folder = os.environ.get(FAILURES_ENV)
     if folder:
-        Path(folder, str(cfg.sweep.trial_id)).write_text(f"{type(err).__name__}: {err}"[:_MAX_VALUE])
+        Path(folder, str(cfg.sweep.trial_id)).write_text(f"{type(err).__name__}: {err}"[:MAX_VALUE])
 
 
 class SweepCallback(Callback):

@@ -263,8 +263,8 @@ def test_cli_config_builds_and_logs_the_report(store, tmp_path):
 def test_demo_ends_with_the_report_of_its_experiments(store, tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from runners.common import CONF_DIR
     from runners.demo import demo_report
+    from runners.paths import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         run_cfgs = [compose("train", overrides=[f"experiment={e}"]) for e in ("demo_mdm", "demo_fmlmp")]

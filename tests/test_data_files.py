@@ -16,7 +16,8 @@ from fixtures.make_fixtures import HERE, TOKENIZER_DIR
 from omegaconf import OmegaConf
 
 from datamodules.gsm8k import GSM8KDataModule
-from datamodules.text import TextDataModule, TokenCacheDataModule
+from datamodules.text import TextDataModule
+from datamodules.token_cache import TokenCacheDataModule
 from flowlm.tasks.files import DataFileError
 from runners.common import build
 from runners.train import train

@@ -7,8 +7,9 @@ from __future__ import annotations
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from runners.common import make_logger, resolve_paths
+from runners.common import resolve_paths
 from runners.experiment_kind import EXPERIMENT_KIND_TAG, MODEL_TRAINING, mark_model_training
+from runners.mlflow_run import make_logger
 from sweeps.trial import record_failure
 from tests.conftest import compose_config
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hydra import compose, initialize_config_dir
 
-from runners.common import CONF_DIR
+from runners.paths import CONF_DIR
 
 
 def hydra_cfg(overrides: list[str]):

@@ -16,7 +16,6 @@ import pytest
 
 from runners.common import (
     LOCK_FILE,
-    PROJECT_DIR,
     RUN_CONFIG,
     RunExistsError,
     RunLockedError,
@@ -26,6 +25,7 @@ from runners.common import (
     release_run_dir,
     write_run_config,
 )
+from runners.paths import PROJECT_DIR
 from tests.conftest import FAST, compose_config
 
 pytest_plugins = ["pytester"]

@@ -9,8 +9,9 @@ from conftest import FAST, compose_config, isolate_runs
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from runners.common import CONF_DIR, RunExistsError
+from runners.common import RunExistsError
 from runners.evaluate import evaluate
+from runners.paths import CONF_DIR
 from runners.train import train
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))

@@ -18,7 +18,8 @@ from omegaconf import OmegaConf
 
 import flowlm.samplers
 from flowlm.samplers import CONFIDENCE_KINDS, Sampler
-from runners.common import CONF_DIR, build
+from runners.common import build
+from runners.paths import CONF_DIR
 from tests.conftest import random_ar_module
 
 V, L = 6, 12  # data vocabulary ([MASK] = V where the family has one) and sequence length

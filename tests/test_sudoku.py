@@ -12,7 +12,6 @@ import torch
 import datamodules.sudoku as dm_module
 from datamodules.sudoku import SudokuDataModule
 from flowlm.metrics.sudoku import grid_hashes, grid_keys, respects_clues, valid_grids
-from flowlm.tasks import sudoku as S
 from flowlm.tasks.sudoku import (
     SudokuLayout,
     SudokuSpec,
@@ -27,6 +26,7 @@ from flowlm.tasks.sudoku import (
     render,
     solve,
 )
+from flowlm.tasks.sudoku import generator as G
 
 SPEC4, SPEC6, SPEC9 = SudokuSpec(2, 2), SudokuSpec(2, 3), SudokuSpec(3, 3)
 
@@ -185,7 +185,7 @@ def test_generate_argument_errors():
 
 
 def test_grid_cap_for_4x4(monkeypatch):
-    monkeypatch.setattr(S, "_item", None)  # the check must come before any compute
+    monkeypatch.setattr(G, "_item", None)  # the check must come before any compute
     with pytest.raises(ValueError, match="only 288 distinct grids"):
         generate(SPEC4, conditional=False, difficulty=None, num=289, seed=0)
     with pytest.raises(ValueError, match="only 288 distinct grids"):
@@ -200,7 +200,7 @@ def test_grid_cap_for_4x4(monkeypatch):
 
 
 def test_generate_gives_up_on_exhausted_unknown_shapes(monkeypatch):
-    monkeypatch.setattr(S, "MAX_CONSECUTIVE_DUPLICATES", 50)
+    monkeypatch.setattr(G, "MAX_CONSECUTIVE_DUPLICATES", 50)
     # 1×2 boxes: only two 2×2 grids exist, a count the generator is not told.
     with pytest.raises(ValueError, match="duplicate draws in a row"):
         generate(SudokuSpec(1, 2), conditional=False, difficulty=None, num=3, seed=0)

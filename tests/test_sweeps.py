@@ -13,7 +13,7 @@ from conftest import FAST, isolate_runs
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from runners.common import CONF_DIR
+from runners.paths import CONF_DIR
 from runners.train import train
 from sweeps.objectives import ObjectiveError, objective_values
 from sweeps.trial import check_directions

@@ -13,7 +13,8 @@ from fixtures.make_fixtures import HERE, TOKENIZER_DIR, build_tokenizer
 from hydra.utils import instantiate
 
 from datamodules.gsm8k import GSM8KDataModule
-from datamodules.text import DataUnavailableError, TextDataModule, load_tokenizer
+from datamodules.sources import DataUnavailableError, load_tokenizer
+from datamodules.text import TextDataModule
 
 STORIES = HERE / "tinystories_sample.jsonl"
 GSM8K = HERE / "gsm8k_sample.jsonl"

@@ -190,7 +190,7 @@ def test_sandbox_modules_carry_no_submodules_and_memory_bombs_fail():
 def text_datamodule(length: int = 24) -> SimpleNamespace:
     """What the text metrics need from a datamodule: a GPT-2-like tokenizer + [PAD], pad/mask ids, seq_len.
 
-    As in datamodules/text.py, [MASK] is the id just past the tokenizer's vocabulary.
+    As in datamodules/token_cache.py, [MASK] is the id just past the tokenizer's vocabulary.
     """
     tokenizer = tiny_tokenizer(extra_special=("[PAD]",))
     pad_id = tokenizer.convert_tokens_to_ids("[PAD]")

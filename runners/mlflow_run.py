@@ -1,0 +1,141 @@
+"""A run's record in MLflow, built in one place: the logger a training or evaluation run gets (``make_logger``),
+the tags and params the run carries (``run_tags``, ``run_params``; a sweep trial's own in ``trial_tags``,
+``trial_params``), and the error it ended with (``record_error``). sweeps/trial.py records a failed trial from the
+same builders.
+
+Tags of every run: ``mlflow.source.git.commit``, ``flowlm.name``, ``flowlm.run_dir`` (a training run), and
+``flowlm.error`` on a failed one. A sweep trial adds (documented in the README, read by ``analysis/``):
+
+- ``flowlm.sweep``: the sweep's name (``sweep.name``; also its folder under ``<runs>/sweeps/`` and its Optuna study)
+- ``flowlm.trial``: Hydra's job number within this launch; ``flowlm.trial_id``: the trial's folder (stable)
+- ``flowlm.sweeper``, ``flowlm.sweep_dir``, ``flowlm.study`` (Optuna), ``flowlm.overrides``, ``flowlm.objectives``
+- ``flowlm.attempt`` identifies one execution.
+
+Params: the run's sections (name, task, seed, method, backbone, data, eval, trainer), flattened; a trial's
+overrides as ``trial/<key>``.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+from lightning.pytorch.loggers import MLFlowLogger
+from omegaconf import DictConfig, OmegaConf
+
+from runners.common import is_rank_zero
+from runners.experiment_kind import mark_model_training
+from runners.paths import git_commit
+from runners.tracking import ResilientMLFlowLogger
+from sweeps.objectives import objective_keys
+
+ERROR_TAG = "flowlm.error"  # the error a failed run ended with (also set on failed sweep trials)
+# MLflow accepts these characters in param names; tag and param values are capped well under its limits.
+_PARAM_NAME = re.compile(r"[^\w./\- :]")
+MAX_VALUE = 5000
+
+
+def make_logger(cfg: DictConfig, run_dir: Path | None) -> MLFlowLogger | None:
+    """The configured MLflow logger; a resumed run continues its MLflow run (id kept in the run folder)."""
+    if not cfg.get("logger"):
+        return None
+    from hydra.utils import instantiate
+
+    run_id_file = run_dir / "mlflow_run_id" if run_dir else None
+    run_id = (run_id_file.read_text().strip() or None) if run_id_file and run_id_file.exists() else None
+    logger = instantiate(cfg.logger, run_id=run_id)
+    if is_rank_zero() and isinstance(logger, ResilientMLFlowLogger):
+        logger.check_reachable()
+    if is_rank_zero() and isinstance(logger, MLFlowLogger):
+        client, rid = logger.experiment, logger.run_id
+        if run_id_file is not None and rid != run_id:
+            run_id_file.parent.mkdir(parents=True, exist_ok=True)
+            run_id_file.write_text(rid)
+        old = getattr(logger, "replaced_run_id", None)
+        if old:  # the store lost the run (a deleted or replaced mlflow.db): the resumed training gets a new one
+            client.set_tag(rid, "flowlm.previous_mlflow_run_id", old)
+            warnings.warn(
+                f"resuming {run_dir}: the MLflow store {logger._tracking_uri} has no run {old} (the id recorded in "
+                f"{run_id_file}): the store was deleted or replaced since this run was tracked. The resumed training "
+                f"is tracked in a new MLflow run {rid}, tagged flowlm.previous_mlflow_run_id; what the old run "
+                "logged is not in this store. If the run was tracked in another store, stop this launch, write "
+                f"{old} back into {run_id_file.name} and resume with logger.tracking_uri=<that store>.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        mark_model_training(client, logger.experiment_id)  # a model-training experiment for MLflow's UI
+        for key, value in run_tags(cfg, run_dir).items():
+            client.set_tag(rid, key, value)
+        client.log_text(rid, OmegaConf.to_yaml(cfg, resolve=True), "config/resolved.yaml")
+        logger.log_hyperparams(run_params(cfg))
+    return logger
+
+
+def run_tags(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, str]:
+    """MLflow tags of a run: the code's commit, the run's name and folder, and a sweep trial's own."""
+    tags = {"mlflow.source.git.commit": git_commit(), "flowlm.name": str(cfg.name)}
+    if run_dir is not None:
+        tags["flowlm.run_dir"] = str(run_dir)
+    return {**tags, **trial_tags(cfg)}  # a sweep trial: its sweep, trial number, overrides
+
+
+def run_params(cfg: DictConfig) -> dict:
+    """MLflow params of a run: its sections (nested; the logger flattens them) and a sweep trial's overrides."""
+    return {**_flat_params(cfg), **trial_params(cfg)}
+
+
+def _flat_params(cfg: DictConfig) -> dict:
+    keep = {k: cfg[k] for k in ("name", "task", "seed", "method", "backbone", "data", "eval", "trainer") if k in cfg}
+    return OmegaConf.to_container(OmegaConf.create(keep), resolve=True)
+
+
+def trial_tags(cfg: DictConfig) -> dict[str, str]:
+    """MLflow tags of a sweep trial (none outside a sweep)."""
+    sweep = cfg.get("sweep")
+    if not sweep or sweep.get("trial") is None:
+        return {}
+    tags = {
+        "flowlm.sweep": str(sweep.name),
+        "flowlm.trial": str(sweep.trial),
+        "flowlm.trial_id": str(sweep.trial_id),
+        "flowlm.sweeper": str(sweep.sweeper),
+        "flowlm.sweep_dir": str(sweep.dir),
+        "flowlm.overrides": " ".join(sweep.overrides)[:MAX_VALUE],
+        "flowlm.attempt": str(sweep.attempt),
+    }
+    if sweep.get("study"):
+        tags["flowlm.study"] = str(sweep.study)
+    keys = objective_keys(cfg.get("optimized_metric"))
+    if keys:
+        tags["flowlm.objectives"] = ",".join(keys)
+    return tags
+
+
+def trial_params(cfg: DictConfig) -> dict[str, str]:
+    """MLflow params ``trial/<key>`` of a sweep trial: its overrides, swept and fixed (none outside a sweep)."""
+    sweep = cfg.get("sweep")
+    if not sweep or sweep.get("trial") is None:
+        return {}
+    params = {}
+    for override in sweep.overrides:
+        key, _, value = override.partition("=")
+        params["trial/" + _PARAM_NAME.sub("_", key.lstrip("+~"))] = value[:MAX_VALUE]
+    return params
+
+
+def record_error(logger: MLFlowLogger, err: BaseException | None) -> None:
+    """End the logger's MLflow run FAILED (KILLED for an interrupt) with ``err`` in the tag ``flowlm.error``
+    (type and message, truncated); with None, drop the tag that an earlier failed launch of the run left.
+    Never raises: the run's own error is the one to see."""
+    try:
+        client, run_id = MLFlowLogger.experiment.fget(logger), logger.run_id
+        if err is None:
+            if ERROR_TAG in client.get_run(run_id).data.tags:
+                client.delete_tag(run_id, ERROR_TAG)
+            return
+        client.set_tag(run_id, ERROR_TAG, f"{type(err).__name__}: {err}"[:MAX_VALUE])
+        client.set_terminated(run_id, "FAILED" if isinstance(err, Exception) else "KILLED")
+    except Exception as failure:  # noqa: BLE001
+        message = f"could not record the run's outcome in MLflow ({type(failure).__name__}: {failure})"
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
