@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from runners.tracking import ResilientMLFlowLogger
+from runners.tracking import ResilientMLFlowLogger, TrackingUnavailable
 from sweeps.trial import trial_params, trial_tags
 
 log = logging.getLogger(__name__)
@@ -275,11 +275,17 @@ def make_logger(cfg: DictConfig, run_dir: Path | None) -> MLFlowLogger | None:
     """The configured MLflow logger; a resumed run continues its MLflow run (id kept in the run folder)."""
     if not cfg.get("logger"):
         return None
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     run_id_file = run_dir / "mlflow_run_id" if run_dir else None
     run_id = (run_id_file.read_text().strip() or None) if run_id_file and run_id_file.exists() else None
-    logger = instantiate(cfg.logger, run_id=run_id)
+    try:
+        logger = instantiate(cfg.logger, run_id=run_id)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, TrackingUnavailable):  # a store that cannot be opened: its own message
+            raise err.__cause__ from err.__cause__.__cause__
+        raise
     if is_rank_zero() and isinstance(logger, ResilientMLFlowLogger):
         logger.check_reachable()
     if is_rank_zero() and isinstance(logger, MLFlowLogger):
