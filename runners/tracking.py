@@ -4,6 +4,7 @@ away. Lightning's MLFlowLogger raises in both cases and takes the training run d
 from __future__ import annotations
 
 import functools
+import glob
 import os
 import socket
 import sqlite3
@@ -36,6 +37,7 @@ def create_sqlite_store(path: str | os.PathLike) -> None:
     from mlflow import MlflowClient
 
     target = Path(path)
+    _remove_dead_inits(target)
     if target.exists():
         return
     tmp = target.with_name(f".{target.name}.init-{socket.gethostname()}-{os.getpid()}")
@@ -53,6 +55,25 @@ def create_sqlite_store(path: str | os.PathLike) -> None:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
+
+
+def _remove_dead_inits(target: Path) -> None:
+    """Remove the temporary stores of killed creations of ``target`` by processes of this host that have ended."""
+    prefix = f".{target.name}.init-{socket.gethostname()}-"
+    try:
+        stale = [p for p in target.parent.glob(f"{glob.escape(prefix)}*") if p.name[len(prefix) :].isdigit()]
+    except OSError:
+        return
+    for path in stale:
+        try:
+            os.kill(int(path.name[len(prefix) :]), 0)
+        except ProcessLookupError:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
+        except OSError:  # alive (another user's) or unknowable: leave it
+            continue
 
 
 def _count_runs(path: str) -> str:
