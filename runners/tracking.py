@@ -268,6 +268,15 @@ class _GuardedClient:
 ERROR_TAG = "flowlm.error"  # the error a failed run ended with (also set on failed sweep trials, sweeps/trial.py)
 
 
+def _describe_error(err: BaseException) -> str:
+    """``type: message``; Lightning ends a Ctrl-C (SIGINT) with ``SystemExit(1)`` raised while handling it."""
+    if isinstance(err, KeyboardInterrupt) or (
+        isinstance(err, SystemExit) and isinstance(err.__context__, KeyboardInterrupt)
+    ):
+        return "KeyboardInterrupt: interrupted (Ctrl-C or SIGINT); the same command resumes from the last checkpoint"
+    return f"{type(err).__name__}: {err}"
+
+
 def record_error(logger: MLFlowLogger, err: BaseException | None) -> None:
     """End the logger's MLflow run FAILED (KILLED for an interrupt) with ``err`` in the tag ``flowlm.error``
     (type and message, truncated); with None, drop the tag that an earlier failed launch of the run left.
@@ -278,7 +287,7 @@ def record_error(logger: MLFlowLogger, err: BaseException | None) -> None:
             if ERROR_TAG in client.get_run(run_id).data.tags:
                 client.delete_tag(run_id, ERROR_TAG)
             return
-        client.set_tag(run_id, ERROR_TAG, f"{type(err).__name__}: {err}"[:5000])
+        client.set_tag(run_id, ERROR_TAG, _describe_error(err)[:5000])
         client.set_terminated(run_id, "FAILED" if isinstance(err, Exception) else "KILLED")
     except Exception as failure:  # noqa: BLE001
         message = f"could not record the run's outcome in MLflow ({type(failure).__name__}: {failure})"

@@ -125,6 +125,26 @@ def test_a_run_failing_after_training_is_failed_in_mlflow_with_its_error(runs_en
     assert evaluation.info.status == "FAILED" and evaluation.data.tags["flowlm.error"] == "KeyError: 'no such column'"
 
 
+def test_an_interrupted_run_is_killed_in_mlflow_saying_so(runs_env, monkeypatch):
+    import signal
+
+    def interrupt(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(MDMModule, "mdm_loss", interrupt)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):  # Lightning's graceful shutdown: SystemExit(1) while handling the Ctrl-C
+            train(compose_config(overrides=RUN))
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores further Ctrl-Cs from then on
+    (run,) = _runs(runs_env)
+    assert run.info.status == "KILLED"
+    assert run.data.tags["flowlm.error"].startswith(
+        "KeyboardInterrupt: interrupted (Ctrl-C or SIGINT)"
+    )  # was: SystemExit: 1
+
+
 # ------------------------------------------------------------------ checkpoint folders
 
 
