@@ -51,22 +51,26 @@ def create_sqlite_store(path: str | os.PathLike) -> None:
     except Exception:  # noqa: BLE001 - no hard links, a read-only folder: MLflow opens (or refuses) it as before
         pass
     finally:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+        for leftover in (tmp, *(tmp.with_name(tmp.name + end) for end in ("-journal", "-wal", "-shm"))):
+            try:
+                leftover.unlink(missing_ok=True)
+            except OSError:
+                pass
 
 
 def _remove_dead_inits(target: Path) -> None:
-    """Remove the temporary stores of killed creations of ``target`` by processes of this host that have ended."""
+    """Remove the temporary stores (and their SQLite journals) of killed creations of ``target`` by processes of this
+    host that have ended."""
     prefix = f".{target.name}.init-{socket.gethostname()}-"
     try:
-        stale = [p for p in target.parent.glob(f"{glob.escape(prefix)}*") if p.name[len(prefix) :].isdigit()]
+        found = [(p, p.name[len(prefix) :].split("-")[0]) for p in target.parent.glob(f"{glob.escape(prefix)}*")]
     except OSError:
         return
-    for path in stale:
+    for path, pid in found:  # the store and SQLite's -journal / -wal / -shm files beside it
+        if not pid.isdigit():
+            continue
         try:
-            os.kill(int(path.name[len(prefix) :]), 0)
+            os.kill(int(pid), 0)
         except ProcessLookupError:
             try:
                 path.unlink(missing_ok=True)

@@ -139,6 +139,7 @@ def test_a_launch_killed_while_creating_the_store_leaves_no_half_made_store(runs
     # was: a store with half its schema, which every later launch failed to open ("table scorers already exists")
     assert not store.exists()
     assert list(store.parent.glob(".mlflow.db.init-*"))  # the killed process's temporary store
+    (store.parent / f"{next(store.parent.glob('.mlflow.db.init-*')).name}-journal").write_bytes(b"x")  # SQLite's
     assert train(compose_config(overrides=[*RUN, "trainer.max_steps=1", "trainer.val_check_interval=1"]))["rows"]
     assert not list(store.parent.glob(".mlflow.db.init-*"))  # removed by the next launch: its process is gone
     (run,) = mlflow.MlflowClient(f"sqlite:///{store}").search_runs(["1"])
