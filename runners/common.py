@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from runners.tracking import ResilientMLFlowLogger, TrackingUnavailable
+from runners.tracking import ERROR_TAG, ResilientMLFlowLogger, TrackingUnavailable
 from sweeps.trial import trial_params, trial_tags
 
 log = logging.getLogger(__name__)
@@ -232,6 +232,9 @@ def check_run_dir(cfg: DictConfig) -> Path | None:
     return None
 
 
+SUPERSEDED = "mlflow_run_id.superseded"  # the MLflow run of a launch that never saved a checkpoint, replaced
+
+
 def write_run_config(cfg: DictConfig) -> None:
     """Lock the run folder (made here for a new run) and save the resolved config beside the checkpoints: once for
     a run, again when the folder holds no checkpoint and other settings (a launch that never saved one)."""
@@ -248,7 +251,9 @@ def write_run_config(cfg: DictConfig) -> None:
         if _identity(OmegaConf.load(saved)) == _identity(cfg):
             return  # the same run again: its MLflow run goes on
         log.warning("%s holds no checkpoint of its earlier launch: a new run with these settings starts there", run_dir)
-        (run_dir / "mlflow_run_id").unlink(missing_ok=True)  # the new settings get an MLflow run of their own
+        recorded = run_dir / "mlflow_run_id"  # the new settings get an MLflow run of their own; the old one, if a
+        if recorded.exists():  # kill left it RUNNING, is ended by make_logger (SUPERSEDED names it)
+            os.replace(recorded, run_dir / SUPERSEDED)
     tmp = saved.with_name(f".{saved.name}.tmp{os.getpid()}")
     OmegaConf.save(cfg, tmp, resolve=True)
     os.replace(tmp, saved)
@@ -293,6 +298,10 @@ def make_logger(cfg: DictConfig, run_dir: Path | None) -> MLFlowLogger | None:
         if run_id_file is not None and rid != run_id:
             run_id_file.parent.mkdir(parents=True, exist_ok=True)
             run_id_file.write_text(rid)
+        superseded = run_dir / SUPERSEDED if run_dir else None
+        if superseded is not None and superseded.exists():
+            _end_superseded(client, superseded.read_text().strip(), rid)
+            superseded.unlink()
         old = getattr(logger, "replaced_run_id", None)
         if old:  # the store lost the run (a deleted or replaced mlflow.db): the resumed training gets a new one
             client.set_tag(rid, "flowlm.previous_mlflow_run_id", old)
@@ -314,6 +323,17 @@ def make_logger(cfg: DictConfig, run_dir: Path | None) -> MLFlowLogger | None:
         client.log_text(rid, OmegaConf.to_yaml(cfg, resolve=True), "config/resolved.yaml")
         logger.log_hyperparams({**_flat_params(cfg), **trial_params(cfg)})
     return logger
+
+
+def _end_superseded(client, old: str, new: str) -> None:
+    """End the MLflow run of a launch killed before its first checkpoint (left RUNNING: a SIGKILL ends nothing)
+    that a launch with other settings replaced; a run that ended (FAILED, KILLED) keeps its status."""
+    try:
+        if old and old != new and client.get_run(old).info.status == "RUNNING":
+            client.set_tag(old, ERROR_TAG, f"killed before its first checkpoint; superseded by MLflow run {new}")
+            client.set_terminated(old, "KILLED")
+    except Exception as err:  # noqa: BLE001 - another store, a deleted run: nothing to end
+        log.info("could not end the superseded MLflow run %s: %s", old, err)
 
 
 def _flat_params(cfg: DictConfig) -> dict:

@@ -95,6 +95,25 @@ def test_a_run_that_failed_before_its_first_checkpoint_does_not_block_other_sett
     assert (run_dir / "mlflow_run_id").read_text() == result["mlflow_run_id"]
 
 
+def test_a_run_killed_before_its_first_checkpoint_is_ended_when_other_settings_replace_it(runs_env, monkeypatch):
+    with monkeypatch.context() as patch:
+        _fail_first_step(patch)
+        with pytest.raises(RuntimeError, match="boom"):
+            train(compose_config(overrides=RUN))
+    (killed,) = _runs(runs_env)
+    client = MlflowClient(f"sqlite:///{runs_env / 'runs' / 'mlflow.db'}")
+    client.update_run(killed.info.run_id, status="RUNNING")  # what a SIGKILL leaves: nothing ended the run
+    result = train(compose_config(overrides=[*RUN, "backbone.n_layers=1"]))
+    old, new = _runs(runs_env)
+    assert old.info.run_id == killed.info.run_id and old.info.status == "KILLED"  # was: RUNNING for ever
+    assert (
+        old.data.tags["flowlm.error"]
+        == f"killed before its first checkpoint; superseded by MLflow run {new.info.run_id}"
+    )
+    assert new.info.run_id == result["mlflow_run_id"] and new.info.status == "FINISHED"
+    assert not (Path(result["run_dir"]) / "mlflow_run_id.superseded").exists()
+
+
 def test_the_same_settings_continue_the_failed_mlflow_run_and_clear_its_error(runs_env, monkeypatch):
     with monkeypatch.context() as patch:
         _fail_first_step(patch)
