@@ -220,12 +220,16 @@ def check_family(
 VOCAB_ROWS = ("embed.weight", "final.linear.weight", "final.linear.bias")
 
 
-def copy_backbone(net: nn.Module, state: dict[str, Tensor], *, prefix: str = "net.") -> dict[str, list[str]]:
+def copy_backbone(
+    net: nn.Module, state: dict[str, Tensor], *, prefix: str = "net.", partial_modules: bool = False
+) -> dict[str, list[str]]:
     """Copy a checkpoint's DiT into ``net`` by name and shape; returns what was copied, sliced and left fresh.
 
-    From an MDM the [MASK] rows (one extra vocabulary row) are dropped; parameters with no counterpart (an MDM has
-    no second time embedding ``emb_t``) keep their fresh initialisation. A parameter present in both with another
-    shape means another backbone: a ValueError names them.
+    From an MDM the [MASK] rows (one extra vocabulary row) are dropped; modules the source lacks (an MDM has no
+    second time embedding ``emb_t``) keep their fresh initialisation. Another backbone is a ValueError naming
+    the tensors: a parameter present in both with another shape, a source tensor with no counterpart here (a
+    deeper source: more ``blocks``), or a fresh parameter of a module the source has (a deeper ``net``), unless
+    ``partial_modules`` (adapters that add parameters inside copied modules check their own).
     """
     report: dict[str, list[str]] = {"copied": [], "sliced": [], "fresh": []}
     mismatched = []
@@ -249,6 +253,14 @@ def copy_backbone(net: nn.Module, state: dict[str, Tensor], *, prefix: str = "ne
                 source = distribute_tensor(source, param.device_mesh, param.placements, src_data_rank=None)
             param.copy_(source)
             report["copied"].append(name)
+    source_names = [key[len(prefix) :] for key in state if key.startswith(prefix)]
+    unused = [name for name in source_names if name not in own]
+    if unused:
+        mismatched.append(f"{len(unused)} source tensor(s) with no counterpart here ({', '.join(unused[:3])}, ...)")
+    source_modules = {name.partition(".")[0] for name in source_names}  # a fresh `blocks.3` of a 3-block source
+    missing = [name for name in report["fresh"] if name.partition(".")[0] in source_modules]
+    if missing and not partial_modules:
+        mismatched.append(f"{len(missing)} tensor(s) here that the source lacks ({', '.join(missing[:3])}, ...)")
     if mismatched:
         raise ValueError("the source checkpoint has another backbone size: " + "; ".join(mismatched[:6]))
     return report

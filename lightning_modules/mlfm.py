@@ -109,7 +109,7 @@ class MLFMModule(FlowLMModule):
             for own, src in adapter.base_state_names().items()
             if f"net.{src}" in state
         }
-        report = copy_backbone(adapter.base, renamed)
+        report = copy_backbone(adapter.base, renamed, partial_modules=True)  # LoRA tensors: checked below
         if report["sliced"] or any(".lora_" not in name for name in report["fresh"]):
             raise ValueError(f"the MDM checkpoint does not cover the adapted backbone: missing {report['fresh'][:4]}")
         return report

@@ -225,6 +225,9 @@ def check_run_dir(cfg: DictConfig) -> Path | None:
     return None
 
 
+SUPERSEDED = "mlflow_run_id.superseded"  # the MLflow run of a launch that never saved a checkpoint, replaced
+
+
 def write_run_config(cfg: DictConfig) -> None:
     """Lock the run folder (made here for a new run) and save the resolved config beside the checkpoints: once for
     a run, again when the folder holds no checkpoint and other settings (a launch that never saved one)."""
@@ -241,7 +244,9 @@ def write_run_config(cfg: DictConfig) -> None:
         if _identity(OmegaConf.load(saved)) == _identity(cfg):
             return  # the same run again: its MLflow run goes on
         log.warning("%s holds no checkpoint of its earlier launch: a new run with these settings starts there", run_dir)
-        (run_dir / "mlflow_run_id").unlink(missing_ok=True)  # the new settings get an MLflow run of their own
+        recorded = run_dir / "mlflow_run_id"  # the new settings get an MLflow run of their own; the old one, if a
+        if recorded.exists():  # kill left it RUNNING, is ended by make_logger (SUPERSEDED names it)
+            os.replace(recorded, run_dir / SUPERSEDED)
     tmp = saved.with_name(f".{saved.name}.tmp{os.getpid()}")
     OmegaConf.save(cfg, tmp, resolve=True)
     os.replace(tmp, saved)

@@ -17,6 +17,7 @@ overrides as ``trial/<key>``.
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 from pathlib import Path
@@ -24,12 +25,13 @@ from pathlib import Path
 from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
-from runners.common import is_rank_zero
+from runners.common import SUPERSEDED, is_rank_zero
 from runners.experiment_kind import mark_model_training
 from runners.paths import git_commit
-from runners.tracking import ResilientMLFlowLogger
+from runners.tracking import ResilientMLFlowLogger, TrackingUnavailable
 from sweeps.objectives import objective_keys
 
+log = logging.getLogger(__name__)
 ERROR_TAG = "flowlm.error"  # the error a failed run ended with (also set on failed sweep trials)
 # MLflow accepts these characters in param names; tag and param values are capped well under its limits.
 _PARAM_NAME = re.compile(r"[^\w./\- :]")
@@ -40,11 +42,17 @@ def make_logger(cfg: DictConfig, run_dir: Path | None) -> MLFlowLogger | None:
     """The configured MLflow logger; a resumed run continues its MLflow run (id kept in the run folder)."""
     if not cfg.get("logger"):
         return None
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     run_id_file = run_dir / "mlflow_run_id" if run_dir else None
     run_id = (run_id_file.read_text().strip() or None) if run_id_file and run_id_file.exists() else None
-    logger = instantiate(cfg.logger, run_id=run_id)
+    try:
+        logger = instantiate(cfg.logger, run_id=run_id)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, TrackingUnavailable):  # a store that cannot be opened: its own message
+            raise err.__cause__ from err.__cause__.__cause__
+        raise
     if is_rank_zero() and isinstance(logger, ResilientMLFlowLogger):
         logger.check_reachable()
     if is_rank_zero() and isinstance(logger, MLFlowLogger):
@@ -52,6 +60,10 @@ def make_logger(cfg: DictConfig, run_dir: Path | None) -> MLFlowLogger | None:
         if run_id_file is not None and rid != run_id:
             run_id_file.parent.mkdir(parents=True, exist_ok=True)
             run_id_file.write_text(rid)
+        superseded = run_dir / SUPERSEDED if run_dir else None
+        if superseded is not None and superseded.exists():
+            _end_superseded(client, superseded.read_text().strip(), rid)
+            superseded.unlink()
         old = getattr(logger, "replaced_run_id", None)
         if old:  # the store lost the run (a deleted or replaced mlflow.db): the resumed training gets a new one
             client.set_tag(rid, "flowlm.previous_mlflow_run_id", old)
@@ -70,6 +82,17 @@ def make_logger(cfg: DictConfig, run_dir: Path | None) -> MLFlowLogger | None:
         client.log_text(rid, OmegaConf.to_yaml(cfg, resolve=True), "config/resolved.yaml")
         logger.log_hyperparams(run_params(cfg))
     return logger
+
+
+def _end_superseded(client, old: str, new: str) -> None:
+    """End the MLflow run of a launch killed before its first checkpoint (left RUNNING: a SIGKILL ends nothing)
+    that a launch with other settings replaced; a run that ended (FAILED, KILLED) keeps its status."""
+    try:
+        if old and old != new and client.get_run(old).info.status == "RUNNING":
+            client.set_tag(old, ERROR_TAG, f"killed before its first checkpoint; superseded by MLflow run {new}")
+            client.set_terminated(old, "KILLED")
+    except Exception as err:  # noqa: BLE001 - another store, a deleted run: nothing to end
+        log.info("could not end the superseded MLflow run %s: %s", old, err)
 
 
 def run_tags(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, str]:
@@ -124,6 +147,15 @@ def trial_params(cfg: DictConfig) -> dict[str, str]:
     return params
 
 
+def _describe_error(err: BaseException) -> str:
+    """``type: message``; Lightning ends a Ctrl-C (SIGINT) with ``SystemExit(1)`` raised while handling it."""
+    if isinstance(err, KeyboardInterrupt) or (
+        isinstance(err, SystemExit) and isinstance(err.__context__, KeyboardInterrupt)
+    ):
+        return "KeyboardInterrupt: interrupted (Ctrl-C or SIGINT); the same command resumes from the last checkpoint"
+    return f"{type(err).__name__}: {err}"
+
+
 def record_error(logger: MLFlowLogger, err: BaseException | None) -> None:
     """End the logger's MLflow run FAILED (KILLED for an interrupt) with ``err`` in the tag ``flowlm.error``
     (type and message, truncated); with None, drop the tag that an earlier failed launch of the run left.
@@ -134,7 +166,7 @@ def record_error(logger: MLFlowLogger, err: BaseException | None) -> None:
             if ERROR_TAG in client.get_run(run_id).data.tags:
                 client.delete_tag(run_id, ERROR_TAG)
             return
-        client.set_tag(run_id, ERROR_TAG, f"{type(err).__name__}: {err}"[:MAX_VALUE])
+        client.set_tag(run_id, ERROR_TAG, _describe_error(err)[:MAX_VALUE])
         client.set_terminated(run_id, "FAILED" if isinstance(err, Exception) else "KILLED")
     except Exception as failure:  # noqa: BLE001
         message = f"could not record the run's outcome in MLflow ({type(failure).__name__}: {failure})"

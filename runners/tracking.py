@@ -4,9 +4,13 @@ away. Lightning's MLFlowLogger raises in both cases and takes the training run d
 from __future__ import annotations
 
 import functools
+import glob
 import os
+import socket
+import sqlite3
 import warnings
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
@@ -19,6 +23,69 @@ PARAM_LIMIT = 250  # Lightning's MLFlowLogger truncates parameter values to this
 
 class TrackingUnavailable(RuntimeError):
     """The tracking store could not be reached when the run started."""
+
+
+def create_sqlite_store(path: str | os.PathLike) -> None:
+    """Make a new SQLite tracking store at ``path`` with its whole schema, atomically.
+
+    MLflow creates a store's tables and then applies its schema migrations one by one, not in one transaction: a
+    launch killed in between leaves a store that every later launch fails to open ("table scorers already
+    exists"). Here the schema is made in a hidden temporary file beside ``path``, which is then hard-linked into
+    place: ``path`` is absent or complete. A store that exists, or that another process links first, is kept.
+    Where the filesystem has no hard links MLflow creates the store itself, as before.
+    """
+    from mlflow import MlflowClient
+
+    target = Path(path)
+    _remove_dead_inits(target)
+    if target.exists():
+        return
+    tmp = target.with_name(f".{target.name}.init-{socket.gethostname()}-{os.getpid()}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp.unlink(missing_ok=True)
+        MlflowClient(f"sqlite:///{tmp}").search_experiments(max_results=1)  # creates and migrates the schema
+        os.link(tmp, target)
+    except FileExistsError:  # another launch made it meanwhile: theirs is complete too
+        pass
+    except Exception:  # noqa: BLE001 - no hard links, a read-only folder: MLflow opens (or refuses) it as before
+        pass
+    finally:
+        for leftover in (tmp, *(tmp.with_name(tmp.name + end) for end in ("-journal", "-wal", "-shm"))):
+            try:
+                leftover.unlink(missing_ok=True)
+            except OSError:
+                pass
+
+
+def _remove_dead_inits(target: Path) -> None:
+    """Remove the temporary stores (and their SQLite journals) of killed creations of ``target`` by processes of this
+    host that have ended."""
+    prefix = f".{target.name}.init-{socket.gethostname()}-"
+    try:
+        found = [(p, p.name[len(prefix) :].split("-")[0]) for p in target.parent.glob(f"{glob.escape(prefix)}*")]
+    except OSError:
+        return
+    for path, pid in found:  # the store and SQLite's -journal / -wal / -shm files beside it
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
+        except OSError:  # alive (another user's) or unknowable: leave it
+            continue
+
+
+def _count_runs(path: str) -> str:
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as con:
+            return f"{con.execute('SELECT count(*) FROM runs').fetchone()[0]} run(s)"
+    except sqlite3.Error:
+        return "no readable runs table"
 
 
 class ResilientMLFlowLogger(MLFlowLogger):
@@ -38,7 +105,23 @@ class ResilientMLFlowLogger(MLFlowLogger):
     """
 
     def __init__(self, *args: Any, resilient: bool = True, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        uri = kwargs.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or ""
+        store_file = uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else None
+        if store_file:
+            create_sqlite_store(store_file)
+        try:
+            super().__init__(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - a local store that MLflow cannot open, whatever the reason
+            if not store_file or not os.path.exists(store_file):
+                raise
+            reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            raise TrackingUnavailable(
+                f"the MLflow store {store_file} cannot be opened ({reason}); it holds "
+                f"{_count_runs(store_file)}. A launch killed while MLflow created or upgraded its tables leaves a "
+                "store like this. If it holds nothing you need, move it away and relaunch (a new store is made); "
+                f"otherwise back it up and run `mlflow db upgrade sqlite:///{store_file}`, or track elsewhere with "
+                "logger.tracking_uri=sqlite:///<other path>/mlflow.db (or logger=none)."
+            ) from err
         self.resilient = resilient
         self.failures = 0
         self.failed_calls: Counter[str] = Counter()

@@ -95,6 +95,25 @@ def test_a_run_that_failed_before_its_first_checkpoint_does_not_block_other_sett
     assert (run_dir / "mlflow_run_id").read_text() == result["mlflow_run_id"]
 
 
+def test_a_run_killed_before_its_first_checkpoint_is_ended_when_other_settings_replace_it(runs_env, monkeypatch):
+    with monkeypatch.context() as patch:
+        _fail_first_step(patch)
+        with pytest.raises(RuntimeError, match="boom"):
+            train(compose_config(overrides=RUN))
+    (killed,) = _runs(runs_env)
+    client = MlflowClient(f"sqlite:///{runs_env / 'runs' / 'mlflow.db'}")
+    client.update_run(killed.info.run_id, status="RUNNING")  # what a SIGKILL leaves: nothing ended the run
+    result = train(compose_config(overrides=[*RUN, "backbone.n_layers=1"]))
+    old, new = _runs(runs_env)
+    assert old.info.run_id == killed.info.run_id and old.info.status == "KILLED"  # was: RUNNING for ever
+    assert (
+        old.data.tags["flowlm.error"]
+        == f"killed before its first checkpoint; superseded by MLflow run {new.info.run_id}"
+    )
+    assert new.info.run_id == result["mlflow_run_id"] and new.info.status == "FINISHED"
+    assert not (Path(result["run_dir"]) / "mlflow_run_id.superseded").exists()
+
+
 def test_the_same_settings_continue_the_failed_mlflow_run_and_clear_its_error(runs_env, monkeypatch):
     with monkeypatch.context() as patch:
         _fail_first_step(patch)
@@ -123,6 +142,26 @@ def test_a_run_failing_after_training_is_failed_in_mlflow_with_its_error(runs_en
         evaluate(compose_config("eval", overrides=[f"ckpt_path={ckpt}", "eval.nfe=[2]", "eval.max_batches=1"]))
     _, evaluation = _runs(runs_env)
     assert evaluation.info.status == "FAILED" and evaluation.data.tags["flowlm.error"] == "KeyError: 'no such column'"
+
+
+def test_an_interrupted_run_is_killed_in_mlflow_saying_so(runs_env, monkeypatch):
+    import signal
+
+    def interrupt(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(MDMModule, "mdm_loss", interrupt)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):  # Lightning's graceful shutdown: SystemExit(1) while handling the Ctrl-C
+            train(compose_config(overrides=RUN))
+    finally:
+        signal.signal(signal.SIGINT, handler)  # Lightning ignores further Ctrl-Cs from then on
+    (run,) = _runs(runs_env)
+    assert run.info.status == "KILLED"
+    assert run.data.tags["flowlm.error"].startswith(
+        "KeyboardInterrupt: interrupted (Ctrl-C or SIGINT)"
+    )  # was: SystemExit: 1
 
 
 # ------------------------------------------------------------------ checkpoint folders

@@ -170,6 +170,19 @@ def test_mdm_initialisation_copies_weights_and_reproduces_the_mdm():
         ).initialise_from(mdm.state_dict())
 
 
+@pytest.mark.parametrize(
+    ("source_layers", "own_layers", "what"), [(2, 1, "no counterpart here"), (1, 2, "source lacks")]
+)
+def test_initialising_from_an_mdm_of_another_depth_is_refused(source_layers, own_layers, what):
+    # was: a 4-block MDM into a 1-block FMLM+ copied block 0 and dropped the others without a word (and a deeper
+    # FMLM+ kept its extra blocks random), as the width check looked only at tensors present in both
+    v, length = 6, 8
+    mdm = MDMModule(data_vocab_size=v, seq_len=length, backbone={**BACKBONE, "n_layers": source_layers}, optim={})
+    flow = FMLMPlusModule(data_vocab_size=v, seq_len=length, backbone={**BACKBONE, "n_layers": own_layers}, optim={})
+    with pytest.raises(ValueError, match=f"another backbone size: .*{what} \\(blocks\\.1\\."):
+        flow.initialise_from(mdm.state_dict())
+
+
 class _Recorder:
     """A random two-time 'network' whose output depends on its input; records every call."""
 

@@ -4,6 +4,8 @@ from another working directory."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -104,6 +106,54 @@ def test_unreachable_tracking_server_is_reported_before_compute(runs_env):
     cfg = compose_config(overrides=[*RUN, "logger.tracking_uri=http://127.0.0.1:9"])
     with pytest.raises(TrackingUnavailable, match="127.0.0.1:9.*not reachable.*logger=none"):
         train(cfg)
+    assert not list((runs_env / "runs").glob("**/*.ckpt"))
+
+
+# A process that opens a new SQLite store and is SIGKILLed half-way through MLflow's schema migrations (as a
+# Ctrl-\\ or an out-of-memory kill of a first launch would): one migration's table made, the version not recorded.
+KILLED_MIDWAY = """
+import os, signal, sys
+import mlflow.store.db.utils as db_utils
+
+def half_upgrade(engine):
+    with engine.begin() as connection:
+        connection.exec_driver_sql("CREATE TABLE scorers (id INTEGER)")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+db_utils._upgrade_db = half_upgrade
+from {module} import {cls}
+{cls}({args})
+"""
+
+
+def _killed_while_creating(store: Path, module: str, cls: str, args: str) -> None:
+    code = KILLED_MIDWAY.format(module=module, cls=cls, args=args.format(uri=f"sqlite:///{store}"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == -9, done.stderr[-2000:]
+
+
+def test_a_launch_killed_while_creating_the_store_leaves_no_half_made_store(runs_env):
+    store = runs_env / "runs" / "mlflow.db"
+    _killed_while_creating(
+        store, "runners.tracking", "ResilientMLFlowLogger", "experiment_name='x', tracking_uri='{uri}'"
+    )
+    # was: a store with half its schema, which every later launch failed to open ("table scorers already exists")
+    assert not store.exists()
+    assert list(store.parent.glob(".mlflow.db.init-*"))  # the killed process's temporary store
+    (store.parent / f"{next(store.parent.glob('.mlflow.db.init-*')).name}-journal").write_bytes(b"x")  # SQLite's
+    assert train(compose_config(overrides=[*RUN, "trainer.max_steps=1", "trainer.val_check_interval=1"]))["rows"]
+    assert not list(store.parent.glob(".mlflow.db.init-*"))  # removed by the next launch: its process is gone
+    (run,) = mlflow.MlflowClient(f"sqlite:///{store}").search_runs(["1"])
+    assert run.info.status == "FINISHED"
+
+
+def test_a_half_made_store_is_refused_before_compute_saying_what_to_do(runs_env):
+    store = runs_env / "runs" / "mlflow.db"
+    store.parent.mkdir(parents=True)
+    _killed_while_creating(store, "mlflow", "MlflowClient", "'{uri}'")  # MLflow's own creation, not atomic
+    assert store.exists()
+    with pytest.raises(TrackingUnavailable, match=rf"store {store} cannot be opened .*holds 0 run\(s\).*move it away"):
+        train(compose_config(overrides=RUN))  # was: OperationalError('... table scorers already exists')
     assert not list((runs_env / "runs").glob("**/*.ckpt"))
 
 

@@ -263,6 +263,8 @@ def test_fmlm_plus_refuses_wrong_mdm_sources(trained, runs_env):
     base = ["experiment=sudoku_fmlmp_init_uncond_tiny", *FAST, "logger=none", f"method.init_from={mdm_ckpt}"]
     with pytest.raises(ValueError, match="another backbone size"):
         train(compose_config(overrides=[*base, "backbone.d_model=64"]))
+    with pytest.raises(ValueError, match="another backbone size: .*no counterpart here"):  # was: trained on 1 of 4
+        train(compose_config(overrides=[*base, "backbone.n_layers=1"]))
     with pytest.raises(ValueError, match="vocabulary of 6 data tokens, this run has 4"):
         train(compose_config(overrides=[*base, "data.box_rows=2", "data.box_cols=2", "data.num_train=64"]))
     flow = train(compose_config(overrides=["experiment=sudoku_fmlmp_scratch_uncond_tiny", *FAST, "logger=none"]))

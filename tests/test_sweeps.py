@@ -2,6 +2,8 @@
 failed and the sweep goes on; a wrong objective is refused before compute."""
 
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -223,6 +225,29 @@ def test_every_search_names_keys_of_its_config(entry, search, overrides, runs_en
     assert Path(cfg.hydra.sweep.dir).name == cfg.sweep.name
     if "study_name" in sweeper:
         assert sweeper.study_name == cfg.sweep.name and sweeper.storage.startswith("sqlite:///")
+
+
+def _documented_sweeps() -> list[tuple[str, list[str]]]:
+    """The `flowlm-* -m` commands in the comments of conf/hparams_search/ (continuation lines joined)."""
+    commands = []
+    for path in sorted(Path(CONF_DIR, "hparams_search").glob("*.yaml")):
+        text = "\n".join(line.lstrip("# ") for line in path.read_text().splitlines() if line.startswith("#"))
+        for command in re.findall(r"flowlm-(?:train|eval) -m (?:[^\n]*\\\n)*[^\n]*", text.replace("\\\n", " ")):
+            commands.append((path.name, shlex.split(command.split("   #")[0])[2:]))
+    return commands
+
+
+def test_the_documented_sweep_commands_parse_as_sweeps():
+    # was: optuna.yaml documented 'hydra.sweeper.params.method.optim.lr=tag(log, interval(...))', which Hydra refuses
+    # ("Sweeping over Hydra's configuration is not supported"): the search space goes on the command line as the key
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    documented = _documented_sweeps()
+    assert len(documented) >= 6
+    parser = OverridesParser.create()
+    for name, overrides in documented:
+        for override in parser.parse_overrides(overrides):
+            assert not (override.is_sweep_override() and override.key_or_group.startswith("hydra.")), (name, override)
 
 
 def test_an_optuna_sweep_without_objective_is_refused():
