@@ -4,7 +4,7 @@ the tags and params the run carries (``run_tags``, ``run_params``; a sweep trial
 same builders.
 
 Tags of every run: ``mlflow.source.git.commit``, ``flowlm.name``, ``flowlm.run_dir`` (a training run), and
-``flowlm.error`` on a failed one. A sweep trial adds (documented in the README, read by ``analysis/``):
+``flowlm.error`` on a failed one. A sweep trial adds (documented in docs/sweeps.md, read by ``analysis/``):
 
 - ``flowlm.sweep``: the sweep's name (``sweep.name``; also its folder under ``<runs>/sweeps/`` and its Optuna study)
 - ``flowlm.trial``: Hydra's job number within this launch; ``flowlm.trial_id``: the trial's folder (stable)

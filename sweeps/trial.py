@@ -2,7 +2,7 @@
 
 A multirun (``flowlm-train -m``, ``flowlm-eval -m``) calls the console script's task once per trial; ``run_trial``
 wraps that call. ``join_sweep`` records in ``cfg.sweep`` the facts a trial's MLflow tags and params hold (built in
-runners/mlflow_run.py, documented in the README, read by ``analysis/``); a failed trial's run is FAILED with
+runners/mlflow_run.py, documented in docs/sweeps.md, read by ``analysis/``); a failed trial's run is FAILED with
 ``flowlm.error``, and metrics ``sweep/objective_<i>`` hold its objective values.
 """
 
