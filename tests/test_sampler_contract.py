@@ -217,16 +217,18 @@ def test_every_sampler_is_exported_and_every_yaml_targets_the_package():
         )
 
 
-def test_a_sampler_without_a_valid_confidence_kind_is_refused_where_it_is_defined():
-    def sample(self, model, *, prompt, prompt_mask, nfe, generator):
-        raise NotImplementedError
+def _never_sampled(self, model, *, prompt, prompt_mask, nfe, generator):
+    """The ``__call__`` of the throwaway Sampler classes below, which are only defined and inspected."""
+    raise AssertionError("these test classes are never called")
 
+
+def test_a_sampler_without_a_valid_confidence_kind_is_refused_where_it_is_defined():
     with pytest.raises(TypeError, match="must declare confidence_kind"):
-        type("Undeclared", (Sampler,), {"family": "mdm", "__call__": sample})
+        type("Undeclared", (Sampler,), {"family": "mdm", "__call__": _never_sampled})
     with pytest.raises(TypeError, match="must be one of"):
-        type("Misspelt", (Sampler,), {"family": "mdm", "__call__": sample, "confidence_kind": "a_priori"})
+        type("Misspelt", (Sampler,), {"family": "mdm", "__call__": _never_sampled, "confidence_kind": "a_priori"})
     base = type("AbstractBase", (Sampler,), {})  # no __call__ yet: a base for other samplers, allowed
-    declared = type("Declared", (base,), {"__call__": sample, "confidence_kind": "a-priori"})
+    declared = type("Declared", (base,), {"__call__": _never_sampled, "confidence_kind": "a-priori"})
     assert declared().confidence_kind == "a-priori"
 
 
@@ -234,11 +236,8 @@ def test_the_evaluation_reads_the_declared_kind_and_refuses_a_bad_one():
     from callbacks.sampling_eval import SamplingEvaluation, confidence_kind
     from callbacks.sudoku_metric import SudokuMetric
 
-    def sample(self, model, *, prompt, prompt_mask, nfe, generator):
-        raise NotImplementedError
-
     kind = property(lambda self: self.kind)
-    sampler = type("Settable", (Sampler,), {"family": "flow", "__call__": sample, "confidence_kind": kind})()
+    sampler = type("Settable", (Sampler,), {"family": "flow", "__call__": _never_sampled, "confidence_kind": kind})()
     sampler.kind = "a-posteriori"
     assert confidence_kind(sampler) == "a-posteriori"
     sampler.kind = "posterior"

@@ -43,9 +43,18 @@ class OneHotSpace:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
+    @property
+    def width(self) -> int:
+        """|V|: the dimension of the draws ε."""
+        return self.vocab_size
+
     def noise(self, shape: tuple[int, int], generator: torch.Generator | None, device) -> Tensor:
         """ε (B, L, |V|)."""
         return torch.randn((*shape, self.vocab_size), generator=generator, device=device, dtype=torch.float64).float()
+
+    def project(self, z: Tensor) -> Tensor:
+        """Standard normal draws ε (…, |V|) as noise: ε itself."""
+        return z
 
     def data(self, tokens: Tensor) -> Tensor:
         """onehot(y) (B, L, |V|)."""
@@ -143,6 +152,11 @@ class GaussianFlowProcess(NoiseProcess):
     space: EmbeddingSpace | None = None
 
     @property
+    def states(self) -> OneHotSpace | EmbeddingSpace:
+        """The state space: over the vocabulary unless an embedding ``space`` is given."""
+        return self.space if self.space is not None else OneHotSpace(self.vocab_size)
+
+    @property
     def embedded(self) -> bool:
         """Whether states are h = x·E (the network reads them with ``embedded=True``)."""
         return self.space is not None
@@ -158,29 +172,23 @@ class GaussianFlowProcess(NoiseProcess):
         embeddings: Tensor | None = None,
     ) -> NoisedBatch:
         """x_t = (1 − t)·ε + t·onehot(y) off ``keep``, the exact one-hot on it; times (B, L) per token or (B,).
-        ``draws``: ε (B, L, |V|) when the caller drew it, else drawn from ``generator``. In the embedding space:
-        (1 − t)·z·R + t·E[y], ``draws`` the standard normal z (B, L, d)."""
-        if self.space is not None:
-            clean = self.space.data(tokens)
-            if draws is None:
-                draws = torch.randn(clean.shape, generator=generator, device=tokens.device)
-            draws = self.space.project(draws)
-        else:
-            clean = one_hot(tokens, self.vocab_size)
-            if draws is None:
-                draws = torch.randn(clean.shape, generator=generator, device=tokens.device)
+        ``draws``: the standard normal draws (``draw_shape``) when the caller drew them, else drawn (float32) from
+        ``generator``. In the embedding space: (1 − t)·z·R + t·E[y], the draws being z (B, L, d)."""
+        space = self.states
+        clean = space.data(tokens)
+        if draws is None:
+            draws = torch.randn(self.draw_shape(tokens), generator=generator, device=tokens.device)
         times = times if times.dim() == tokens.dim() else times[:, None]
-        return NoisedBatch(
-            state=torch.where(keep[..., None], clean, noisy_state(clean, draws, times)), clean=clean, noised=~keep
-        )
+        noisy = noisy_state(clean, space.project(draws), times)
+        return NoisedBatch(state=torch.where(keep[..., None], clean, noisy), clean=clean, noised=~keep)
 
     def draw_shape(self, tokens: Tensor) -> tuple[int, ...]:
         """The shape of the standard normal draws ``noise`` reads: (B, L, |V|), or (B, L, d) in the embedding space."""
-        return (*tokens.shape, self.vocab_size if self.space is None else self.space.width)
+        return (*tokens.shape, self.states.width)
 
     def flow_map(self, x: Tensor, delta: Tensor, s: Tensor, t: Tensor) -> Tensor:
         """X_{s,t}(x) (``flow_map``), δ a point of the simplex (lifted to δ·E in the embedding space)."""
-        return flow_map(x, delta if self.space is None else self.space.lift(delta), s, t)
+        return flow_map(x, self.states.lift(delta), s, t)
 
 
 def split_counts(global_batch: int, *, diagonal: float = 0.5, boundary: float = 1 / 64, distill: float = 0.0):
