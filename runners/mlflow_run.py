@@ -156,6 +156,13 @@ def _describe_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
+def end_with_error(client, run_id: str, err: BaseException) -> None:
+    """End the MLflow run FAILED (KILLED for an interrupt) with ``err`` in the tag ``flowlm.error`` (type and
+    message, truncated): a failed training run (``record_error``) or sweep trial (sweeps/trial.py)."""
+    client.set_tag(run_id, ERROR_TAG, _describe_error(err)[:MAX_VALUE])
+    client.set_terminated(run_id, "FAILED" if isinstance(err, Exception) else "KILLED")
+
+
 def record_error(logger: MLFlowLogger, err: BaseException | None) -> None:
     """End the logger's MLflow run FAILED (KILLED for an interrupt) with ``err`` in the tag ``flowlm.error``
     (type and message, truncated); with None, drop the tag that an earlier failed launch of the run left.
@@ -166,8 +173,7 @@ def record_error(logger: MLFlowLogger, err: BaseException | None) -> None:
             if ERROR_TAG in client.get_run(run_id).data.tags:
                 client.delete_tag(run_id, ERROR_TAG)
             return
-        client.set_tag(run_id, ERROR_TAG, _describe_error(err)[:MAX_VALUE])
-        client.set_terminated(run_id, "FAILED" if isinstance(err, Exception) else "KILLED")
+        end_with_error(client, run_id, err)
     except Exception as failure:  # noqa: BLE001
         message = f"could not record the run's outcome in MLflow ({type(failure).__name__}: {failure})"
         warnings.warn(message, RuntimeWarning, stacklevel=2)

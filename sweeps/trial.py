@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from runners.common import release_run_dir
 from runners.experiment_kind import mark_model_training
-from runners.mlflow_run import ERROR_TAG, MAX_VALUE, run_tags, trial_params
+from runners.mlflow_run import ERROR_TAG, MAX_VALUE, end_with_error, run_tags, trial_params
 from sweeps.objectives import ObjectiveError, objective_keys, objective_values, parse_key
 
 log = logging.getLogger(__name__)
@@ -174,8 +174,7 @@ def record_failure(cfg: DictConfig, err: BaseException) -> None:
             run_id = client.create_run(experiment_id, run_name=cfg.logger.run_name, tags=tags).info.run_id
             for key, value in trial_params(cfg).items():
                 client.log_param(run_id, key, value)
-        client.set_tag(run_id, ERROR_TAG, f"{type(err).__name__}: {err}"[:MAX_VALUE])
-        client.set_terminated(run_id, "FAILED")
+        end_with_error(client, run_id, err)
     except Exception:  # the sweep must go on even when the tracking store cannot take the record
         log.exception("could not record the failed trial in MLflow")
 
