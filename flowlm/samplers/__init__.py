@@ -6,6 +6,7 @@ from flowlm.samplers.block_flow import BlockFlowSampler
 from flowlm.samplers.flow_map import FlowMapSampler
 from flowlm.samplers.mdm_ancestral import AncestralSampler
 from flowlm.samplers.mdm_confidence import ConfidenceSampler
+from flowlm.samplers.mdm_semi_ar import SemiARConfidenceSampler
 from flowlm.samplers.mlfm import BridgeDenoiser, MLFMSampler
 from flowlm.samplers.posterior_refinement import PosteriorRefinementSampler
 
@@ -24,4 +25,5 @@ __all__ = [
     "PosteriorRefinementSampler",
     "SampleOutput",
     "Sampler",
+    "SemiARConfidenceSampler",
 ]

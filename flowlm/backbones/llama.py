@@ -1,0 +1,173 @@
+"""Bidirectional LLaMA-style MDM backbone (SMDM, LLaDA, Dream) on transformers' Llama / Qwen2 decoders.
+
+The decoder is transformers' own ``LlamaModel`` / ``Qwen2Model`` built with ``is_causal=False`` (transformers 5.x
+then builds a bidirectional mask; docs/pretrained.md "LLaMA-family MDMs"), plus an untied output head whose row
+count may differ from the embedding's (SMDM: the [MASK] row exists in the embedding only). Call contract as the
+DiT's (``forward(x, s, t=None) → logits``): token ids or vectors over the embedding rows in, logits out; the times are
+accepted and ignored, since these MDMs are time-agnostic.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from torch import Tensor, nn
+from transformers import LlamaConfig, LlamaModel, Qwen2Config, Qwen2Model
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+from flowlm.samplers.base import MaskedDenoiser
+
+# arch → (config class, decoder class, rotary class). Qwen2 has q/k/v biases (Dream); Llama has none (SMDM, LLaDA).
+ARCHS: dict[str, tuple[type, type, type]] = {
+    "llama": (LlamaConfig, LlamaModel, LlamaRotaryEmbedding),
+    "qwen2": (Qwen2Config, Qwen2Model, Qwen2RotaryEmbedding),
+}
+
+
+class BidirectionalLM(nn.Module):
+    """transformers' Llama/Qwen2 decoder run bidirectionally + an untied head: ``forward(x, s, t) → logits``.
+
+    embed_rows: rows of the token embedding (every input id, [MASK] included); head_rows: logits per position
+    (SMDM: embed_rows − 1, no [MASK] logit; LLaDA/Dream: equal, [MASK] inside the vocabulary).
+    shift_logits: Dream's convention, the prediction for position i is the raw output at i − 1 (position 0 keeps
+    its own): ``logits = cat(raw[:, :1], raw[:, :-1])``.
+    """
+
+    def __init__(
+        self,
+        *,
+        arch: str = "llama",
+        embed_rows: int,
+        head_rows: int,
+        hidden_size: int,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        intermediate_size: int,
+        rope_theta: float = 10_000.0,
+        rms_norm_eps: float = 1e-5,
+        max_positions: int = 4096,
+        mask_id: int,
+        shift_logits: bool = False,
+        attn_implementation: str = "sdpa",
+        device: str | torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        if arch not in ARCHS:
+            raise ValueError(f"unknown arch {arch!r}; known: {sorted(ARCHS)}")
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if hidden_size % n_heads or n_heads % n_kv_heads:
+            raise ValueError(
+                f"need hidden_size % n_heads == 0 and n_heads % n_kv_heads == 0; got {hidden_size}, {n_heads}, "
+                f"{n_kv_heads}"
+            )
+        if not 0 <= mask_id < embed_rows or not 1 <= head_rows <= embed_rows:
+            raise ValueError(
+                f"need 0 ≤ mask_id < embed_rows and 1 ≤ head_rows ≤ embed_rows; got mask_id={mask_id}, "
+                f"embed_rows={embed_rows}, head_rows={head_rows}"
+            )
+        config_cls, model_cls, self._rotary_cls = ARCHS[arch]
+        self.spec = {
+            "arch": arch,
+            "embed_rows": embed_rows,
+            "head_rows": head_rows,
+            "hidden_size": hidden_size,
+            "n_layers": n_layers,
+            "n_heads": n_heads,
+            "n_kv_heads": n_kv_heads,
+            "intermediate_size": intermediate_size,
+            "rope_theta": float(rope_theta),
+            "rms_norm_eps": float(rms_norm_eps),
+            "max_positions": max_positions,
+            "mask_id": mask_id,
+            "shift_logits": shift_logits,
+        }
+        self.config = config_cls(
+            vocab_size=embed_rows,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=n_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=n_kv_heads,
+            hidden_act="silu",
+            max_position_embeddings=max_positions,
+            rms_norm_eps=rms_norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
+            tie_word_embeddings=False,
+            pad_token_id=None,  # no padding_idx row in the embedding
+            use_cache=False,
+            is_causal=False,  # bidirectional attention: create_causal_mask → create_bidirectional_mask
+            attn_implementation=attn_implementation,
+        )
+        self.mask_id = mask_id
+        self.vocab_size = embed_rows  # what continuous inputs (B, L, embed_rows) are read against
+        self.head_rows = head_rows
+        self.shift_logits = shift_logits
+        self.d_model = hidden_size
+        with torch.device(device) if device is not None else nullcontext():
+            self.model = model_cls(self.config)
+            self.lm_head = nn.Linear(hidden_size, head_rows, bias=False)
+
+    @classmethod
+    def from_state(cls, spec: dict, state: dict[str, Tensor], dtype: torch.dtype | None = None) -> BidirectionalLM:
+        """A model of ``spec`` holding ``state`` (this class's names: ``model.*``, ``lm_head.weight``), built on the
+        meta device and filled strictly without a random initialisation (8 B parameters load without a copy)."""
+        model = cls(**spec, device="meta")
+        if dtype is not None:
+            state = {key: value.to(dtype) for key, value in state.items()}
+        model.load_state_dict(state, strict=True, assign=True)
+        model.materialize_rotary()
+        return model.eval()
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers (FSDP2 shards each, adapters wrap each)."""
+        return self.model.layers
+
+    def materialize_rotary(self, device: str | torch.device = "cpu") -> None:
+        """Rebuild the RoPE inverse-frequency buffers (non-persistent, so a meta-device build loaded with
+        ``load_state_dict(assign=True)`` leaves them on the meta device)."""
+        with torch.device(device):
+            self.model.rotary_emb = self._rotary_cls(config=self.config)
+
+    def input_embeddings(self, x: Tensor) -> Tensor:
+        """Token ids → E[x]; vectors over the embedding rows (B, L, embed_rows) → x·E."""
+        weight = self.model.embed_tokens.weight
+        if not x.is_floating_point():
+            return self.model.embed_tokens(x)
+        if x.shape[-1] != self.vocab_size:
+            raise ValueError(f"continuous input has last dim {x.shape[-1]}, expected embed_rows={self.vocab_size}")
+        return x.to(weight.dtype) @ weight
+
+    def forward(
+        self, x: Tensor, s: Tensor | None = None, t: Tensor | None = None, *, attention_mask: Tensor | None = None
+    ) -> Tensor:
+        """Logits (B, L, head_rows) for ids or vectors x; ``s``/``t`` are ignored (a time-agnostic MDM);
+        ``attention_mask`` (B, L), 1 = attend, keeps padded keys out (LLaDA's released snapshot attends to all)."""
+        return self.forward_embeddings(self.input_embeddings(x), attention_mask=attention_mask)
+
+    def forward_embeddings(self, h: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
+        """Logits for inputs given as embeddings h (B, L, d), with the source's shift convention applied."""
+        if h.shape[1] > self.spec["max_positions"]:
+            raise ValueError(f"sequence length {h.shape[1]} exceeds max_positions={self.spec['max_positions']}")
+        out = self.model(inputs_embeds=h, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return shift_logits(self.lm_head(out)) if self.shift_logits else self.lm_head(out)
+
+    def token_logits(self, x: Tensor) -> Tensor:
+        """Logits over the head's tokens with the [MASK] logit (when the head has one) at −∞: a sampler never
+        proposes [MASK] (MDLM's SUBS zero-masking; LLaDA/Dream keep [MASK] inside their vocabulary)."""
+        logits = self(x)
+        if self.mask_id < self.head_rows:
+            logits = logits.index_fill(-1, torch.tensor([self.mask_id], device=logits.device), -torch.inf)
+        return logits
+
+    def denoiser(self) -> MaskedDenoiser:
+        """This model as the MDM samplers see it (time-agnostic)."""
+        return MaskedDenoiser(fn=lambda x, t: self.token_logits(x), mask_id=self.mask_id, time_conditioned=False)
+
+
+def shift_logits(raw: Tensor) -> Tensor:
+    """Dream's shift: out[:, i] = raw[:, i − 1] for i ≥ 1, out[:, 0] = raw[:, 0] (position 0 is never scored)."""
+    return torch.cat([raw[:, :1], raw[:, :-1]], dim=1)

@@ -1,0 +1,1 @@
+"""Loaders of public pretrained masked diffusion models into the suite's backbones."""

@@ -1,0 +1,151 @@
+"""LLaDA (GSAI-ML/LLaDA-8B-Base/-Instruct, OLMo-derived ``LLaDAModelLM``) → the bidirectional Llama backbone.
+
+Layout (docs/pretrained.md "LLaMA-family MDMs"): a Hugging Face folder with ``config.json`` (OLMo field names) and
+sharded safetensors of ``model.transformer.*`` keys. ``ff_out`` names both a block's MLP down-projection
+(``blocks.{i}.ff_out``) and the untied LM head (``transformer.ff_out``): names are matched whole, never by suffix.
+Logits are not shifted; [MASK] = ``mask_token_id`` (126336) lies inside the vocabulary.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from flowlm.backbones.llama import BidirectionalLM
+from flowlm.pretrained.files import (
+    check_state,
+    checkpoint_files,
+    load_tensors,
+    read_json,
+    resolve_source,
+    tensor_shapes,
+)
+
+# config.json fields whose value this mapping assumes; any other value is refused (a different architecture).
+REQUIRED = {
+    "block_type": "llama",
+    "layer_norm_type": "rms",
+    "activation_type": "silu",
+    "include_bias": False,
+    "attention_layer_norm": False,
+    "weight_tying": False,
+    "alibi": False,
+    "rope": True,
+    "scale_logits": False,
+    "input_emb_norm": False,
+}
+# LLaDA-8B's shapes (config.json of the released snapshot), for `expect=` in conf/backbone/llada_8b.yaml.
+LLADA_8B = {"d_model": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 32, "mlp_hidden_size": 12288}
+
+# block name (after model.transformer.blocks.{i}.) → BidirectionalLM name (after model.layers.{i}.)
+BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "q_proj.weight": "self_attn.q_proj.weight",
+    "k_proj.weight": "self_attn.k_proj.weight",
+    "v_proj.weight": "self_attn.v_proj.weight",
+    "attn_out.weight": "self_attn.o_proj.weight",
+    "ff_norm.weight": "post_attention_layernorm.weight",
+    "ff_proj.weight": "mlp.gate_proj.weight",  # silu(ff_proj(h)) ⊙ up_proj(h)
+    "up_proj.weight": "mlp.up_proj.weight",
+    "ff_out.weight": "mlp.down_proj.weight",  # the block's ff_out; the head's is model.transformer.ff_out
+}
+TOP_NAMES = {
+    "model.transformer.wte.weight": "model.embed_tokens.weight",
+    "model.transformer.ln_f.weight": "model.norm.weight",
+    "model.transformer.ff_out.weight": "lm_head.weight",  # the LM head (untied)
+}
+
+
+def llada_config(config: dict, expect: dict | None = None) -> dict:
+    """The fields the mapping needs from a LLaDA ``config.json``; unsupported architecture options, or a mismatch
+    with ``expect`` (e.g. ``LLADA_8B``), are refused naming the field."""
+    wrong = {key: config.get(key) for key, value in REQUIRED.items() if config.get(key, value) != value}
+    if config.get("include_qkv_bias"):
+        wrong["include_qkv_bias"] = True
+    if wrong:
+        raise ValueError(f"LLaDA config.json has unsupported settings {wrong}; this loader needs {REQUIRED}")
+    d, heads = config["d_model"], config["n_heads"]
+    cfg = {
+        "d_model": d,
+        "n_layers": config["n_layers"],
+        "n_heads": heads,
+        "n_kv_heads": config.get("n_kv_heads") or heads,
+        "mlp_hidden_size": config.get("mlp_hidden_size") or config.get("mlp_ratio", 4) * d,
+        "vocab_rows": config.get("embedding_size") or config["vocab_size"],
+        "rope_theta": float(config.get("rope_theta", 10_000.0)),
+        "rms_norm_eps": float(config.get("rms_norm_eps", 1e-5)),
+        "max_positions": config.get("max_sequence_length", 4096),
+        "mask_id": config.get("mask_token_id", 126336),
+    }
+    bad = {key: (cfg.get(key), value) for key, value in (expect or {}).items() if cfg.get(key) != value}
+    if bad:
+        raise ValueError(f"LLaDA config.json does not match the expected config: {{field: (found, expected)}} {bad}")
+    return cfg
+
+
+def expected_keys(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor name and shape of ``LLaDAModelLM.state_dict()`` for this config."""
+    d, inter, hd = cfg["d_model"], cfg["mlp_hidden_size"], cfg["d_model"] // cfg["n_heads"]
+    kv = cfg["n_kv_heads"] * hd
+    shapes = {
+        "attn_norm.weight": (d,),
+        "q_proj.weight": (d, d),
+        "k_proj.weight": (kv, d),
+        "v_proj.weight": (kv, d),
+        "attn_out.weight": (d, d),
+        "ff_norm.weight": (d,),
+        "ff_proj.weight": (inter, d),
+        "up_proj.weight": (inter, d),
+        "ff_out.weight": (d, inter),
+    }
+    keys = {
+        "model.transformer.wte.weight": (cfg["vocab_rows"], d),
+        "model.transformer.ln_f.weight": (d,),
+        "model.transformer.ff_out.weight": (cfg["vocab_rows"], d),
+    }
+    for i in range(cfg["n_layers"]):
+        keys |= {f"model.transformer.blocks.{i}.{name}": shape for name, shape in shapes.items()}
+    return keys
+
+
+def to_backbone_state(state: dict[str, Tensor], cfg: dict) -> dict[str, Tensor]:
+    """LLaDA tensors → ``BidirectionalLM`` names (whole-name matches: the head's ff_out is not a block's)."""
+    out = {target: state[name] for name, target in TOP_NAMES.items()}
+    for i in range(cfg["n_layers"]):
+        for name, target in BLOCK_NAMES.items():
+            out[f"model.layers.{i}.{target}"] = state[f"model.transformer.blocks.{i}.{name}"]
+    return out
+
+
+def backbone_spec(cfg: dict) -> dict:
+    """The ``BidirectionalLM`` arguments equivalent to a LLaDA config."""
+    return {
+        "arch": "llama",
+        "embed_rows": cfg["vocab_rows"],
+        "head_rows": cfg["vocab_rows"],
+        "hidden_size": cfg["d_model"],
+        "n_layers": cfg["n_layers"],
+        "n_heads": cfg["n_heads"],
+        "n_kv_heads": cfg["n_kv_heads"],
+        "intermediate_size": cfg["mlp_hidden_size"],
+        "rope_theta": cfg["rope_theta"],
+        "rms_norm_eps": cfg["rms_norm_eps"],
+        "max_positions": cfg["max_positions"],
+        "mask_id": cfg["mask_id"],
+        "shift_logits": False,  # position i predicts token i
+    }
+
+
+def load_llada(
+    source: str | Path, *, expect: dict | None = None, dtype: torch.dtype | str | None = None
+) -> BidirectionalLM:
+    """A LLaDA folder (local, or a hub name such as ``GSAI-ML/LLaDA-8B-Base`` from the HF cache) as a bidirectional
+    Llama backbone; config, names and shapes are checked before any tensor is read."""
+    path = resolve_source(source, allow_patterns=["*.json", "*.safetensors"])
+    cfg = llada_config(read_json(path / "config.json"), expect)
+    files = checkpoint_files(path)
+    check_state(tensor_shapes(files), expected_keys(cfg), source=str(path), config="LLaDA config.json")
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return BidirectionalLM.from_state(backbone_spec(cfg), to_backbone_state(load_tensors(files), cfg), dtype)

@@ -1,0 +1,399 @@
+"""LLaMA-family pretrained MDMs (SMDM, LLaDA, Dream): tiny random checkpoints written in each source's on-disk layout
+(names, dtypes, SMDM's per-group interleaved fused QKV, LLaDA/Dream sharded safetensors + index), loaded and compared
+with an independent reference, transformers' Llama/Qwen2ForCausalLM built from the equivalent config with
+is_causal=False and filled by this file's own writer. Tolerance: max |Δlogit| ≤ 1e-4 in float32 (logits ≈ 1)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from flowlm.backbones.llama import BidirectionalLM
+from flowlm.pretrained import smdm
+from flowlm.pretrained.dream import load_dream
+from flowlm.pretrained.files import resolve_source
+from flowlm.pretrained.llada import LLADA_8B, load_llada
+from flowlm.pretrained.smdm import load_smdm
+from flowlm.samplers import ConfidenceSampler, SemiARConfidenceSampler
+
+TOL = 1e-4
+D, LAYERS, HEADS, INTER = 32, 2, 4, 48
+
+
+def _reference(arch: str, vocab: int, kv_heads: int, theta: float, eps: float, d: int = D, inter: int = INTER):
+    """transformers' own causal-LM class, run bidirectionally, with random bf16-representable weights (norm gains
+    too, so a swapped norm shows)."""
+    cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    config = cls(
+        vocab_size=vocab,
+        hidden_size=d,
+        intermediate_size=inter,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=kv_heads,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        rms_norm_eps=eps,
+        tie_word_embeddings=False,
+        is_causal=False,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = model_cls(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn_like(p))
+            p.copy_(p.bfloat16().float())  # the files hold bf16 (LLaDA, Dream): the reference uses the same values
+    return model.eval()
+
+
+def _ids(vocab: int, mask_id: int, length: int = 9) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (2, length), generator=gen)
+    ids[0, 3] = ids[1, -1] = mask_id  # the [MASK] embedding row is read too
+    return ids
+
+
+# ------------------------------------------------------------------------------------------------------ SMDM
+def _smdm_cfg(n_query_groups: int) -> dict:
+    # vocab 61 padded to 64 (lit-gpt find_multiple): [MASK] = 64, wte 65 rows, lm_head 64 rows
+    return {
+        "n_layer": LAYERS,
+        "n_head": HEADS,
+        "n_embd": D,
+        "intermediate_size": INTER,
+        "n_query_groups": n_query_groups,
+        "vocab_size": 61,
+        "padding_multiple": 8,
+        "block_size": 64,
+    }
+
+
+def _write_smdm(path, ref, cfg, *, drop=(), fmt="safetensors"):
+    """The reference's weights in TransEncoder's names; attn.attn rows [q_{g,0..}, k_g, v_g] per group g."""
+    sd = ref.state_dict()
+    hs, groups = D // HEADS, cfg["n_query_groups"]
+    per = HEADS // groups
+    padded = 64
+    out = {
+        "transformer.wte.weight": sd["model.embed_tokens.weight"],
+        "transformer.ln_f.weight": sd["model.norm.weight"],
+        "lm_head.weight": sd["lm_head.weight"][:padded],
+    }
+    for i in range(LAYERS):
+        p, h = f"transformer.h.{i}.", f"model.layers.{i}."
+        q, k, v = (sd[h + f"self_attn.{n}_proj.weight"] for n in "qkv")
+        rows = []
+        for g in range(groups):
+            rows += [q[(g * per + j) * hs : (g * per + j + 1) * hs] for j in range(per)]
+            rows += [k[g * hs : (g + 1) * hs], v[g * hs : (g + 1) * hs]]
+        out |= {
+            p + "attn.attn.weight": torch.cat(rows),
+            p + "attn.proj.weight": sd[h + "self_attn.o_proj.weight"],
+            p + "norm_1.weight": sd[h + "input_layernorm.weight"],
+            p + "norm_2.weight": sd[h + "post_attention_layernorm.weight"],
+            p + "mlp.swiglu.w1.weight": sd[h + "mlp.gate_proj.weight"],
+            p + "mlp.swiglu.w2.weight": sd[h + "mlp.up_proj.weight"],
+            p + "mlp.swiglu.w3.weight": sd[h + "mlp.down_proj.weight"],
+        }
+    out = {k: v.contiguous() for k, v in out.items() if k not in drop}
+    if fmt == "safetensors":
+        save_file(out, str(path))
+    else:  # a fabric training checkpoint
+        torch.save({"model": out, "iter_num": 3, "hparams": {"name": "tiny"}}, path)
+    return path
+
+
+@pytest.mark.parametrize("groups", [2, 4, 1], ids=["gqa", "mha", "mqa"])
+def test_smdm_loads_to_the_reference_logits(tmp_path, groups):
+    cfg = _smdm_cfg(groups)
+    ref = _reference("llama", 65, groups, 1e4, 1e-5)
+    model = load_smdm(_write_smdm(tmp_path / "m.safetensors", ref, cfg), config=cfg)
+    ids = _ids(64, 64)
+    with torch.no_grad():
+        got, want = model(ids), ref(ids).logits[..., :64]  # lm_head has no [MASK] row
+    assert got.shape == (2, 9, 64) and model.mask_id == 64 and model.model.embed_tokens.weight.shape[0] == 65
+    assert (got - want).abs().max() < TOL
+
+
+def test_smdm_pth_training_checkpoint_loads(tmp_path):
+    cfg = _smdm_cfg(2)
+    ref = _reference("llama", 65, 2, 1e4, 1e-5)
+    model = load_smdm(_write_smdm(tmp_path / "m.pth", ref, cfg, fmt="pth"), config=cfg)
+    ids = _ids(64, 64)
+    with torch.no_grad():
+        assert (model(ids) - ref(ids).logits[..., :64]).abs().max() < TOL
+
+
+def test_a_naive_qkv_split_does_not_reproduce_smdm(tmp_path, monkeypatch):
+    """The test above can fail: splitting the fused rows as [Q; K; V] gives garbage logits."""
+    cfg = _smdm_cfg(4)
+    ref = _reference("llama", 65, 4, 1e4, 1e-5)
+    path = _write_smdm(tmp_path / "m.safetensors", ref, cfg)
+
+    def naive(weight, n_head, n_query_groups):
+        hs = weight.shape[0] // (n_head + 2 * n_query_groups)
+        return weight.split([n_head * hs, n_query_groups * hs, n_query_groups * hs])
+
+    monkeypatch.setattr(smdm, "split_fused_qkv", naive)
+    ids = _ids(64, 64)
+    with torch.no_grad():
+        assert (load_smdm(path, config=cfg)(ids) - ref(ids).logits[..., :64]).abs().max() > 0.1
+
+
+def test_smdm_file_with_a_missing_key_or_wrong_shape_is_refused_naming_it(tmp_path):
+    cfg = _smdm_cfg(2)
+    ref = _reference("llama", 65, 2, 1e4, 1e-5)
+    path = _write_smdm(tmp_path / "m.safetensors", ref, cfg, drop=("lm_head.weight",))
+    with pytest.raises(ValueError, match=r"missing 1 keys.*lm_head\.weight"):
+        load_smdm(path, config=cfg)
+    path = _write_smdm(tmp_path / "ok.safetensors", ref, cfg)
+    with pytest.raises(ValueError, match=r"wrong shapes: transformer\.h\.0\.attn\.attn\.weight \(64, 32\)"):
+        load_smdm(path, config={**cfg, "n_query_groups": 4})  # the file was written with 2 groups
+    with pytest.raises(ValueError, match=r"unknown SMDM config"):
+        load_smdm(path, config="1029M")
+
+
+def test_named_smdm_1028m_config_has_the_released_shapes():
+    keys = smdm.expected_keys(smdm.smdm_config("Diff_LLaMA_1028M"))
+    assert keys["transformer.wte.weight"] == (32001, 1792) and keys["lm_head.weight"] == (32000, 1792)
+    assert keys["transformer.h.19.attn.attn.weight"] == (5376, 1792) and "transformer.h.20.norm_1.weight" not in keys
+    assert sum(torch.Size(s).numel() for s in keys.values()) == 1_142_367_744  # pretrained_mdms.md §1 (run)
+
+
+# ------------------------------------------------------------------------------------------------------ LLaDA
+def _llada_config(vocab: int, d: int, inter: int, kv: int) -> dict:
+    return {
+        "d_model": d,
+        "n_layers": LAYERS,
+        "n_heads": HEADS,
+        "n_kv_heads": kv,
+        "mlp_hidden_size": inter,
+        "mlp_ratio": 4,
+        "vocab_size": vocab,
+        "embedding_size": vocab,
+        "max_sequence_length": 64,
+        "rope": True,
+        "rope_theta": 500000.0,
+        "rope_full_precision": True,
+        "rms_norm_eps": 1e-05,
+        "layer_norm_type": "rms",
+        "layer_norm_with_affine": True,
+        "bias_for_layer_norm": False,
+        "include_bias": False,
+        "include_qkv_bias": False,
+        "attention_layer_norm": False,
+        "activation_type": "silu",
+        "block_type": "llama",
+        "block_group_size": 1,
+        "weight_tying": False,
+        "scale_logits": False,
+        "input_emb_norm": False,
+        "alibi": False,
+        "flash_attention": False,
+        "mask_token_id": vocab - 4,
+        "eos_token_id": 1,
+        "pad_token_id": 1,
+        "model_type": "llada",
+        "architectures": ["LLaDAModelLM"],
+    }
+
+
+def _write_shards(folder, tensors: dict, config: dict, n_shards: int = 2):
+    """A Hugging Face folder: config.json, model-0000k-of-0000n.safetensors in bf16 and the index."""
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    keys = list(tensors)
+    weight_map = {}
+    for k in range(n_shards):
+        name = f"model-{k + 1:05d}-of-{n_shards:05d}.safetensors"
+        part = {key: tensors[key].bfloat16().contiguous() for key in keys[k::n_shards]}
+        save_file(part, str(folder / name), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, name)
+    total = sum(2 * t.numel() for t in tensors.values())
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
+    return folder
+
+
+def _write_llada(folder, ref, config):
+    sd = ref.state_dict()
+    out = {
+        "model.transformer.wte.weight": sd["model.embed_tokens.weight"],
+        "model.transformer.ln_f.weight": sd["model.norm.weight"],
+        "model.transformer.ff_out.weight": sd["lm_head.weight"],
+    }
+    names = {
+        "attn_norm": "input_layernorm",
+        "q_proj": "self_attn.q_proj",
+        "k_proj": "self_attn.k_proj",
+        "v_proj": "self_attn.v_proj",
+        "attn_out": "self_attn.o_proj",
+        "ff_norm": "post_attention_layernorm",
+        "ff_proj": "mlp.gate_proj",
+        "up_proj": "mlp.up_proj",
+        "ff_out": "mlp.down_proj",
+    }
+    for i in range(LAYERS):
+        out |= {
+            f"model.transformer.blocks.{i}.{a}.weight": sd[f"model.layers.{i}.{b}.weight"] for a, b in names.items()
+        }
+    return _write_shards(folder, out, config)
+
+
+# "square": vocab = d = MLP width, so the head's ff_out and a block's ff_out have the same shape and only the
+# logits tell them apart.
+@pytest.mark.parametrize(("vocab", "d", "inter", "kv"), [(64, D, INTER, 2), (D, D, D, 4)], ids=["gqa", "square"])
+def test_llada_loads_to_the_reference_logits(tmp_path, vocab, d, inter, kv):
+    ref = _reference("llama", vocab, kv, 5e5, 1e-5, d=d, inter=inter)
+    folder = _write_llada(tmp_path / "llada", ref, _llada_config(vocab, d, inter, kv))
+    model = load_llada(folder, dtype="float32")
+    ids = _ids(vocab, vocab - 4)
+    with torch.no_grad():
+        got, want = model(ids), ref(ids).logits
+    assert model.mask_id == vocab - 4 and not model.shift_logits
+    assert (got - want).abs().max() < TOL
+    assert got[:, 0].sub(model(ids.flip(-1).roll(1, -1))[:, 0]).abs().max() > 1e-3  # bidirectional
+
+
+def test_llada_bad_folders_are_refused_before_loading(tmp_path):
+    ref = _reference("llama", 64, 2, 5e5, 1e-5)
+    config = _llada_config(64, D, INTER, 2)
+    folder = _write_llada(tmp_path / "llada", ref, config)
+    with pytest.raises(ValueError, match=r"'d_model': \(32, 4096\)"):
+        load_llada(folder, expect=LLADA_8B)
+    (folder / "config.json").write_text(json.dumps({**config, "include_bias": True}))
+    with pytest.raises(ValueError, match="unsupported settings.*include_bias"):
+        load_llada(folder)
+    (folder / "config.json").write_text(json.dumps({**config, "mlp_hidden_size": 40}))
+    with pytest.raises(ValueError, match=r"wrong shapes: model\.transformer\.blocks\.0\.ff_out\.weight"):
+        load_llada(folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
+        load_llada(folder)
+
+
+# ------------------------------------------------------------------------------------------------------ Dream
+def _dream_config(vocab: int) -> dict:
+    return {
+        "architectures": ["DreamModel"],
+        "model_type": "Dream",
+        "hidden_size": D,
+        "intermediate_size": INTER,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "vocab_size": vocab,
+        "mask_token_id": vocab - 2,
+        "pad_token_id": 1,
+        "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def test_dream_loads_with_shifted_logits(tmp_path):
+    ref = _reference("qwen2", 64, 2, 1e6, 1e-6)
+    folder = _write_shards(tmp_path / "dream", dict(ref.state_dict()), _dream_config(64))
+    model = load_dream(folder, dtype=torch.float32)
+    ids = _ids(64, 62)
+    with torch.no_grad():
+        got, raw = model(ids), ref(ids).logits
+    assert model.shift_logits and model.mask_id == 62
+    assert (got[:, 1:] - raw[:, :-1]).abs().max() < TOL  # target i is read from output i − 1
+    assert (got[:, 0] - raw[:, 0]).abs().max() < TOL  # position 0 keeps its own (never scored)
+    assert (got[:, 1:] - raw[:, 1:]).abs().max() > 0.1  # the shift is not a no-op here
+
+
+def test_dream_missing_bias_is_refused_naming_it(tmp_path):
+    state = {
+        k: v
+        for k, v in _reference("qwen2", 64, 2, 1e6, 1e-6).state_dict().items()
+        if k != "model.layers.1.self_attn.k_proj.bias"
+    }
+    folder = _write_shards(tmp_path / "dream", state, _dream_config(64))
+    with pytest.raises(ValueError, match=r"missing 1 keys.*model\.layers\.1\.self_attn\.k_proj\.bias"):
+        load_dream(folder)
+
+
+# ------------------------------------------------------------------------------------------------------ sources
+def test_a_hub_name_not_in_the_cache_fails_at_once_saying_how_to_provide_it(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(FileNotFoundError, match="huggingface-cli download GSAI-ML/LLaDA-8B-Base.*local path"):
+        load_llada("GSAI-ML/LLaDA-8B-Base")
+    with pytest.raises(FileNotFoundError, match="nieshen/SMDM mdm_safetensors/x.safetensors"):
+        resolve_source("nieshen/SMDM", filename="mdm_safetensors/x.safetensors")
+    with pytest.raises(FileNotFoundError, match="neither an existing path"):
+        resolve_source(str(tmp_path / "absent" / "file.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------------------ samplers
+@pytest.fixture
+def llada_model(tmp_path) -> BidirectionalLM:
+    ref = _reference("llama", 64, 2, 5e5, 1e-5)
+    return load_llada(_write_llada(tmp_path / "llada", ref, _llada_config(64, D, INTER, 2)))
+
+
+def _prompt(mask_id: int, length: int = 14, n_prompt: int = 4):
+    prompt = torch.randint(0, mask_id, (2, length), generator=torch.Generator().manual_seed(2))
+    prompt_mask = torch.zeros(2, length, dtype=torch.bool)
+    prompt_mask[:, :n_prompt] = True
+    return prompt, prompt_mask
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_confidence_samplers_run_on_the_loaded_model_and_keep_the_prompt(llada_model, temperature):
+    prompt, prompt_mask = _prompt(llada_model.mask_id)
+    for sampler, nfe in (
+        (ConfidenceSampler(temperature=temperature, score="sampled"), 5),
+        (SemiARConfidenceSampler(block_length=4, temperature=temperature), 6),
+    ):
+        with torch.no_grad():
+            out = sampler(
+                llada_model.denoiser(),
+                prompt=prompt,
+                prompt_mask=prompt_mask,
+                nfe=nfe,
+                generator=torch.Generator().manual_seed(0),
+            )
+        assert torch.equal(out.tokens[prompt_mask], prompt[prompt_mask])
+        assert not (out.tokens == llada_model.mask_id).any()  # [MASK] is inside LLaDA's vocabulary: never proposed
+        assert out.nfe == nfe and bool(((out.confidence >= 0) & (out.confidence <= 1)).all())
+
+
+def test_semi_ar_fills_blocks_left_to_right(llada_model):
+    prompt, prompt_mask = _prompt(llada_model.mask_id)  # 10 free positions: blocks 4, 4, 2
+    seen = []
+    base = llada_model.denoiser()
+
+    def fn(x, t):
+        seen.append(x.clone())
+        return base.fn(x, t)
+
+    model = type(base)(fn=fn, mask_id=base.mask_id)
+    with torch.no_grad():
+        out = SemiARConfidenceSampler(block_length=4)(model, prompt=prompt, prompt_mask=prompt_mask, nfe=6)
+    assert out.nfe == 6 and len(seen) == 6  # 3 blocks × 2 steps
+    for step, x in enumerate(seen):  # before call 2b, blocks < b are done and blocks ≥ b untouched
+        b, masked = step // 2, x[:, 4:] == llada_model.mask_id
+        assert not masked[:, : 4 * b].any() and masked[:, 4 * (b + 1) :].all()
+    with pytest.raises(ValueError, match="3 blocks of 4 need at least 3 NFE"):
+        SemiARConfidenceSampler(block_length=4).check_budget(2, free_positions=10)
+
+
+def test_the_time_argument_is_ignored(llada_model):
+    ids = _ids(64, 60)
+    with torch.no_grad():
+        assert torch.equal(llada_model(ids, torch.rand(2)), llada_model(ids))
