@@ -397,3 +397,11 @@ def test_the_time_argument_is_ignored(llada_model):
     ids = _ids(64, 60)
     with torch.no_grad():
         assert torch.equal(llada_model(ids, torch.rand(2)), llada_model(ids))
+
+
+def test_samplers_never_see_a_mask_logit_inside_the_vocabulary(llada_model):
+    ids = _ids(64, 60)
+    with torch.no_grad():
+        logits, raw = llada_model.token_logits(ids), llada_model(ids)
+    assert torch.isneginf(logits[..., 60]).all()
+    assert torch.equal(logits[..., :60], raw[..., :60]) and torch.equal(logits[..., 61:], raw[..., 61:])
