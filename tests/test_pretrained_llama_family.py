@@ -405,3 +405,41 @@ def test_samplers_never_see_a_mask_logit_inside_the_vocabulary(llada_model):
         logits, raw = llada_model.token_logits(ids), llada_model(ids)
     assert torch.isneginf(logits[..., 60]).all()
     assert torch.equal(logits[..., :60], raw[..., :60]) and torch.equal(logits[..., 61:], raw[..., 61:])
+
+
+# ------------------------------------------------------------------------------------------------------ adapters
+@pytest.mark.parametrize("source", ["smdm", "dream"])
+@pytest.mark.parametrize("two_times", [False, True], ids=["mlfm", "fmlm_plus"])
+def test_adapted_model_at_init_computes_the_mdm_logits(tmp_path, source, two_times):
+    """MLFM (one bridge time per sequence, on embeddings) and FMLM+ init (per-token (s, t), continuous x·E input):
+    zero adaLN and LoRA B = 0 give the loaded MDM's logits; a nonzero modulation changes them (the hooks act)."""
+    from flowlm.backbones.llama import LlamaAdaLNAdapter
+
+    if source == "smdm":
+        cfg = _smdm_cfg(2)
+        base = load_smdm(
+            _write_smdm(tmp_path / "m.safetensors", _reference("llama", 65, 2, 1e4, 1e-5), cfg), config=cfg
+        )
+    else:
+        ref = _reference("qwen2", 64, 2, 1e6, 1e-6)
+        base = load_dream(_write_shards(tmp_path / "dream", dict(ref.state_dict()), _dream_config(64)))
+    ids = _ids(base.head_rows, base.mask_id)
+    with torch.no_grad():
+        want = base(ids)
+        x = torch.softmax(torch.randn(2, 9, base.vocab_size), -1)  # FMLM+-style vectors over the embedding rows
+        want_x = base(x)
+    adapter = LlamaAdaLNAdapter(base, cond_dim=16, two_times=two_times, lora_rank=4)
+    assert adapter.lora_names[-1] == "lm_head" and any("lora_B" in n for n, _ in base.named_parameters())
+    s = torch.rand(2, 9) if two_times else torch.rand(2)
+    t = torch.rand(2, 9) if two_times else None
+    with torch.no_grad():
+        assert (adapter(ids, s, t) - want).abs().max() < 1e-5
+        assert (adapter.forward_embeddings(adapter.embeddings[ids], s, t) - want).abs().max() < 1e-5
+        if two_times:
+            assert (adapter(x, s, t) - want_x).abs().max() < 1e-5
+        trainable = {n for n, p in adapter.named_parameters() if p.requires_grad}
+        assert trainable and all(".lora_" in n or n.startswith(("emb_", "layer_mods")) for n in trainable)
+        for mod in adapter.layer_mods:
+            torch.nn.init.normal_(mod.weight, std=0.5)
+        assert (adapter(ids, s, t) - want).abs().max() > 1e-2
+        assert torch.equal(base(ids), want)  # the base called alone is untouched by the hooks

@@ -171,3 +171,136 @@ class BidirectionalLM(nn.Module):
 def shift_logits(raw: Tensor) -> Tensor:
     """Dream's shift: out[:, i] = raw[:, i − 1] for i ≥ 1, out[:, 0] = raw[:, 0] (position 0 is never scored)."""
     return torch.cat([raw[:, :1], raw[:, :-1]], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------------- adapter
+# Linears of every decoder layer LoRA may target (names under model.layers.{i}.); "lm_head" is the untied head.
+LAYER_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+ADAPTER_PARTS = ("time_adaln", "lora", "embeddings")
+
+
+class LlamaAdaLNAdapter(nn.Module):
+    """A frozen ``BidirectionalLM`` + zero-initialised time adaLN per decoder layer + PEFT LoRA (methods.md §4, §6).
+
+    Per layer l, from c = SiLU(emb_s(s) [+ emb_t(t)]) (per sequence or per token): (shift₁, scale₁, gate₁, shift₂,
+    scale₂, gate₂) = W_l c, applied around transformers' own layer through forward hooks (no copy of its code):
+
+        h ← h + (1 + gate₁) ⊙ Attn(RMSNorm₁(h) ⊙ (1 + scale₁) + shift₁)
+        h ← h + (1 + gate₂) ⊙ MLP(RMSNorm₂(h) ⊙ (1 + scale₂) + shift₂)
+
+    W_l = 0 and LoRA B = 0 at init, so the adapted network computes the MDM's logits exactly (MLFM: one bridge time
+    per sequence, ``two_times=False``; MDM-initialised FMLM+: per-token (s, t), ``two_times=True``, continuous input
+    x·E through the MDM's embedding). LoRA wraps the layers' q/k/v/o and MLP projections and, with ``lora_head``,
+    the untied head (additive LoRA on it: the head stays the MDM's at init).
+    """
+
+    def __init__(
+        self,
+        base: BidirectionalLM,
+        *,
+        cond_dim: int = 512,
+        two_times: bool = False,
+        lora_rank: int = 8,
+        lora_alpha: float = 16.0,
+        lora_dropout: float = 0.0,
+        lora_targets: tuple[str, ...] | list[str] = LAYER_LINEARS,
+        lora_head: bool = True,
+        train: tuple[str, ...] | list[str] = ("time_adaln", "lora"),
+    ) -> None:
+        super().__init__()
+        from peft import LoraConfig, inject_adapter_in_model
+
+        from flowlm.backbones.dit import TimeEmbedding
+
+        unknown = sorted(set(train) - set(ADAPTER_PARTS)) + sorted(set(lora_targets) - set(LAYER_LINEARS))
+        if unknown or lora_rank < 0:
+            raise ValueError(
+                f"unknown trainable parts / LoRA targets {unknown} (known: {list(ADAPTER_PARTS)}, "
+                f"{list(LAYER_LINEARS)}) or lora_rank {lora_rank} < 0"
+            )
+        self.base = base
+        self.two_times = two_times
+        d = base.d_model
+        self.emb_s = TimeEmbedding(cond_dim)
+        self.emb_t = TimeEmbedding(cond_dim) if two_times else None
+        self.layer_mods = nn.ModuleList(nn.Linear(cond_dim, 6 * d) for _ in base.layers)
+        for mod in self.layer_mods:  # zero modulation: the adapter starts as the MDM
+            nn.init.zeros_(mod.weight)
+            nn.init.zeros_(mod.bias)
+        names = [f"model.layers.{i}.{target}" for i in range(len(base.layers)) for target in lora_targets]
+        names += ["lm_head"] if lora_head else []
+        self.lora_names = names if lora_rank > 0 else []
+        if self.lora_names:
+            config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=names)
+            inject_adapter_in_model(config, base)  # in place; LoRA B = 0, so still the MDM
+        self._mods: list[tuple[Tensor, ...]] | None = None  # this call's per-layer chunks, read by the hooks
+        for i, layer in enumerate(base.layers):
+            layer.input_layernorm.register_forward_hook(self._hook(i, "norm", 0))
+            layer.self_attn.register_forward_hook(self._hook(i, "gate", 2))
+            layer.post_attention_layernorm.register_forward_hook(self._hook(i, "norm", 3))
+            layer.mlp.register_forward_hook(self._hook(i, "gate", 5))
+        self.set_trainable(train)
+
+    def _hook(self, layer: int, kind: str, slot: int):
+        """A forward hook that modulates a norm's output (shift/scale) or a branch's output ((1 + gate))."""
+
+        def hook(module: nn.Module, args: tuple, output):
+            if self._mods is None:  # the base called on its own: unchanged
+                return output
+            chunks = self._mods[layer]
+            if kind == "norm":
+                return output * (1 + chunks[slot + 1]) + chunks[slot]
+            if isinstance(output, tuple):  # attention returns (output, weights)
+                return (output[0] * (1 + chunks[slot]), *output[1:])
+            return output * (1 + chunks[slot])
+
+        return hook
+
+    def set_trainable(self, parts: tuple[str, ...] | list[str]) -> None:
+        """requires_grad only on the configured parts; the MDM stays frozen."""
+        self.requires_grad_(False)
+        if "time_adaln" in parts:
+            for module in (self.emb_s, self.emb_t, self.layer_mods):
+                if module is not None:
+                    module.requires_grad_(True)
+        for name, param in self.base.named_parameters():
+            if ("lora" in parts and ".lora_" in name) or ("embeddings" in parts and "embed_tokens" in name):
+                param.requires_grad_(True)
+
+    @property
+    def embeddings(self) -> Tensor:
+        """The MDM's input embedding matrix (embed_rows, d)."""
+        return self.base.model.embed_tokens.weight
+
+    def condition(self, s: Tensor, t: Tensor | None = None) -> Tensor:
+        """c = SiLU(emb_s(s) [+ emb_t(t)]): (B, 1, cond) for per-sequence times (B,), (B, L, cond) per token."""
+        if (t is not None) != self.two_times:
+            raise ValueError(
+                f"adapter built with two_times={self.two_times}, called {'with' if t is not None else 'without'} t"
+            )
+        s = s[:, None] if s.dim() == 1 else s
+        c = self.emb_s(s)
+        if t is not None:
+            c = c + self.emb_t(t[:, None] if t.dim() == 1 else t)
+        return torch.nn.functional.silu(c)
+
+    def forward_embeddings(self, h: Tensor, s: Tensor, t: Tensor | None = None) -> Tensor:
+        """Logits for embeddings h (B, L, d) at times s [, t] (per sequence (B,) or per token (B, L))."""
+        c = self.condition(s, t)  # in the adapter's dtype; the chunks in the (frozen) base's
+        self._mods = [mod(c).to(h.dtype).chunk(6, dim=-1) for mod in self.layer_mods]
+        try:
+            return self.base.forward_embeddings(h)
+        finally:
+            self._mods = None
+
+    def forward(self, x: Tensor, s: Tensor, t: Tensor | None = None) -> Tensor:
+        """Logits for ids or vectors x (vectors: x·E through the MDM's embedding) at times s [, t]."""
+        return self.forward_embeddings(self.base.input_embeddings(x), s, t)
