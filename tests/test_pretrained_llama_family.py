@@ -443,3 +443,24 @@ def test_adapted_model_at_init_computes_the_mdm_logits(tmp_path, source, two_tim
             torch.nn.init.normal_(mod.weight, std=0.5)
         assert (adapter(ids, s, t) - want).abs().max() > 1e-2
         assert torch.equal(base(ids), want)  # the base called alone is untouched by the hooks
+
+
+@pytest.mark.parametrize(("slot", "zeroed"), [(2, "self_attn.o_proj"), (4, "mlp.down_proj")], ids=["gate1", "scale2"])
+def test_adapter_modulation_slots_act_where_the_equations_say(tmp_path, slot, zeroed):
+    """gate₁ = −1 removes the attention branch ((1 + gate) form), scale₂ = −1 zeroes the MLP's input (SwiGLU(0) = 0):
+    each equals the MDM with that branch's output projection zeroed, so the chunk order is checked too."""
+    import copy
+
+    from flowlm.backbones.llama import LlamaAdaLNAdapter
+
+    cfg = _smdm_cfg(2)
+    base = load_smdm(_write_smdm(tmp_path / "m.safetensors", _reference("llama", 65, 2, 1e4, 1e-5), cfg), config=cfg)
+    cut = copy.deepcopy(base)
+    adapter = LlamaAdaLNAdapter(base, cond_dim=16, lora_rank=0)
+    with torch.no_grad():
+        for i, mod in enumerate(adapter.layer_mods):
+            mod.bias[slot * D : (slot + 1) * D] = -1.0
+            cut.get_submodule(f"model.layers.{i}.{zeroed}").weight.zero_()
+        ids = _ids(64, 64)
+        assert (adapter(ids, torch.rand(2)) - cut(ids)).abs().max() < 1e-5
+        assert (cut(ids) - base(ids)).abs().max() > 1e-2
