@@ -442,6 +442,9 @@ def test_adapted_model_at_init_computes_the_mdm_logits(tmp_path, source, two_tim
         for mod in adapter.layer_mods:
             torch.nn.init.normal_(mod.weight, std=0.5)
         assert (adapter(ids, s, t) - want).abs().max() > 1e-2
+        if two_times:  # both times reach the modulation
+            assert (adapter(ids, s, t) - adapter(ids, s, t.flip(-1))).abs().max() > 1e-3
+            assert (adapter(ids, s, t) - adapter(ids, s.flip(-1), t)).abs().max() > 1e-3
         assert torch.equal(base(ids), want)  # the base called alone is untouched by the hooks
 
 
