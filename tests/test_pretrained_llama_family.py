@@ -6,6 +6,7 @@ is_causal=False and filled by this file's own writer. Tolerance: max |Î”logit| â
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -467,3 +468,26 @@ def test_adapter_modulation_slots_act_where_the_equations_say(tmp_path, slot, ze
         ids = _ids(64, 64)
         assert (adapter(ids, torch.rand(2)) - cut(ids)).abs().max() < 1e-5
         assert (cut(ids) - base(ids)).abs().max() > 1e-2
+
+
+# ------------------------------------------------------------------------------------------------------ configs
+def test_backbone_configs_build_or_fail_offline_saying_how_to_provide_the_source(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from flowlm.pretrained.dream import DREAM_7B
+    from runners.paths import CONF_DIR
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    folder = Path(CONF_DIR) / "backbone" / "llama"
+    confs = {path.stem: OmegaConf.load(path) for path in folder.glob("*.yaml")}
+    assert set(confs) == {"tiny", "smdm_1028m", "llada_8b", "dream_7b"}
+    tiny = instantiate(confs["tiny"])
+    assert isinstance(tiny, BidirectionalLM) and tiny(torch.tensor([[1, 64, 3]])).shape == (1, 3, 64)
+    assert dict(confs["llada_8b"].expect) == LLADA_8B and dict(confs["dream_7b"].expect) == DREAM_7B
+    smdm.smdm_config(confs["smdm_1028m"].config)  # a known named config
+    for name in ("smdm_1028m", "llada_8b", "dream_7b"):
+        with pytest.raises(InstantiationException, match="FileNotFoundError.*huggingface-cli download"):
+            instantiate(confs[name])  # hydra wraps the loader's FileNotFoundError
