@@ -27,6 +27,16 @@ def dit_blocks(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, DiTBlock)]
 
 
+def shard_units(module: nn.Module) -> list[nn.Module]:
+    """The units FSDP2 shards one by one: every DiT block, and every decoder layer of a LLaMA-family backbone."""
+    from flowlm.backbones.llama import BidirectionalLM  # transformers, imported only when sharding
+
+    units = dit_blocks(module)
+    for backbone in (m for m in module.modules() if isinstance(m, BidirectionalLM)):
+        units += list(backbone.layers)
+    return units
+
+
 def fsdp_modules(module: nn.Module) -> list[nn.Module]:
     """The modules inside ``module`` that FSDP2 (``fully_shard``) manages; empty when it is not sharded."""
     from torch.distributed.fsdp import FSDPModule
@@ -65,9 +75,9 @@ def shard(module: nn.Module, mesh, *, precision: str | None = None) -> bool:
     dp_mesh = mesh["data_parallel"] if "data_parallel" in names else mesh
     frozen = {p for p in module.parameters() if not p.requires_grad}
     policy = mixed_precision_policy(precision)
-    blocks = dit_blocks(module)
+    blocks = shard_units(module)
     if not blocks:
-        raise ValueError(f"{type(module).__name__} holds no DiT block: nothing to shard")
+        raise ValueError(f"{type(module).__name__} holds no DiT block or decoder layer: nothing to shard")
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, ignored_params=frozen)
     for child in module.children():

@@ -491,3 +491,79 @@ def test_backbone_configs_build_or_fail_offline_saying_how_to_provide_the_source
     for name in ("smdm_1028m", "llada_8b", "dream_7b"):
         with pytest.raises(InstantiationException, match="FileNotFoundError.*huggingface-cli download"):
             instantiate(confs[name])  # hydra wraps the loader's FileNotFoundError
+
+
+# ------------------------------------------------------------------------------------------------------ FSDP2
+def _tiny_adapter_holder():
+    """A module holding an adapted tiny random Llama MDM (trainable parts perturbed off zero), seeded."""
+    from flowlm.backbones.llama import LlamaAdaLNAdapter
+
+    torch.manual_seed(0)
+    base = BidirectionalLM(embed_rows=65, head_rows=64, mask_id=64, hidden_size=D, n_layers=LAYERS, n_heads=HEADS,
+                           n_kv_heads=2, intermediate_size=INTER)  # fmt: skip
+    holder = torch.nn.Module()
+    holder.net = LlamaAdaLNAdapter(base, cond_dim=16, lora_rank=4)
+    with torch.no_grad():
+        for p in holder.net.parameters():
+            if p.requires_grad:
+                p.normal_(std=0.05)
+    return holder
+
+
+def _fsdp_step(holder, ids, targets, times):
+    """One SGD step on the mean cross-entropy; returns the logits before it."""
+    params = [p for p in holder.parameters() if p.requires_grad]
+    logits = holder.net(ids, times)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    torch.optim.SGD(params, lr=0.5).step()
+    return logits.detach()
+
+
+def _fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """Rank r of 2: FSDP2 over the decoder layers and the adapter, its half of the batch, one step; compared with
+    the unsharded model on the whole batch (the gradient mean over ranks = the full batch's)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from lightning_modules.sharding import shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        holder, reference = _tiny_adapter_holder(), _tiny_adapter_holder()
+        gen = torch.Generator().manual_seed(3)
+        ids, targets = torch.randint(0, 65, (4, 9), generator=gen), torch.randint(0, 64, (4, 9), generator=gen)
+        times = torch.rand(4, generator=gen)
+        assert shard(holder, init_device_mesh("cpu", (2,)))
+        rows = slice(2 * rank, 2 * rank + 2)
+        local = _fsdp_step(holder, ids[rows], targets[rows], times[rows])
+        full = _fsdp_step(reference, ids, targets, times)
+        want = dict(reference.named_parameters())
+        diffs = [(local - full[rows]).abs().max().item()]
+        n_dtensor = 0
+        for name, p in holder.named_parameters():
+            if p.requires_grad:
+                n_dtensor += isinstance(p, DTensor)
+                value = p.full_tensor() if isinstance(p, DTensor) else p
+                diffs.append((value - want[name]).abs().max().item())
+        Path(out_dir, f"rank{rank}").write_text(f"{max(diffs):.3e} {n_dtensor}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_cpu_processes_trains_the_adapted_llama_like_one_process(tmp_path):
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(_fsdp_worker, args=(str(tmp_path / "pg"), str(tmp_path)), nprocs=2, join=False)
+    for _ in range(180):
+        if context.join(timeout=1):
+            break
+    else:
+        for process in context.processes:
+            process.kill()
+        pytest.fail("FSDP2 ranks hung")
+    for rank in (0, 1):
+        diff, n_dtensor = (tmp_path / f"rank{rank}").read_text().split()
+        assert float(diff) < 1e-5 and int(n_dtensor) > 0, (rank, diff, n_dtensor)
