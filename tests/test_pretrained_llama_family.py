@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from flowlm.backbones.llama import BidirectionalLM
@@ -108,16 +108,49 @@ def _write_smdm(path, ref, cfg, *, drop=(), fmt="safetensors"):
     return path
 
 
+def _litgpt_forward(sd: dict, cfg: dict, ids: torch.Tensor) -> torch.Tensor:
+    """SMDM's TransEncoder forward written from its semantics, straight on the lit-gpt tensors (a second reference,
+    independent of transformers and of this file's writer): the fused output viewed (B, T, G, q_per_kv + 2, hs) and
+    split (q_per_kv, 1, 1), k/v expanded over each group's queries, NeoX RoPE θ 1e4, RMSNorm eps 1e-5, no mask."""
+    d, heads, groups = cfg["n_embd"], cfg["n_head"], cfg["n_query_groups"]
+    hs, per, (b, n) = d // heads, heads // groups, ids.shape
+    angles = torch.outer(torch.arange(n).float(), 1.0 / 10_000 ** (torch.arange(0, hs, 2).float() / hs))
+    cos, sin = angles.cos(), angles.sin()
+
+    def rope(z):
+        z1, z2 = z[..., : hs // 2], z[..., hs // 2 :]
+        return torch.cat([z1 * cos - z2 * sin, z2 * cos + z1 * sin], -1)
+
+    def rms(z, w):
+        return z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+    x = sd["transformer.wte.weight"][ids]
+    for i in range(cfg["n_layer"]):
+        w = {k.removeprefix(f"transformer.h.{i}."): v for k, v in sd.items() if k.startswith(f"transformer.h.{i}.")}
+        qkv = (rms(x, w["norm_1.weight"]) @ w["attn.attn.weight"].T).view(b, n, groups, per + 2, hs)
+        q, k, v = qkv.split((per, 1, 1), dim=-2)
+        k, v = (z.expand(b, n, groups, per, hs) for z in (k, v))
+        q, k, v = (z.reshape(b, n, heads, hs).transpose(1, 2) for z in (q, k, v))
+        att = torch.softmax(rope(q) @ rope(k).transpose(-1, -2) / hs**0.5, -1) @ v
+        x = x + att.transpose(1, 2).reshape(b, n, d) @ w["attn.proj.weight"].T
+        h = rms(x, w["norm_2.weight"])
+        gate, up = h @ w["mlp.swiglu.w1.weight"].T, h @ w["mlp.swiglu.w2.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ w["mlp.swiglu.w3.weight"].T
+    return rms(x, sd["transformer.ln_f.weight"]) @ sd["lm_head.weight"].T
+
+
 @pytest.mark.parametrize("groups", [2, 4, 1], ids=["gqa", "mha", "mqa"])
 def test_smdm_loads_to_the_reference_logits(tmp_path, groups):
     cfg = _smdm_cfg(groups)
     ref = _reference("llama", 65, groups, 1e4, 1e-5)
-    model = load_smdm(_write_smdm(tmp_path / "m.safetensors", ref, cfg), config=cfg)
+    path = _write_smdm(tmp_path / "m.safetensors", ref, cfg)
+    model = load_smdm(path, config=cfg)
     ids = _ids(64, 64)
     with torch.no_grad():
         got, want = model(ids), ref(ids).logits[..., :64]  # lm_head has no [MASK] row
+        litgpt = _litgpt_forward(load_file(str(path)), smdm.smdm_config(cfg), ids)
     assert got.shape == (2, 9, 64) and model.mask_id == 64 and model.model.embed_tokens.weight.shape[0] == 65
-    assert (got - want).abs().max() < TOL
+    assert (got - want).abs().max() < TOL and (got - litgpt).abs().max() < TOL
 
 
 def test_smdm_pth_training_checkpoint_loads(tmp_path):
