@@ -600,3 +600,13 @@ def test_fsdp2_on_two_cpu_processes_trains_the_adapted_llama_like_one_process(tm
     for rank in (0, 1):
         diff, n_dtensor = (tmp_path / f"rank{rank}").read_text().split()
         assert float(diff) < 1e-5 and int(n_dtensor) > 0, (rank, diff, n_dtensor)
+
+
+def test_a_padding_mask_keeps_padded_keys_out(llada_model):
+    ids = _ids(64, 60)
+    mask = torch.ones_like(ids)
+    mask[:, 6:] = 0  # right padding: positions 0..5 keep their RoPE positions
+    with torch.no_grad():
+        padded, short = llada_model(ids, attention_mask=mask), llada_model(ids[:, :6])
+        assert torch.equal(llada_model(ids, attention_mask=torch.ones_like(ids)), llada_model(ids))
+    assert (padded[:, :6] - short).abs().max() < 1e-5 and (llada_model(ids)[:, :6] - short).abs().max() > 1e-3
