@@ -610,3 +610,21 @@ def test_a_padding_mask_keeps_padded_keys_out(llada_model):
         padded, short = llada_model(ids, attention_mask=mask), llada_model(ids[:, :6])
         assert torch.equal(llada_model(ids, attention_mask=torch.ones_like(ids)), llada_model(ids))
     assert (padded[:, :6] - short).abs().max() < 1e-5 and (llada_model(ids)[:, :6] - short).abs().max() > 1e-3
+
+
+def test_a_hub_name_in_the_cache_loads_from_its_snapshot(tmp_path, monkeypatch):
+    """The Hugging Face cache layout (models--owner--name/refs/main → snapshots/<commit>/), no network."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--GSAI-ML--LLaDA-8B-Base"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots").mkdir()
+    ref = _reference("llama", 64, 2, 5e5, 1e-5)
+    _write_llada(repo / "snapshots" / commit, ref, _llada_config(64, D, INTER, 2))
+    model = load_llada("GSAI-ML/LLaDA-8B-Base", dtype="float32")
+    ids = _ids(64, 60)
+    with torch.no_grad():
+        assert (model(ids) - ref(ids).logits).abs().max() < TOL
