@@ -349,6 +349,17 @@ def test_dream_loads_with_shifted_logits(tmp_path):
     assert (got[:, 1:] - raw[:, 1:]).abs().max() > 0.1  # the shift is not a no-op here
 
 
+def test_dream_samples_after_a_prompt_and_refuses_a_masked_first_position(tmp_path):
+    ref = _reference("qwen2", 64, 2, 1e6, 1e-6)
+    model = load_dream(_write_shards(tmp_path / "dream", dict(ref.state_dict()), _dream_config(64)))
+    prompt, prompt_mask = _prompt(model.mask_id)
+    with torch.no_grad():
+        out = SemiARConfidenceSampler(block_length=4)(model.denoiser(), prompt=prompt, prompt_mask=prompt_mask, nfe=3)
+        assert torch.equal(out.tokens[prompt_mask], prompt[prompt_mask]) and not (out.tokens == 62).any()
+        with pytest.raises(ValueError, match="position 0"):
+            ConfidenceSampler()(model.denoiser(), prompt=prompt, prompt_mask=torch.zeros_like(prompt_mask), nfe=3)
+
+
 def test_dream_missing_bias_is_refused_naming_it(tmp_path):
     state = {
         k: v

@@ -164,8 +164,16 @@ class BidirectionalLM(nn.Module):
         return logits
 
     def denoiser(self) -> MaskedDenoiser:
-        """This model as the MDM samplers see it (time-agnostic)."""
-        return MaskedDenoiser(fn=lambda x, t: self.token_logits(x), mask_id=self.mask_id, time_conditioned=False)
+        """This model as the MDM samplers see it (time-agnostic). With shifted logits position 0 has no prediction
+        (Dream's generation asserts it is unmasked: BOS or prompt), so a [MASK] there is refused before the call."""
+
+        def fn(x: Tensor, t: Tensor) -> Tensor:
+            # one host read per call, negligible beside a pretrained model's forward
+            if self.shift_logits and bool((x[:, 0] == self.mask_id).any()):
+                raise ValueError("a shifted-logits model (Dream) predicts nothing at position 0: keep it unmasked")
+            return self.token_logits(x)
+
+        return MaskedDenoiser(fn=fn, mask_id=self.mask_id, time_conditioned=False)
 
 
 def shift_logits(raw: Tensor) -> Tensor:
