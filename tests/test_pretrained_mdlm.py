@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,12 +21,15 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
+from flowlm.backbones.dit import build_dit
 from flowlm.pretrained.formats import PAD_LOGIT
 from flowlm.pretrained.hub import SourceUnavailableError, resolve_source
+from flowlm.pretrained.mdlm import mdlm_backbone, mdlm_parameter_count
 from lightning_modules.checkpoints import check_backbone_options, load_module, read_checkpoint
 from lightning_modules.fmlm_plus import FMLMPlusModule
 from lightning_modules.mdm import MDMModule
 from lightning_modules.mlfm import MLFMModule
+from runners.paths import CONF_DIR
 
 DATA = 10  # data tokens; MDLM's [MASK] is row DATA (vocab_size = DATA + 1, as GPT-2's 50 257 + 1)
 VOCAB, D, HEADS, COND, BLOCKS, L = DATA + 1, 32, 4, 16, 2, 8
@@ -210,6 +214,16 @@ def test_hf_folder_computes_mdlms_forward(tmp_path, with_inv_freq, dtype):
     assert ref.abs().max() > 1  # logits of size ≈ 1: the tolerance is meaningful
     meta = read_checkpoint(tmp_path / "mdlm")["flowlm"]
     assert meta["family"] == "mdm" and meta["data_vocab_size"] == DATA and meta["seq_len"] == L
+
+
+def test_mdlm_owt_backbone_config_is_what_the_reader_builds():
+    """conf/backbone/mdlm_owt.yaml is the reader's backbone for MDLM-OWT's shapes (so ``backbone=mdlm_owt`` passes
+    the backbone check), and those shapes have MDLM-OWT's 169 627 218 parameters."""
+    cfg = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "backbone" / "mdlm_owt.yaml"))
+    assert cfg == mdlm_backbone({"d_model": 768, "n_layers": 12, "cond_dim": 128}, n_heads=12, dropout=0.1)
+    assert mdlm_parameter_count(50_258, 768, 128, 12) == 169_627_218
+    net = build_dit(vocab_size=50_258, **cfg)
+    assert sum(p.numel() for p in net.parameters()) == 169_627_218  # the suite's DiT has exactly MDLM's tensors
 
 
 def test_lightning_ckpt_loads_the_ema_weights(tmp_path):

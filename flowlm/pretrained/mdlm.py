@@ -144,7 +144,8 @@ def convert_state(state: Mapping[str, Tensor], *, n_heads: int, where: str) -> t
     return converted, {"vocab": vocab, "d_model": d, "cond_dim": cond, "n_layers": n_blocks}
 
 
-def _backbone(sizes: dict[str, int], n_heads: int, dropout: float) -> dict:
+def mdlm_backbone(sizes: dict[str, int], n_heads: int, dropout: float) -> dict:
+    """The ``build_dit`` options of an MDLM DiT of these sizes (d_model, n_layers, cond_dim)."""
     return {
         "d_model": sizes["d_model"],
         "n_layers": sizes["n_layers"],
@@ -221,7 +222,7 @@ class MDLMHubFolder(SourceFormat):
             raise ValueError(f"{config_file}: [MASK] id {mask} is not the last row ({sizes['vocab'] - 1})")
         return PretrainedMDM(
             state=state,
-            backbone=_backbone(sizes, int(config["n_heads"]), config.get("dropout", 0.1)),
+            backbone=mdlm_backbone(sizes, int(config["n_heads"]), config.get("dropout", 0.1)),
             data_vocab_size=sizes["vocab"] - 1,
             seq_len=int(config.get("model_length", 1024)),
             provenance={"format": "mdlm-hf", "path": str(path), "weights": "as stored (EMA or not: not recorded)"},
@@ -262,7 +263,7 @@ class MDLMLightningCheckpoint(SourceFormat):
             weights, note = self._ema_weights(ema, live_raw, sizes["n_layers"], where), "EMA shadow parameters"
         return PretrainedMDM(
             state=weights,
-            backbone=_backbone(sizes, int(n_heads), _field(config, "model", "dropout", default=0.1)),
+            backbone=mdlm_backbone(sizes, int(n_heads), _field(config, "model", "dropout", default=0.1)),
             data_vocab_size=sizes["vocab"] - 1,
             seq_len=int(_field(config, "model", "length", default=1024)),
             live=live if ema is not None else None,
