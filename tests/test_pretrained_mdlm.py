@@ -48,7 +48,7 @@ BACKBONE = {
 
 
 # ------------------------------------------------------------------------------- MDLM's format, written by hand
-def mdlm_tensors(seed: int) -> dict[str, torch.Tensor]:
+def mdlm_tensors(seed: int, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
     """A random MDLM DiT state dict (unprefixed names, MDLM's module registration order = parameters() order)."""
     g = torch.Generator().manual_seed(seed)
 
@@ -56,7 +56,7 @@ def mdlm_tensors(seed: int) -> dict[str, torch.Tensor]:
         return (1.0 if one else 0.0) + scale * torch.randn(*shape, generator=g)
 
     state = {
-        "vocab_embed.embedding": rnd(VOCAB, D, scale=1.0),
+        "vocab_embed.embedding": rnd(vocab, D, scale=1.0),
         "sigma_map.mlp.0.weight": rnd(COND, 256, scale=0.1),
         "sigma_map.mlp.0.bias": rnd(COND),
         "sigma_map.mlp.2.weight": rnd(COND, COND),
@@ -77,8 +77,8 @@ def mdlm_tensors(seed: int) -> dict[str, torch.Tensor]:
         }
     state |= {
         "output_layer.norm_final.weight": rnd(D, scale=0.1, one=True),
-        "output_layer.linear.weight": rnd(VOCAB, D),
-        "output_layer.linear.bias": rnd(VOCAB),  # MDLM's head has a bias
+        "output_layer.linear.weight": rnd(vocab, D),
+        "output_layer.linear.bias": rnd(vocab),  # MDLM's head has a bias
         "output_layer.adaLN_modulation.weight": rnd(2 * D, COND),
         "output_layer.adaLN_modulation.bias": rnd(2 * D),
     }
@@ -222,7 +222,8 @@ def test_mdlm_owt_backbone_config_is_what_the_reader_builds():
     cfg = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "backbone" / "mdlm_owt.yaml"))
     assert cfg == mdlm_backbone({"d_model": 768, "n_layers": 12, "cond_dim": 128}, n_heads=12, dropout=0.1)
     assert mdlm_parameter_count(50_258, 768, 128, 12) == 169_627_218
-    net = build_dit(vocab_size=50_258, **cfg)
+    with torch.device("meta"):  # shapes only: no memory, no init
+        net = build_dit(vocab_size=50_258, **cfg)
     assert sum(p.numel() for p in net.parameters()) == 169_627_218  # the suite's DiT has exactly MDLM's tensors
 
 
@@ -404,3 +405,27 @@ def test_hub_name_resolves_through_the_cache_offline(tmp_path, monkeypatch):
         read_checkpoint(tmp_path / "missing.ckpt")
     with pytest.raises(FileNotFoundError, match="checkpoint not found"):
         read_checkpoint("runs/missing/last.ckpt")  # a relative path that looks like owner/name is not a hub name
+
+
+@pytest.mark.slow
+def test_flowlm_eval_scores_an_mdlm_folder_on_the_suites_text_data(tmp_path, runs_env):
+    """``flowlm-eval ckpt_path=<MDLM folder> data=...``: MDLM over the tiny tokenizer's 512 tokens (+ [MASK]) read
+    for the suite's text data (512 + [PAD]): the PAD row is added, the samplers run and score."""
+    from conftest import compose_config
+
+    from runners.evaluate import evaluate
+
+    write_hf_folder(tmp_path / "mdlm", mdlm_tensors(10, vocab=513), vocab_size=513, model_length=64)
+    overrides = [
+        f"ckpt_path={tmp_path / 'mdlm'}",
+        "data=tiny_owt",
+        "eval=text_mdm",
+        "eval.metric.evaluator=tests/fixtures/tiny_evaluator",
+        "eval.nfe=[4]",
+        "eval.max_batches=1",
+        "data.batch_size=4",
+        "logger=none",
+    ]
+    out = evaluate(compose_config("eval", overrides=overrides))
+    assert out["rows"] and all(row["nfe"] <= 4 and row[out["metric"]] > 1 for row in out["rows"])
+    assert {row["run"] for row in out["rows"]} == {"checkpoint"}
