@@ -216,6 +216,21 @@ def test_hf_folder_computes_mdlms_forward(tmp_path, with_inv_freq, dtype):
     assert meta["family"] == "mdm" and meta["data_vocab_size"] == DATA and meta["seq_len"] == L
 
 
+def test_layer_norms_run_in_float32_under_bf16_autocast(tmp_path):
+    """MDLM normalises in float32 (``F.layer_norm(x.float())``) inside bf16 autocast; the suite's LayerNorms do too
+    because the residual stream they read stays float32 (an fp32 embedding plus bf16 branch updates)."""
+    write_hf_folder(tmp_path / "mdlm", mdlm_tensors(0))
+    module = load_module(tmp_path / "mdlm").eval()
+    norms = [m for name, m in module.net.named_modules() if name.endswith(("norm1", "norm2", "final.norm"))]
+    seen = []
+    for norm in norms:
+        norm.register_forward_hook(lambda mod, args, out: seen.append((args[0].dtype, out.dtype)))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = module(ids(), torch.zeros(3))
+    assert out.dtype == torch.bfloat16  # the autocast really ran
+    assert len(seen) == 2 * BLOCKS + 1 and set(seen) == {(torch.float32, torch.float32)}
+
+
 def test_mdlm_owt_backbone_config_is_what_the_reader_builds():
     """conf/backbone/mdlm_owt.yaml is the reader's backbone for MDLM-OWT's shapes (so ``backbone=mdlm_owt`` passes
     the backbone check), and those shapes have MDLM-OWT's 169 627 218 parameters."""
