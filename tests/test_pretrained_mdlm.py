@@ -402,11 +402,17 @@ def test_hub_name_resolves_through_the_cache_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     state = mdlm_tensors(9)
     _fake_hub_cache(tmp_path / "cache", "kuleshov-group/mdlm-owt", state)
+    import huggingface_hub
+
+    calls, real = [], huggingface_hub.snapshot_download
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     module = load_module("kuleshov-group/mdlm-owt").eval()
     x = ids(9)
     with torch.no_grad():
         torch.testing.assert_close(module(x, torch.zeros(3)), mdlm_reference(state, x), atol=ATOL, rtol=0)
     assert resolve_source("kuleshov-group/mdlm-owt").parent.name == "snapshots"
+    assert calls and all(kw["local_files_only"] for kw in calls)  # offline: the hub is never asked
+    assert {kw["cache_dir"] for kw in calls} == {tmp_path / "cache"}  # HF_HUB_CACHE, read at call time
     start = time.perf_counter()
     with pytest.raises(SourceUnavailableError) as err:
         MLFMModule(
