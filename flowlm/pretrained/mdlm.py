@@ -1,7 +1,7 @@
 """MDLM (kuleshov-group/mdlm, OpenWebText) checkpoints into the suite's DiT (docs/pretrained.md, MDLM).
 
-MDLM's DiT (``models/dit.py::DIT``) is the suite's DiT block for block, so the conversion renames tensors and
-sets options; no weight is changed:
+MDLM's DiT (``models/dit.py::DIT``) is the suite's DiT block for block (methods.md §1), so the conversion renames
+tensors and sets options; no weight is changed:
   - residual gate: both ``x + gate ⊙ branch`` (not 1 + gate); modulate ``x ⊙ (1 + scale) + shift``;
   - LayerNorm: MDLM's ``F.layer_norm(x.float()) ⊙ w`` (no bias) = the suite's bias-free ``nn.LayerNorm`` on a
     float32 residual stream (both streams stay float32 under bf16 autocast: an fp32 embedding plus bf16 updates);
