@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import lightning as L
@@ -10,6 +11,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from flowlm.backbones.dit import RELEASED_OPTIONS, DiT, build_dit
 from lightning_modules.sharding import compile_blocks, shard
+from runners.paths import git_commit
+
+# The commit of the code this process runs, read once (two git calls) and recorded in every checkpoint it writes.
+code_commit = functools.cache(git_commit)
 
 # Parameter names that never get weight decay (besides every vector: biases, norm gains).
 NO_DECAY_KEYS = ("norm", "adaLN", "emb_s.", "emb_t.", "time_embed.", "block_mods.", "final_mod.")
@@ -146,5 +151,6 @@ class FlowLMModule(L.LightningModule):
                 "data_vocab_size": self.data_vocab_size,
                 "seq_len": self.seq_len,
                 "config": getattr(self, "run_config", None),
+                "git_commit": code_commit(),  # the code that wrote it (flowlm-export's model card)
             }
         )

@@ -2,6 +2,9 @@
 
 A checkpoint is a file (one process, DDP) or, from a sharded run (trainer=fsdp2 / fsdp), a folder of per-rank
 shards (torch.distributed.checkpoint) plus Lightning's ``meta.pt``; readers here take either and give the same dict.
+``read_checkpoint`` is the one place a source is resolved: a hub name or path (flowlm/pretrained/hub.py), then a
+flowlm checkpoint, a ``flowlm-export`` folder, or a foreign pretrained MDM whose layout a registered reader detects
+(flowlm/pretrained/formats.py: MDLM's HF folder and Lightning .ckpt), converted to the same dict (an MDM module's).
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from flowlm.backbones.dit import RELEASED_OPTIONS, legacy_backbone_options
+from flowlm.pretrained.export import is_export, read_export
+from flowlm.pretrained.formats import PretrainedMDM, detect_format, insert_pad_row, known_formats
+from flowlm.pretrained.hub import resolve_source
 from lightning_modules.sharding import is_dtensor
 
 # Lightning's record of everything but weights and optimizer states in a sharded checkpoint folder.
@@ -21,6 +27,8 @@ SHARDED_META = "meta.pt"
 # Inside a sharded checkpoint's weights the EMA callback keeps the live (non-averaged) weights under this key (the
 # top-level key of the same name in a file checkpoint; Lightning's WeightAveraging layout).
 LIVE_KEY = "current_model_state"
+# The module a foreign pretrained MDM is read as (its hyper-parameters are built from the source).
+FOREIGN_MDM_CLASS = "lightning_modules.mdm.MDMModule"
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -28,15 +36,28 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     return Path(path).is_dir() and (Path(path) / SHARDED_META).is_file()
 
 
-def read_checkpoint(path: str | os.PathLike) -> dict:
+def read_checkpoint(path: str | os.PathLike, *, data_vocab_size: int | None = None) -> dict:
     """The whole checkpoint dict (memory-mapped), with clear errors for missing or foreign files.
 
-    A sharded folder is consolidated on this process (full tensors, in memory; no process group needed): its
-    ``state_dict`` holds the EMA weights and ``current_model_state`` the live ones, as in a file checkpoint;
-    optimizer states are left out (see ``consolidate_checkpoint``).
+    ``path`` may be a hub name (``owner/name[@revision]``, resolved through the HF cache). A sharded folder is
+    consolidated on this process (full tensors, in memory; no process group needed): its ``state_dict`` holds the
+    EMA weights and ``current_model_state`` the live ones, as in a file checkpoint; optimizer states are left out
+    (see ``consolidate_checkpoint``). An export folder and a foreign pretrained MDM give the same layout, the
+    latter as an MDM module's (``foreign_checkpoint``; ``data_vocab_size``: the run's, see there).
     """
-    path = Path(path)
+    path = resolve_source(path)
     if path.is_dir():
+        if is_export(path):
+            return export_checkpoint(path)
+        if not (path / SHARDED_META).is_file():
+            fmt = detect_format(path)
+            if fmt is None:
+                raise ValueError(
+                    f"{path} is a folder but not a sharded checkpoint (no {SHARDED_META}: an interrupted save, or not "
+                    f"a checkpoint), nor an export, nor any of the pretrained layouts read here "
+                    f"({'; '.join(known_formats())})"
+                )
+            return foreign_checkpoint(fmt.read(path, None), data_vocab_size)
         ckpt = consolidate_checkpoint(path)
     elif not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
@@ -45,17 +66,70 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
             ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         except Exception as err:  # noqa: BLE001 - any unpickling failure means the same thing here
             raise ValueError(f"{path} is not a readable PyTorch checkpoint ({type(err).__name__}: {err})") from err
+        fmt = detect_format(path, ckpt) if isinstance(ckpt, dict) and "flowlm" not in ckpt else None
+        if fmt is not None:
+            return foreign_checkpoint(fmt.read(path, ckpt), data_vocab_size)
     if not isinstance(ckpt, dict) or "flowlm" not in ckpt:
-        raise ValueError(f"{path} is not a flowlm checkpoint (no 'flowlm' record): it was not written by flowlm-train")
+        raise ValueError(
+            f"{path} is not a flowlm checkpoint (no 'flowlm' record): it was not written by flowlm-train, and it is "
+            f"none of the pretrained layouts read here ({'; '.join(known_formats())})"
+        )
     return ckpt
 
 
-def read_checkpoint_meta(path: str | os.PathLike) -> dict:
+def foreign_checkpoint(model: PretrainedMDM, data_vocab_size: int | None = None) -> dict:
+    """A foreign pretrained MDM as the checkpoint of an MDM module (time-agnostic, its backbone options), weights
+    under ``net.*`` (the EMA ones in ``state_dict``, the live ones, if any, in ``current_model_state``).
+
+    When the run's ``data_vocab_size`` is the source's + 1, the run's data add a [PAD] the source lacks (the
+    suite's GPT-2 data: 50 257 + [PAD]; MDLM: 50 257 + [MASK]): a PAD row is inserted before [MASK]
+    (``insert_pad_row``: every other logit unchanged). Any other difference is left for ``check_family`` to refuse.
+    """
+    if data_vocab_size is not None and data_vocab_size == model.data_vocab_size + 1:
+        model = insert_pad_row(model)
+    ckpt = {
+        "flowlm": {
+            "family": "mdm",
+            "class_path": FOREIGN_MDM_CLASS,
+            "data_vocab_size": model.data_vocab_size,
+            "seq_len": model.seq_len,
+            "config": None,
+            "source": model.provenance,
+        },
+        "hyper_parameters": {
+            "data_vocab_size": model.data_vocab_size,
+            "seq_len": model.seq_len,
+            "backbone": dict(model.backbone),
+            "optim": {},
+            "time_conditioning": False,
+        },
+        "state_dict": {"net." + name: t for name, t in model.state.items()},
+        "global_step": 0,
+    }
+    if model.live is not None:
+        ckpt[LIVE_KEY] = {"net." + name: t for name, t in model.live.items()}
+    return ckpt
+
+
+def export_checkpoint(path: Path) -> dict:
+    """A ``flowlm-export`` folder as the checkpoint dict it was written from (weights, record, hyper-parameters)."""
+    config, state = read_export(path)
+    record = {**config["flowlm"], "source": {"format": "flowlm-export", "path": str(path)}}
+    return {
+        "flowlm": record,
+        "hyper_parameters": config["hyper_parameters"],
+        "state_dict": state,
+        "global_step": config.get("global_step"),
+    }
+
+
+def read_checkpoint_meta(path: str | os.PathLike, *, data_vocab_size: int | None = None) -> dict:
     """The ``flowlm`` record of a checkpoint (family, class, vocabulary, config); a sharded folder's weights are not
     read."""
-    if Path(path).is_dir():
-        return _read_sharded_meta(Path(path))["flowlm"]
-    return read_checkpoint(path)["flowlm"]
+    local = resolve_source(path)
+    if local.is_dir() and (local / SHARDED_META).is_file():
+        return _read_sharded_meta(local)["flowlm"]
+    return read_checkpoint(local, data_vocab_size=data_vocab_size)["flowlm"]
 
 
 def verify_checkpoint(path: str | os.PathLike) -> None:
@@ -121,19 +195,20 @@ def consolidate_checkpoint(path: str | os.PathLike, *, optimizer: bool = False) 
     return ckpt
 
 
-def load_module(path: str | os.PathLike, *, map_location: str | torch.device = "cpu"):
-    """The LightningModule a checkpoint (file or sharded folder) holds, built from its hyper-parameters, with the
-    checkpoint's ``state_dict`` (the EMA weights when an EMA ran), on ``map_location``. A backbone saved before an
-    option of the DiT existed is built as it was then (``legacy_backbone_options``)."""
-    path = Path(path)
-    if not path.is_dir():
-        ckpt = read_checkpoint(path)  # memory-mapped: the tensors are read once, by Lightning
-        cls = import_class(ckpt["flowlm"]["class_path"])
+def load_module(
+    path: str | os.PathLike, *, map_location: str | torch.device = "cpu", data_vocab_size: int | None = None
+):
+    """The LightningModule a checkpoint (file, sharded folder, export folder or foreign pretrained MDM, by path or
+    hub name) holds, built from its hyper-parameters, with the checkpoint's ``state_dict`` (the EMA weights when an
+    EMA ran), on ``map_location``. A backbone saved before an option of the DiT existed is built as it was then
+    (``legacy_backbone_options``). ``data_vocab_size``: the run's, for a foreign source (``foreign_checkpoint``)."""
+    path = resolve_source(path)
+    ckpt = read_checkpoint(path, data_vocab_size=data_vocab_size)  # a file: memory-mapped, read once by Lightning
+    cls = import_class(ckpt["flowlm"]["class_path"])
+    if path.is_file() and "source" not in ckpt["flowlm"]:
         return cls.load_from_checkpoint(path, map_location=map_location, **_backbone_kwargs(ckpt))
     from lightning.pytorch.core.saving import _load_state  # what load_from_checkpoint runs once the dict is read
 
-    ckpt = read_checkpoint(path)
-    cls = import_class(ckpt["flowlm"]["class_path"])
     return _load_state(cls, ckpt, strict=True, **_backbone_kwargs(ckpt)).to(map_location)
 
 

@@ -123,7 +123,7 @@ class FMLMPlusModule(FlowLMModule):
         """Check the init/teacher checkpoints (family, vocabulary) before any compute."""
         for path, role in ((self.init_from, "init_from"), (self.teacher_path, "teacher")):
             if path:
-                ckpt = read_checkpoint(path)
+                ckpt = read_checkpoint(path, data_vocab_size=self.data_vocab_size)  # a path or hub name
                 families = ("mdm", "flow") if role == "init_from" else "mdm"  # init: an MDM, or an FLM/FMLM
                 check_family(ckpt["flowlm"], path, family=families, data_vocab_size=self.data_vocab_size, role=role)
                 if role == "init_from":  # a dry run on a copy: another backbone size fails here, not mid-fit
@@ -134,7 +134,8 @@ class FMLMPlusModule(FlowLMModule):
     def on_fit_start(self) -> None:
         """Initialise from the MDM (fresh runs only) and load the frozen teacher."""
         if self.init_from and self.global_step == 0 and self.init_report is None:
-            self.initialise_from(read_checkpoint(self.init_from)["state_dict"])  # the source's EMA weights
+            source = read_checkpoint(self.init_from, data_vocab_size=self.data_vocab_size)
+            self.initialise_from(source["state_dict"])  # the source's EMA weights
             rank_zero_info(
                 f"Initialised from {self.init_from}: copied {len(self.init_report['copied'])} tensors "
                 f"({len(self.init_report['sliced'])} with the [MASK] row dropped), fresh: {self.init_report['fresh']}"
@@ -143,7 +144,8 @@ class FMLMPlusModule(FlowLMModule):
                 if isinstance(lg, MLFlowLogger) and self.trainer.is_global_zero:
                     lg.experiment.log_dict(lg.run_id, self.init_report, "init_from.json")
         if self.teacher_path and self._teacher is None:
-            teacher = load_module(self.teacher_path, map_location=self.device)  # a file or a sharded folder
+            # a file, a sharded or export folder, or a foreign pretrained MDM (path or hub name)
+            teacher = load_module(self.teacher_path, map_location=self.device, data_vocab_size=self.data_vocab_size)
             teacher.eval().requires_grad_(False)
             object.__setattr__(self, "_teacher", teacher)  # not a submodule: never saved, never optimised
 

@@ -75,7 +75,7 @@ class MLFMModule(FlowLMModule):
     # --------------------------------------------------------------------------------------------- MDM source
     def validate_inputs(self) -> None:
         """The source must be a time-agnostic MDM of this vocabulary and backbone size (checked before compute)."""
-        ckpt = read_checkpoint(self.init_from)
+        ckpt = read_checkpoint(self.init_from, data_vocab_size=self.data_vocab_size)  # a path or hub name
         check_family(
             ckpt["flowlm"], self.init_from, family="mdm", data_vocab_size=self.data_vocab_size, role="init_from"
         )
@@ -90,7 +90,8 @@ class MLFMModule(FlowLMModule):
     def on_fit_start(self) -> None:
         """Copy the MDM's weights into the frozen base (fresh runs only; a resumed run has them already)."""
         if self.global_step == 0 and self.init_report is None:
-            self.init_report = self._copy_mdm(self.net, read_checkpoint(self.init_from)["state_dict"])
+            source = read_checkpoint(self.init_from, data_vocab_size=self.data_vocab_size)
+            self.init_report = self._copy_mdm(self.net, source["state_dict"])
             trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
             total = sum(p.numel() for p in self.parameters())
             rank_zero_info(

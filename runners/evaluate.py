@@ -28,6 +28,8 @@ def evaluate(cfg: DictConfig) -> dict:
     with open_dict(cfg):
         cfg.data = data_cfg  # the data evaluated on, as the MLflow run records it
     datamodule = build(data_cfg)
+    if "source" in meta:  # a foreign pretrained MDM: read for these data (a [PAD] row the source lacks is added)
+        meta = read_checkpoint_meta(cfg.ckpt_path, data_vocab_size=datamodule.vocab_size)
     for what in ("vocab_size", "seq_len"):
         have, want = getattr(datamodule, what), meta["data_vocab_size" if what == "vocab_size" else what]
         if have != want:
@@ -38,7 +40,8 @@ def evaluate(cfg: DictConfig) -> dict:
     evaluation.check_data(datamodule)
     check_objectives(cfg.get("optimized_metric"), evaluation, datamodule)
     L.seed_everything(cfg.seed, verbose=False)
-    module = load_module(cfg.ckpt_path, map_location="cpu")  # a file, or a sharded folder consolidated here
+    # a file, a sharded folder consolidated here, an export folder, or a foreign MDM (path or hub name)
+    module = load_module(cfg.ckpt_path, map_location="cpu", data_vocab_size=datamodule.vocab_size)
     check_arguments(cfg.trainer, "trainer")
     progress = progress_callbacks(cfg.trainer.get("enable_progress_bar", True), cfg.get("progress_every_s", 30))
     trainer: L.Trainer = build(cfg.trainer, callbacks=[evaluation, *progress], logger=False)
@@ -48,7 +51,7 @@ def evaluate(cfg: DictConfig) -> dict:
         logger.experiment.set_tag(logger.run_id, "flowlm.checkpoint", str(cfg.ckpt_path))
     try:
         trainer.validate(module, datamodule=datamodule, verbose=False)
-        rows = [{"run": str(meta.get("config", {}).get("name", "checkpoint")), **r} for r in evaluation.results]
+        rows = [{"run": str((meta.get("config") or {}).get("name", "checkpoint")), **r} for r in evaluation.results]
         if trainer.is_global_zero and rows:
             table = pivot_table(rows, evaluation.primary)
             print(f"\n{evaluation.primary} by NFE budget (NFE spent)\n{table}\n", flush=True)
