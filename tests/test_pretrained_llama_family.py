@@ -373,14 +373,16 @@ def test_dream_missing_bias_is_refused_naming_it(tmp_path):
 
 # ------------------------------------------------------------------------------------------------------ sources
 def test_a_hub_name_not_in_the_cache_fails_at_once_saying_how_to_provide_it(tmp_path, monkeypatch):
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(FileNotFoundError, match="huggingface-cli download GSAI-ML/LLaDA-8B-Base.*local path"):
         load_llada("GSAI-ML/LLaDA-8B-Base")
-    with pytest.raises(FileNotFoundError, match="nieshen/SMDM mdm_safetensors/x.safetensors"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"(?s)'nieshen/SMDM' is not a local path.*huggingface-cli download nieshen/SMDM.*local path",
+    ):
         resolve_source("nieshen/SMDM", filename="mdm_safetensors/x.safetensors")
-    with pytest.raises(FileNotFoundError, match="neither an existing path"):
+    with pytest.raises(FileNotFoundError, match="neither a local path nor a hub name"):
         resolve_source(str(tmp_path / "absent" / "file.safetensors"))
 
 
@@ -516,7 +518,6 @@ def test_adapter_modulation_slots_act_where_the_equations_say(tmp_path, slot, ze
 
 # ------------------------------------------------------------------------------------------------------ configs
 def test_backbone_configs_build_or_fail_offline_saying_how_to_provide_the_source(tmp_path, monkeypatch):
-    import huggingface_hub.constants
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
@@ -524,7 +525,8 @@ def test_backbone_configs_build_or_fail_offline_saying_how_to_provide_the_source
     from flowlm.pretrained.dream import DREAM_7B
     from runners.paths import CONF_DIR
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     folder = Path(CONF_DIR) / "backbone" / "llama"
     confs = {path.stem: OmegaConf.load(path) for path in folder.glob("*.yaml")}
     assert set(confs) == {"tiny", "smdm_1028m", "llada_8b", "dream_7b"}
@@ -533,8 +535,8 @@ def test_backbone_configs_build_or_fail_offline_saying_how_to_provide_the_source
     assert dict(confs["llada_8b"].expect) == LLADA_8B and dict(confs["dream_7b"].expect) == DREAM_7B
     smdm.smdm_config(confs["smdm_1028m"].config)  # a known named config
     for name in ("smdm_1028m", "llada_8b", "dream_7b"):
-        with pytest.raises(InstantiationException, match="FileNotFoundError.*huggingface-cli download"):
-            instantiate(confs[name])  # hydra wraps the loader's FileNotFoundError
+        with pytest.raises(InstantiationException, match="SourceUnavailableError.*huggingface-cli download"):
+            instantiate(confs[name])  # hydra wraps the resolver's SourceUnavailableError (a FileNotFoundError)
 
 
 # ------------------------------------------------------------------------------------------------------ FSDP2
@@ -625,9 +627,8 @@ def test_a_padding_mask_keeps_padded_keys_out(llada_model):
 
 def test_a_hub_name_in_the_cache_loads_from_its_snapshot(tmp_path, monkeypatch):
     """The Hugging Face cache layout (models--owner--name/refs/main → snapshots/<commit>/), no network."""
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     repo = tmp_path / "hub" / "models--GSAI-ML--LLaDA-8B-Base"
     commit = "0123456789abcdef0123456789abcdef01234567"
     (repo / "refs").mkdir(parents=True)

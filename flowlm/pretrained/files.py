@@ -11,35 +11,25 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from flowlm.pretrained import hub
+
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
 def resolve_source(source: str | Path, *, filename: str | None = None, allow_patterns: list[str] | None = None) -> Path:
-    """A local file/folder, or a hub name (``owner/name``) resolved through the Hugging Face cache only (no
-    download): the cached snapshot folder, or with ``filename`` that file of it. Offline, a source that is neither
-    fails at once with the ways to provide it."""
+    """A local file/folder, or a hub name (``owner/name``) resolved through the Hugging Face cache by
+    ``flowlm.pretrained.hub.resolve_source`` (the one resolver of the suite): the snapshot folder, or with
+    ``filename`` that file of it. Offline, a source that is neither fails at once with the ways to provide it."""
     path = Path(source).expanduser()
     if path.exists():
         return path / filename if filename and path.is_dir() else path
-    name = str(source)
-    if name.count("/") != 1 or name.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"pretrained source {name!r} is neither an existing path nor a hub name owner/name")
-    from huggingface_hub import hf_hub_download, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        if filename is not None:
-            return Path(hf_hub_download(name, filename, local_files_only=True))
-        return Path(snapshot_download(name, local_files_only=True, allow_patterns=allow_patterns))
-    except (LocalEntryNotFoundError, FileNotFoundError, OSError) as err:
-        what = f"{name}/{filename}" if filename else name
-        raise FileNotFoundError(
-            f"pretrained source {what!r} is not in the Hugging Face cache and nothing is downloaded here. Provide it "
-            f"by (a) `huggingface-cli download {name}{' ' + filename if filename else ''}` on a machine with internet "
-            "and copying the cache (HF_HOME / HF_HUB_CACHE) here, or (b) passing a local path to the "
-            f"{'file' if filename else 'folder'} instead of the hub name."
-        ) from err
+    folder = hub.resolve_source(str(source), allow_patterns=[filename] if filename else allow_patterns)
+    if filename is None:
+        return folder
+    if not (folder / filename).exists():
+        raise FileNotFoundError(f"pretrained source {source!r} has no file {filename!r} (snapshot {folder})")
+    return folder / filename
 
 
 def checkpoint_files(path: Path) -> dict[str, Path]:
