@@ -185,6 +185,11 @@ class SamplingEvaluation(Callback):
         if trainer.is_global_zero:
             self._log_artifacts(trainer)
 
+    def calibration_arrays(self, sampler: str, budget: int) -> tuple[np.ndarray, np.ndarray]:
+        """(confidence, correct) token pairs the latest evaluation kept for ``sampler`` at ``budget`` (rank 0)."""
+        state = self._states.get((sampler, budget))
+        return state["calibration"].arrays() if state else CalibrationBuffer(0).arrays()
+
     def table(self) -> str:
         """The latest results as a Markdown table (one row per sampler × budget)."""
         return format_table(self.results)
