@@ -114,6 +114,12 @@ class Convergence(Callback):
         paths = [getattr(pl_module, "init_from", None), getattr(pl_module, "teacher_path", None)]
         self.source = max(source_steps(p) for p in paths)  # init and teacher are the same MDM in this suite
 
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: D102
+        # A relaunch of a run that had converged and stopped resumes at its last step: it stops again at once
+        # instead of training on to the cap.
+        if self.stop and self.verdict.converged:
+            trainer.should_stop = True
+
     def wall_s(self) -> float:
         """Seconds of fitting so far, every launch of the run."""
         return self.wall_before + (time.monotonic() - self._start if self._start is not None else 0.0)
@@ -167,3 +173,6 @@ class Convergence(Callback):
     def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102
         self.history = [(int(s), float(v)) for s, v in state_dict.get("history", [])]
         self.wall_before = float(state_dict.get("wall_s", 0.0))
+        self.verdict = check_convergence(
+            self.history, window=self.window, rel_tol=self.rel_tol, min_evals=self.min_evals
+        )

@@ -3,12 +3,13 @@ the stop, the MLflow record, the results CSV (callbacks/results_csv.py) and the 
 
 import csv
 import json
+from types import SimpleNamespace
 
 import pytest
 from conftest import FAST, compose_config, isolate_runs
 from mlflow.tracking import MlflowClient
 
-from callbacks.convergence import CONVERGENCE_FILE, check_convergence
+from callbacks.convergence import CONVERGENCE_FILE, Convergence, check_convergence
 from callbacks.results_csv import COLUMNS
 from runners.train import train
 
@@ -45,6 +46,24 @@ def test_too_few_evaluations_never_converge_and_bad_settings_fail():
         check_convergence([], window=1.0)
     with pytest.raises(ValueError, match="rel_tol"):
         check_convergence([], rel_tol=0.0)
+
+
+def test_a_resumed_run_keeps_its_history_and_wall_time_and_a_converged_one_stops_at_once():
+    plateau = [(100, 2.0), (200, 1.5), (300, 1.2), (400, 1.0), (500, 0.998)]
+    saved = Convergence(stop=True)
+    saved.load_state_dict({"history": plateau, "wall_s": 42.0})
+    state = saved.state_dict()
+    resumed = Convergence(stop=True)
+    resumed.load_state_dict(state)
+    assert resumed.history == plateau and resumed.wall_s() == pytest.approx(42.0, abs=1.0)
+    trainer = SimpleNamespace(should_stop=False)
+    resumed.on_train_start(trainer, None)
+    assert trainer.should_stop  # converged before the relaunch: no more steps
+    going = Convergence(stop=True)
+    going.load_state_dict({"history": plateau[:-1] + [(500, 0.5)], "wall_s": 0.0})
+    going.on_train_start(trainer := SimpleNamespace(should_stop=False), None)
+    assert not trainer.should_stop
+    assert resumed.record()["steps"] == 500 and resumed.record()["converged"] is True
 
 
 @pytest.fixture(scope="module")
