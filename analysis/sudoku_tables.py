@@ -62,6 +62,8 @@ def aggregate(rows: pd.DataFrame) -> pd.DataFrame:
             out[f"{m}_mean"] = values.groupby([rows[k] for k in KEY], sort=False, dropna=False).mean()
             out[f"{m}_std"] = values.groupby([rows[k] for k in KEY], sort=False, dropna=False).std().fillna(0.0)
     out["converged"] = grouped["converged"].sum()
+    if "confidence_kind" in rows:  # the sampler's declared kind (flowlm/samplers), one per sampler
+        out["confidence_kind"] = grouped["confidence_kind"].first()
     out["seeds"] = grouped["seed"].agg(lambda s: ",".join(str(v) for v in sorted(s.unique())))
     return out.reset_index()
 
@@ -199,7 +201,7 @@ def calibration_table(agg: pd.DataFrame) -> pd.DataFrame:
         full = empty_cells(part["board"].iloc[0], d)
         for method, variant, sampler in _models(part):
             where = dict(method=method, variant=variant, sampler=sampler)
-            kind = _kind(sampler)
+            kind = part[(part["method"] == method) & (part["sampler"] == sampler)]["confidence_kind"].iloc[0]
             line = {"task": d, "model": _label(method, variant), "sampler": sampler, "confidence": kind}
             for column, nfe in (("@4", LOW_NFE), ("@full", full)):
                 got, wrong = (
@@ -209,11 +211,6 @@ def calibration_table(agg: pd.DataFrame) -> pd.DataFrame:
                 line[column] = "" if got is None else f"{got.mean:.3f} ± {got.std:.3f} ({wrong.mean:.0f} % wrong)"
             lines.append(line)
     return pd.DataFrame(lines, columns=["task", "model", "sampler", "confidence", "@4", "@full"])
-
-
-def _kind(sampler: str) -> str:
-    # The samplers' declared confidence kinds (flowlm/samplers): PR scores a finished draft, the others before.
-    return "a-posteriori" if sampler == "pr" else "a-priori"
 
 
 # ---------------------------------------------------------------- verdicts

@@ -34,6 +34,7 @@ def row(method, variant, sampler, nfe, seed, value, *, difficulty="easy", date="
         name=f"{method}_{variant}",
         sampler=sampler,
         sampler_settings="{}",
+        confidence_kind="a-posteriori" if sampler == "pr" else "a-priori",
         nfe_budget=nfe,
         nfe=nfe,
         seed=seed,
@@ -156,7 +157,8 @@ def test_report_files_and_a_clear_error_without_results(results, tmp_path):
     text = report.markdown.read_text()
     for heading in ("## Verdicts", "## Conditional Sudoku", "## Unconditional Sudoku", "## Calibration"):
         assert heading in text
-    assert "0.900 ± 0.000 (5 % wrong)" in text  # FMLM+ init PR's AUROC at 4 NFE
+    assert "| easy | FMLM+ init | pr | a-posteriori | 0.900 ± 0.000 (5 % wrong) |" in text  # AUROC at 4 NFE
+    assert "| easy | FMLM+ init | a_priori | a-priori | 0.600 ± 0.000 (40 % wrong) |" in text
     assert "<table>" in report.html.read_text()
     for name in ("conditional", "unconditional", "calibration", "verdicts", "rows"):
         with (out / f"{name}.csv").open() as f:
