@@ -185,7 +185,8 @@ def unconditional_table(agg: pd.DataFrame) -> pd.DataFrame:
             line[f"NFE {nfe}"] = "" if valid is None else f"{valid} · {distinct.mean:.0f} · {copies.mean:.1f}"
         line["training"] = _training(unc, method=method, variant=variant)
         lines.append(line)
-    return pd.DataFrame(lines, columns=["source", "model", "sampler", *(f"NFE {n}" for n in UNCOND_NFE), "training"])
+    columns = ["source", "model", "sampler", *(f"NFE {n}" for n in UNCOND_NFE), "training"]
+    return pd.DataFrame(lines, columns=columns).fillna("")
 
 
 def calibration_table(agg: pd.DataFrame) -> pd.DataFrame:

@@ -158,7 +158,8 @@ class Convergence(Callback):
         record = self.record()
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / CONVERGENCE_FILE).write_text(json.dumps(record, indent=1))
+            finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+            (self.run_dir / CONVERGENCE_FILE).write_text(json.dumps(finite, indent=1))  # strict JSON: NaN → null
         for lg in trainer.loggers:
             if isinstance(lg, MLFlowLogger):
                 step = trainer.global_step

@@ -148,7 +148,7 @@ def test_tables_hold_measured_cells_paper_rows_and_training(results):
     mdm = uncond[(uncond["source"] == "measured, 6x6") & (uncond["sampler"] == "confidence")].iloc[0]
     assert mdm["NFE 36"] == "50.0 · 100 · 1.0"
     paper_pr = uncond[(uncond["source"] == "paper, 9×9") & (uncond["sampler"] == "pr")].iloc[0]
-    assert (paper_pr["NFE 9"], paper_pr["NFE 36"]) == ("87.1", "99.6 (81)")
+    assert (paper_pr["NFE 9"], paper_pr["NFE 36"], paper_pr["training"]) == ("87.1", "99.6 (81)", "")
 
 
 def test_report_files_and_a_clear_error_without_results(results, tmp_path):
