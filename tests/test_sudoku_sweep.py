@@ -99,3 +99,14 @@ def test_a_tiny_tables_sweep_trains_in_order_and_writes_the_csvs(tmp_path, monke
         rows = list(csv.DictReader(f))
     assert {(r["sampler"], r["nfe_budget"]) for r in rows} == {(s, b) for s in ("pr", "a_priori") for b in ("4", "18")}
     assert {r["budget_steps"] for r in rows} == {"4"}  # its 2 steps + the MDM's 2
+
+
+def test_a_budget_a_sampler_refuses_is_skipped_only_when_asked():
+    from callbacks.sampling_eval import SamplingEvaluation
+    from flowlm.samplers import MLFMSampler
+
+    samplers = {"mlfm": MLFMSampler(), "mlfm_ccfg": MLFMSampler(guidance=2.0)}  # CCFG: 2 NFE per step
+    with pytest.raises(ValueError, match="below one step"):
+        SamplingEvaluation(samplers=samplers, nfe=[1, 3], metric=lambda **_: None)
+    evaluation = SamplingEvaluation(samplers=samplers, nfe=[1, 3], metric=lambda **_: None, skip_unfit_budgets=True)
+    assert list(evaluation.skipped) == [("mlfm_ccfg", 1)]
