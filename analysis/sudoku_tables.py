@@ -370,6 +370,10 @@ def build_sudoku_report(
             level=1,
         ),
         Section(
+            "Headline",
+            "; ".join(headline(agg)) or "no conditional row measured",
+        ),
+        Section(
             "Verdicts",
             "Each claim of the papers against the measured numbers: reproduces when the means differ in the claimed "
             "direction by more than the two std together, does not reproduce when they differ the other way by as "

@@ -159,6 +159,7 @@ def test_report_files_and_a_clear_error_without_results(results, tmp_path):
         assert heading in text
     assert "| easy | FMLM+ init | pr | a-posteriori | 0.900 ± 0.000 (5 % wrong) |" in text  # AUROC at 4 NFE
     assert "| easy | FMLM+ init | a_priori | a-priori | 0.600 ± 0.000 (40 % wrong) |" in text
+    assert "easy: FMLM+ init PR@4 96.0 ± 1.0 % vs MDM@18 82.0 ± 2.0 %" in text  # the headline
     assert "<table>" in report.html.read_text()
     for name in ("conditional", "unconditional", "calibration", "verdicts", "rows"):
         with (out / f"{name}.csv").open() as f:
