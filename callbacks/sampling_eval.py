@@ -63,17 +63,22 @@ class SamplingEvaluation(Callback):
         num_logged_samples: int = 8,
         calibration_tokens: int = 0,
         compile_tails: bool = False,
+        skip_unfit_budgets: bool = False,
     ) -> None:
         if not samplers:
             raise ValueError("evaluation needs at least one sampler")
         if not nfe:
             raise ValueError("evaluation needs at least one NFE budget")
+        # skip_unfit_budgets: a budget a sampler refuses (CCFG's 2 NFE per step at a budget of 1) is left out for
+        # that sampler, noted in `skipped`, instead of an error (one budget list over several model families).
+        self.skip_unfit_budgets = skip_unfit_budgets
+        self.skipped: dict[tuple[str, int], str] = {}
         for name, sampler in samplers.items():
             if not isinstance(sampler, Sampler):
                 raise TypeError(f"eval sampler {name!r} is a {type(sampler).__name__}, not a Sampler")
             confidence_kind(sampler)  # a declared kind, checked before any compute
             for budget in nfe:
-                sampler.check_budget(budget)
+                self._check_budget(name, sampler, int(budget))
         self.samplers = dict(samplers)
         self.nfe = [int(n) for n in nfe]
         self.metric_factory = metric
@@ -112,9 +117,17 @@ class SamplingEvaluation(Callback):
         if free is None:
             return
         free -= getattr(datamodule, "prompt_len", 0)
-        for sampler in self.samplers.values():
+        for name, sampler in self.samplers.items():
             for budget in self.nfe:
-                sampler.check_budget(budget, free_positions=free)
+                self._check_budget(name, sampler, budget, free_positions=free)
+
+    def _check_budget(self, name: str, sampler: Sampler, budget: int, **kwargs) -> None:
+        try:
+            sampler.check_budget(budget, **kwargs)
+        except ValueError as err:
+            if not self.skip_unfit_budgets:
+                raise
+            self.skipped[(name, budget)] = str(err)
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:  # noqa: D102
         # FSDP1 (trainer=fsdp) cannot run a wrapped model outside its own forward: sample from a full replica
@@ -130,6 +143,7 @@ class SamplingEvaluation(Callback):
             }
             for name in self.samplers
             for budget in self.nfe
+            if (name, budget) not in self.skipped
         }
 
     @torch.no_grad()
@@ -184,6 +198,11 @@ class SamplingEvaluation(Callback):
                 pl_module.log(f"{prefix}/{key}", row[key], sync_dist=False, rank_zero_only=True)
         if trainer.is_global_zero:
             self._log_artifacts(trainer)
+
+    def calibration_arrays(self, sampler: str, budget: int) -> tuple[np.ndarray, np.ndarray]:
+        """(confidence, correct) token pairs the latest evaluation kept for ``sampler`` at ``budget`` (rank 0)."""
+        state = self._states.get((sampler, budget))
+        return state["calibration"].arrays() if state else CalibrationBuffer(0).arrays()
 
     def table(self) -> str:
         """The latest results as a Markdown table (one row per sampler × budget)."""

@@ -9,14 +9,20 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from analysis.report import Report, build_report, log_report
+from analysis.sudoku_tables import build_sudoku_report
 from runners.paths import CONF_DIR
 
 
 def report(cfg: DictConfig) -> tuple[Report, str | None]:
     """Build the report ``cfg`` describes; log it to MLflow unless ``log_to_mlflow`` is false.
 
-    Returns the report and the MLflow run id holding it (None when not logged).
+    Returns the report and the MLflow run id holding it (None when not logged). A config with ``results_dir``
+    (conf/report_sudoku.yaml) builds the papers' Sudoku tables from the results CSVs there instead.
     """
+    if cfg.get("results_dir"):
+        built = build_sudoku_report(Path(cfg.results_dir).expanduser(), Path(cfg.out).expanduser(), title=cfg.title)
+        print(f"Report: {built.markdown} and {built.html.name} ({len(built.data)} CSV files)", flush=True)
+        return built, None
     # One progress bar per downloaded calibration file says nothing useful here.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     root = Path(cfg.paths.root).expanduser().resolve()

@@ -23,6 +23,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from flowlm.tasks.sudoku import SudokuSpec, clues_for
 from runners.common import release_run_dir
 from runners.experiment_kind import mark_model_training
 from runners.mlflow_run import ERROR_TAG, MAX_VALUE, end_with_error, run_tags, trial_params
@@ -36,8 +37,22 @@ def short_hash(text: object) -> str:
     return hashlib.sha1(str(text).encode()).hexdigest()[:10]
 
 
+def sudoku_table_nfe(conditional: bool, box_rows: int, box_cols: int, difficulty: str | None) -> list[int]:
+    """The NFE budgets of the papers' Sudoku tables (docs/results.md): conditional 4 (PR's R = 4, N = 1) and the
+    number of empty cells (full); unconditional 1, 3, 9, 27 and n² (the paper's 1 / 3 / 9 / 27 / 81 on 9×9)."""
+    spec = SudokuSpec(int(box_rows), int(box_cols))
+    cells = spec.n**2
+    if not conditional:
+        return sorted({*(b for b in (1, 3, 9, 27) if b < cells), cells})
+    return sorted({4, cells - clues_for(spec, str(difficulty))})
+
+
 # `${flowlm.hash:...}` in configs: trial folders (conf/hydra/default.yaml), one sweep name per checkpoint.
 OmegaConf.register_new_resolver("flowlm.hash", short_hash, replace=True)
+# `${flowlm.sudoku_table_nfe:...}`: the budgets of hparams_search=sudoku_tables, from the task's data config.
+OmegaConf.register_new_resolver(
+    "flowlm.sudoku_table_nfe", lambda *args: OmegaConf.create(sudoku_table_nfe(*args)), replace=True
+)  # a ListConfig: OmegaConf.resolve writes the value back into the config
 
 
 def run_trial(task: Callable[[DictConfig], dict], cfg: DictConfig) -> float | list[float] | None:
@@ -114,13 +129,21 @@ def join_sweep(cfg: DictConfig, hydra_cfg: DictConfig) -> None:
     out = Path(hydra_cfg.runtime.output_dir)
     sweeper = hydra_cfg.sweeper
     with open_dict(cfg):
-        # The trial's run folder is Hydra's job folder, <sweep dir>/trial-<hash of the trial's overrides>
-        # (conf/hydra/default.yaml): trials that differ in any parameter never share a folder, a checkpoint or an
-        # MLflow run, and the same overrides again (a re-queued trial, another worker) resume the same run.
-        cfg.paths.run_dir = str(out)
-        cfg.run_name = f"{cfg.sweep.name}/{out.name}"
+        if cfg.sweep.get("run_dirs", "trial") == "experiment":
+            # A sweep over experiments × seeds (hparams_search=sudoku_tables): each trial keeps its experiment's
+            # own folder ${paths.root}/<name>/seed<seed>, where the runs built on it (init_from, teacher) find its
+            # checkpoint and a relaunch resumes it; one trial per (experiment, seed), so no two share a folder.
+            run_dir = Path(cfg.paths.run_dir)
+            cfg.paths.run_dir = str(run_dir)
+            cfg.sweep.trial_id = f"{run_dir.parent.name}-{run_dir.name}"
+        else:
+            # The trial's run folder is Hydra's job folder, <sweep dir>/trial-<hash of the trial's overrides>
+            # (conf/hydra/default.yaml): trials that differ in any parameter never share a folder, a checkpoint or
+            # an MLflow run, and the same overrides again (a re-queued trial, another worker) resume the same run.
+            cfg.paths.run_dir = str(out)
+            cfg.run_name = f"{cfg.sweep.name}/{out.name}"
+            cfg.sweep.trial_id = out.name
         cfg.sweep.trial = int(hydra_cfg.job.num)
-        cfg.sweep.trial_id = out.name
         cfg.sweep.dir = str(Path(hydra_cfg.sweep.dir).resolve())
         cfg.sweep.sweeper = str(sweeper._target_).rsplit(".", 1)[-1]
         cfg.sweep.study = OmegaConf.select(sweeper, "study_name", default=None)

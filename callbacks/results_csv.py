@@ -1,0 +1,125 @@
+"""A run's evaluation rows as one CSV file in the results folder, in one schema (docs/results.md#results-csv).
+
+Each evaluation (re)writes ``<dir>/<task>/<name>_seed<seed>.csv``: one row per sampler × NFE budget, the task,
+model, sampler settings, metrics, the confidence AUROC, and the convergence facts (callbacks/convergence.py). The
+file name is the run's identity, so a resumed or rerun run replaces its rows; the report (``flowlm-report
+--config-name report_sudoku``) merges every CSV under the folder, from any machine or day.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+from lightning.pytorch.callbacks import Callback
+
+from callbacks.convergence import Convergence
+from callbacks.sampling_eval import SamplingEvaluation, confidence_kind
+from runners.paths import git_commit
+
+# Model family of a LightningModule class, as the tables name it.
+METHODS = {"MDMModule": "MDM", "FMLMPlusModule": "FMLM+", "MLFMModule": "MLFM", "ARModule": "AR"}
+METRICS = ("accuracy", "exact_match", "valid_pct", "distinct_valid", "train_copy_pct")
+COLUMNS = [
+    "task", "board", "difficulty", "conditional", "method", "variant", "name", "sampler", "confidence_kind",
+    "sampler_settings", "nfe_budget", "nfe", "seed", *METRICS, "auroc", "wrong_pct", "calibration_tokens",
+    "sec_per_sample", "eval_step", "steps", "budget_steps", "wall_s", "final_val_loss", "converged",
+    "git_commit", "date",
+]  # fmt: skip
+
+
+def variant_of(method_cfg: dict) -> str:
+    """'distill' (an MDM teacher), 'init' (initialised from a checkpoint) or 'scratch'."""
+    if method_cfg.get("teacher"):
+        return "distill"
+    return "init" if method_cfg.get("init_from") else "scratch"
+
+
+class ResultsCSV(Callback):
+    """After every evaluation, writes the run's rows (latest evaluation) to ``<dir>/<task>/<name>_seed<seed>.csv``;
+    ``dir`` None writes nothing."""
+
+    def __init__(self, *, dir: str | None = None) -> None:  # noqa: A002 - the config key
+        self.dir = Path(dir) if dir else None
+        self.path: Path | None = None
+
+    def on_validation_end(self, trainer, pl_module) -> None:  # noqa: D102
+        if self.dir is None or trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        evaluation = next((c for c in trainer.callbacks if isinstance(c, SamplingEvaluation)), None)
+        if evaluation is None or not evaluation.results:
+            return
+        convergence = next((c for c in trainer.callbacks if isinstance(c, Convergence)), None)
+        rows = self.rows(pl_module.run_config, type(pl_module).__name__, evaluation, convergence)
+        cfg = pl_module.run_config
+        self.path = self.dir / str(cfg["task"]) / f"{cfg['name']}_seed{cfg['seed']}.csv"
+        write_rows(self.path, rows)
+
+    @staticmethod
+    def rows(cfg: dict, module_class: str, evaluation: SamplingEvaluation, convergence: Convergence | None) -> list:
+        """The CSV rows of the evaluation's latest results."""
+        data, method = cfg.get("data", {}), cfg.get("method", {})
+        n = int(data.get("box_rows", 0)) * int(data.get("box_cols", 0))
+        facts = convergence.record() if convergence is not None else {}
+        common = {
+            "task": cfg.get("task"),
+            "board": f"{n}x{n}" if n else "",
+            "difficulty": data.get("difficulty") if data.get("conditional", True) else "uncond",
+            "conditional": bool(data.get("conditional", True)),
+            "method": METHODS.get(module_class, module_class),
+            "variant": variant_of(method),
+            "name": cfg.get("name"),
+            "seed": cfg.get("seed"),
+            **{k: facts.get(k, "") for k in ("steps", "budget_steps", "wall_s", "final_val_loss", "converged")},
+            "git_commit": git_commit(),
+            "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        }
+        samplers = cfg.get("eval", {}).get("samplers", {})
+        out = []
+        for result in evaluation.results:
+            name, budget = result["sampler"], result["nfe_budget"]
+            settings = {k: v for k, v in samplers.get(name, {}).items() if k != "_target_"}
+            conf, correct = evaluation.calibration_arrays(name, budget)
+            row = {
+                **common,
+                "sampler": name,
+                "confidence_kind": confidence_kind(evaluation.samplers[name]),
+                "sampler_settings": json.dumps(settings, sort_keys=True),
+                "nfe_budget": budget,
+                "nfe": result["nfe"],
+                **{m: result.get(m, "") for m in METRICS},
+                **calibration_columns(conf, correct),
+                "sec_per_sample": result["sec_per_sample"],
+                "eval_step": result["step"],
+            }
+            out.append(row)
+        return out
+
+
+def calibration_columns(confidence: np.ndarray, correct: np.ndarray) -> dict:
+    """AUROC of confidence for right vs wrong tokens, % wrong and the token count (blank without tokens)."""
+    from analysis.calibration import auroc  # numpy only; a lazy import keeps the report's plotting out of training
+
+    if len(confidence) == 0:
+        return {"auroc": "", "wrong_pct": "", "calibration_tokens": 0}
+    value = auroc(confidence, correct)
+    return {
+        "auroc": "" if math.isnan(value) else value,
+        "wrong_pct": 100 * float((~correct).mean()),
+        "calibration_tokens": len(confidence),
+    }
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """Write ``rows`` in COLUMNS order, atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".csv.tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
