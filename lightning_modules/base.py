@@ -8,10 +8,11 @@ from typing import Any, ClassVar
 import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
+from torch import Tensor, nn
 
+from flowlm.backbones.adapters import MLFMAdapter
 from flowlm.backbones.dit import RELEASED_OPTIONS, build_dit
-from flowlm.backbones.llama import BidirectionalLM
+from flowlm.backbones.llama import BidirectionalLM, LlamaMLFMAdapter
 from lightning_modules.sharding import compile_blocks, shard
 
 # Parameter names that never get weight decay (besides every vector: biases, norm gains).
@@ -23,6 +24,15 @@ def plain(obj: Any) -> Any:
     if isinstance(obj, DictConfig) or OmegaConf.is_list(obj):
         return OmegaConf.to_container(obj, resolve=True)
     return obj
+
+
+def drop_mask_logit(logits: Tensor, data_vocab_size: int, mask_id: int) -> Tensor:
+    """Logits over the data vocabulary (B, L, V), [MASK] removed (SUBS, methods.md §2): a DiT's extra last column
+    dropped (a slice), a [MASK] inside the vocabulary (LLaDA/Dream) set to −∞."""
+    logits = logits[..., :data_vocab_size]
+    if mask_id < data_vocab_size:
+        logits = logits.index_fill(-1, torch.tensor([mask_id], device=logits.device), -torch.inf)
+    return logits
 
 
 # ---------------------------------------------------------------------------------------------------- backbones
@@ -44,6 +54,10 @@ class BackboneKind(ABC):
         """The [MASK] input id of ``net``."""
 
     @abstractmethod
+    def mlfm_adapter(self, net: nn.Module, **options: Any) -> nn.Module:
+        """``net`` frozen inside MLFM's adapter (time adaLN + LoRA, §6): ``forward(z, time, base_time) → logits``."""
+
+    @abstractmethod
     def record(self, cfg: dict, net: nn.Module) -> dict:
         """The backbone config a checkpoint saves: rebuilding from it gives a network of the same function."""
 
@@ -60,6 +74,9 @@ class DiTKind(BackboneKind):
 
     def mask_id(self, net: nn.Module, data_vocab_size: int) -> int:  # noqa: D102
         return data_vocab_size
+
+    def mlfm_adapter(self, net: nn.Module, **options: Any) -> nn.Module:  # noqa: D102
+        return MLFMAdapter(net, **options)
 
     def record(self, cfg: dict, net: nn.Module) -> dict:  # noqa: D102
         # every DiT option it was built with, so a later change of a default cannot change it
@@ -97,6 +114,9 @@ class TargetKind(BackboneKind):
 
     def mask_id(self, net: nn.Module, data_vocab_size: int) -> int:  # noqa: D102
         return net.mask_id
+
+    def mlfm_adapter(self, net: nn.Module, **options: Any) -> nn.Module:  # noqa: D102
+        return LlamaMLFMAdapter(net, **options)
 
     def record(self, cfg: dict, net: nn.Module) -> dict:  # noqa: D102
         # the built network's own spec, on the meta device: a checkpoint reloads without its pretrained source and

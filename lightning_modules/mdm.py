@@ -9,7 +9,7 @@ from flowlm.objectives.base import LossOutput
 from flowlm.objectives.mdm import mdm_elbo_loss
 from flowlm.processes.masking import MaskingProcess, stratified_times
 from flowlm.samplers.base import MaskedDenoiser
-from lightning_modules.base import FlowLMModule
+from lightning_modules.base import FlowLMModule, drop_mask_logit
 
 
 class MDMModule(FlowLMModule):
@@ -46,12 +46,8 @@ class MDMModule(FlowLMModule):
         return self.net(x, s)
 
     def data_logits(self, logits: Tensor) -> Tensor:
-        """Logits over the data vocabulary (B, L, V), [MASK] removed (SUBS, §2): the DiT's last column dropped, a
-        [MASK] inside the vocabulary (LLaDA/Dream) set to −∞."""
-        logits = logits[..., : self.data_vocab_size]
-        if self.mask_id < self.data_vocab_size:
-            logits = logits.index_fill(-1, torch.tensor([self.mask_id], device=logits.device), -torch.inf)
-        return logits
+        """Logits over the data vocabulary (B, L, V), [MASK] removed (SUBS, §2)."""
+        return drop_mask_logit(logits, self.data_vocab_size, self.mask_id)
 
     def denoiser(self) -> MaskedDenoiser:
         """This model as MDM samplers see it: logits over the data vocabulary ([MASK] removed, SUBS)."""
