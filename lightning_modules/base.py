@@ -39,6 +39,8 @@ def drop_mask_logit(logits: Tensor, data_vocab_size: int, mask_id: int) -> Tenso
 class BackboneKind(ABC):
     """One family of backbone configs: how it becomes a network, where [MASK] is, what a checkpoint records."""
 
+    time_agnostic: ClassVar[bool] = False  # the network ignores its times (a time-conditioned MDM is refused)
+
     @staticmethod
     @abstractmethod
     def matches(cfg: dict) -> bool:
@@ -88,6 +90,8 @@ class TargetKind(BackboneKind):
     (``load_smdm``/``load_llada``/``load_dream`` with ``source: <path or hub name>``). The backbone fixes the
     vocabulary: its head predicts the data tokens (SMDM: [MASK] = the extra embedding row; LLaDA/Dream: [MASK]
     inside the vocabulary, never predicted)."""
+
+    time_agnostic = True
 
     @staticmethod
     def matches(cfg: dict) -> bool:  # noqa: D102
@@ -154,6 +158,11 @@ class FlowLMModule(L.LightningModule):
         super().__init__()
         self.data_vocab_size = data_vocab_size
         self.seq_len = seq_len
+        if isinstance(backbone, nn.Module):  # Hydra built the `_target_` backbone node itself
+            raise ValueError(
+                f"{type(self).__name__} got a built {type(backbone).__name__} as its backbone: the method config "
+                "needs `_recursive_: false` (conf/method/mdm.yaml) so that the module builds its backbone"
+            )
         self.backbone_cfg = plain(backbone)
         self.backbone_kind = backbone_kind(self.backbone_cfg)
         self._backbone_record: dict | None = None

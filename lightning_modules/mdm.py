@@ -34,7 +34,7 @@ class MDMModule(FlowLMModule):
         # [MASK]: the DiT's extra last row (id |V|); a LLaMA-family backbone's own (SMDM: its extra embedding row,
         # the head predicts the data tokens only; LLaDA/Dream: an id inside the vocabulary, logit −∞, §2 SUBS)
         self.mask_id = self.backbone_mask_id(self.net)
-        if time_conditioning and self.mask_id != data_vocab_size:
+        if time_conditioning and self.backbone_kind.time_agnostic:
             raise ValueError("method.time_conditioning=true needs a DiT backbone: the LLaMA-family MDMs ignore t")
         self.time_conditioning = time_conditioning
         self.process = MaskingProcess(mask_id=self.mask_id, eps=eps)

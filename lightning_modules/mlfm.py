@@ -105,11 +105,14 @@ class MLFMModule(FlowLMModule):
     @staticmethod
     def _copy_mdm(adapter: nn.Module, state: dict[str, Tensor]) -> dict[str, list[str]]:
         """MDM tensors (``net.<name>``) → the adapter's base (PEFT renames wrapped Linears ``<name>.base_layer``)."""
-        renamed = {
-            "net." + own: state[f"net.{src}"]
-            for own, src in adapter.base_state_names().items()
-            if f"net.{src}" in state
-        }
+        names = adapter.base_state_names()
+        renamed = {"net." + own: state[f"net.{src}"] for own, src in names.items() if f"net.{src}" in state}
+        unused = sorted({key for key in state if key.startswith("net.")} - {f"net.{src}" for src in names.values()})
+        if unused:  # a deeper (or other) MDM: its extra tensors would be silently dropped
+            raise ValueError(
+                f"the source checkpoint has another backbone size: {len(unused)} MDM tensor(s) with no counterpart "
+                f"here ({', '.join(unused[:3])}, ...)"
+            )
         report = copy_backbone(adapter.base, renamed, partial_modules=True)  # LoRA tensors: checked below
         if report["sliced"] or any(".lora_" not in name for name in report["fresh"]):
             raise ValueError(f"the MDM checkpoint does not cover the adapted backbone: missing {report['fresh'][:4]}")
