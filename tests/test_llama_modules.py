@@ -175,7 +175,8 @@ def test_mlfm_init_from_the_llama_mdm_starts_as_the_mdm(mdm_run, tmp_path, monke
 def test_bad_llama_runs_fail_before_compute(mdm_run, tmp_path, monkeypatch):
     _, ckpt = mdm_run
     isolate_runs(monkeypatch, tmp_path)
-    wrong_vocab = compose_config(overrides=[*MDM, "backbone.head_rows=6", "backbone.embed_rows=7", "backbone.mask_id=6"])
+    wrong = ["backbone.head_rows=6", "backbone.embed_rows=7", "backbone.mask_id=6"]
+    wrong_vocab = compose_config(overrides=[*MDM, *wrong])
     with pytest.raises(ValueError, match="vocabulary of 9 tokens but backbone .* predicts 6"):
         train(wrong_vocab)
     assert not (tmp_path / "runs").exists()  # nothing written
@@ -187,3 +188,19 @@ def test_bad_llama_runs_fail_before_compute(mdm_run, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="another backbone size"):
         train(compose_config(overrides=[*mlfm, "backbone.n_layers=1", "logger=none"]))
     assert not (tmp_path / "runs").exists()
+
+
+def test_mlfm_reads_mask_and_data_rows_from_the_backbone():
+    from lightning_modules.mlfm import MLFMModule
+
+    torch.manual_seed(0)
+    layout = {"arch": "qwen2", "embed_rows": 8, "head_rows": 8, "mask_id": 5, "shift_logits": True}  # Dream's
+    module = MLFMModule(
+        data_vocab_size=8, seq_len=6, backbone=tiny_llama(**layout), optim={}, init_from="(not read here)"
+    )
+    emb = module.net.embeddings
+    den = module.denoiser()
+    assert module.mask_id == 5 and torch.equal(den.mask_embedding, emb[5]) and torch.equal(den.embeddings, emb)
+    z = emb[torch.tensor([[0, 5, 5, 1, 5, 7]])]
+    probs = den.fn(z, torch.tensor([0.5])).softmax(-1)
+    assert probs.shape == (1, 6, 8) and (probs[..., 5] == 0).all()
