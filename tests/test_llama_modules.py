@@ -190,7 +190,7 @@ def test_bad_llama_runs_fail_before_compute(mdm_run, tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()
 
 
-def test_mlfm_reads_mask_and_data_rows_from_the_backbone():
+def test_mlfm_reads_mask_and_data_rows_from_the_backbone(monkeypatch):
     from lightning_modules.mlfm import MLFMModule
 
     torch.manual_seed(0)
@@ -204,3 +204,25 @@ def test_mlfm_reads_mask_and_data_rows_from_the_backbone():
     z = emb[torch.tensor([[0, 5, 5, 1, 5, 7]])]
     probs = den.fn(z, torch.tensor([0.5])).softmax(-1)
     assert probs.shape == (1, 6, 8) and (probs[..., 5] == 0).all()
+    # training: the bridge starts from m = E[mask_id] (not the last row) and the loss ignores the [MASK] logit
+    seen = []
+    sample = type(module.process).sample
+
+    def spy(self, m, e_y, t, noised, *args, **kw):
+        z = sample(self, m, e_y, t, noised, *args, **kw)
+        seen.append((m, t, noised, z))
+        return z
+
+    monkeypatch.setattr(type(module.process), "sample", spy)
+    tokens = torch.tensor([[0, 1, 2, 3, 4, 6], [7, 6, 4, 3, 2, 1]])
+    batch = {"tokens": tokens, "prompt_mask": torch.zeros_like(tokens, dtype=torch.bool)}
+    out = module.mlfm_loss(batch, torch.Generator().manual_seed(0), torch.Generator().manual_seed(1))
+    ((m, t, noised, z),) = seen
+    assert torch.equal(m, emb[5])
+    # CE (§6): per-sequence mean of −log p(y | z_t) over masked positions, p([MASK]) = 0
+    with torch.no_grad():
+        logits = module(z, t).float()
+    logits[..., 5] = -torch.inf
+    nll = -torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    expected = ((nll * noised).sum(-1) / noised.sum(-1)).mean()
+    torch.testing.assert_close(out.loss.detach(), expected)
