@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import functools
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch import Tensor, nn
 
-from flowlm.backbones.dit import RELEASED_OPTIONS, DiT, build_dit
+from flowlm.backbones.adapters import MLFMAdapter
+from flowlm.backbones.dit import RELEASED_OPTIONS, build_dit
+from flowlm.backbones.llama import BidirectionalLM, LlamaMLFMAdapter
 from lightning_modules.sharding import compile_blocks, shard
 from runners.paths import git_commit
 
@@ -27,6 +31,118 @@ def plain(obj: Any) -> Any:
     return obj
 
 
+def drop_mask_logit(logits: Tensor, data_vocab_size: int, mask_id: int) -> Tensor:
+    """Logits over the data vocabulary (B, L, V), [MASK] removed (SUBS, methods.md §2): a DiT's extra last column
+    dropped (a slice), a [MASK] inside the vocabulary (LLaDA/Dream) set to −∞."""
+    logits = logits[..., :data_vocab_size]
+    if mask_id < data_vocab_size:
+        logits = logits.index_fill(-1, torch.tensor([mask_id], device=logits.device), -torch.inf)
+    return logits
+
+
+# ---------------------------------------------------------------------------------------------------- backbones
+class BackboneKind(ABC):
+    """One family of backbone configs: how it becomes a network, where [MASK] is, what a checkpoint records."""
+
+    time_agnostic: ClassVar[bool] = False  # the network ignores its times (a time-conditioned MDM is refused)
+
+    @staticmethod
+    @abstractmethod
+    def matches(cfg: dict) -> bool:
+        """Whether ``cfg`` is a config of this family."""
+
+    @abstractmethod
+    def build(self, cfg: dict, *, data_vocab_size: int, vocab_size: int, **extra: Any) -> nn.Module:
+        """The network over ``vocab_size`` input rows for ``data_vocab_size`` data tokens, with a method's
+        ``extra`` options (``two_times``, ``causal``); a backbone that cannot serve them: ValueError."""
+
+    @abstractmethod
+    def mask_id(self, net: nn.Module, data_vocab_size: int) -> int:
+        """The [MASK] input id of ``net``."""
+
+    @abstractmethod
+    def mlfm_adapter(self, net: nn.Module, **options: Any) -> nn.Module:
+        """``net`` frozen inside MLFM's adapter (time adaLN + LoRA, §6): ``forward(z, time, base_time) → logits``."""
+
+    @abstractmethod
+    def record(self, cfg: dict, net: nn.Module) -> dict:
+        """The backbone config a checkpoint saves: rebuilding from it gives a network of the same function."""
+
+
+class DiTKind(BackboneKind):
+    """The suite's DiT (a config without ``_target_``: size + options); [MASK] = the extra last row, id |V|."""
+
+    @staticmethod
+    def matches(cfg: dict) -> bool:  # noqa: D102
+        return "_target_" not in cfg
+
+    def build(self, cfg: dict, *, data_vocab_size: int, vocab_size: int, **extra: Any) -> nn.Module:  # noqa: D102
+        return build_dit(vocab_size=vocab_size, **{**cfg, **extra})
+
+    def mask_id(self, net: nn.Module, data_vocab_size: int) -> int:  # noqa: D102
+        return data_vocab_size
+
+    def mlfm_adapter(self, net: nn.Module, **options: Any) -> nn.Module:  # noqa: D102
+        return MLFMAdapter(net, **options)
+
+    def record(self, cfg: dict, net: nn.Module) -> dict:  # noqa: D102
+        # every DiT option it was built with, so a later change of a default cannot change it
+        return {**RELEASED_OPTIONS, **cfg}
+
+
+class TargetKind(BackboneKind):
+    """A ``_target_`` config (conf/backbone/llama/): a ``BidirectionalLM`` built or loaded from a pretrained source
+    (``load_smdm``/``load_llada``/``load_dream`` with ``source: <path or hub name>``). The backbone fixes the
+    vocabulary: its head predicts the data tokens (SMDM: [MASK] = the extra embedding row; LLaDA/Dream: [MASK]
+    inside the vocabulary, never predicted)."""
+
+    time_agnostic = True
+
+    @staticmethod
+    def matches(cfg: dict) -> bool:  # noqa: D102
+        return "_target_" in cfg
+
+    def build(self, cfg: dict, *, data_vocab_size: int, vocab_size: int, **extra: Any) -> nn.Module:  # noqa: D102
+        from hydra.utils import instantiate
+
+        if vocab_size != data_vocab_size + 1 or any(extra.values()):
+            raise ValueError(
+                f"backbone {cfg['_target_']} is a bidirectional, time-agnostic MDM: it serves MDM and MLFM, not a "
+                f"network with {extra} over {vocab_size} rows (FMLM+ and AR need a DiT backbone)"
+            )
+        net = instantiate(cfg)
+        if not isinstance(net, BidirectionalLM):
+            raise ValueError(f"backbone {cfg['_target_']} built a {type(net).__name__}, not a BidirectionalLM")
+        if net.head_rows != data_vocab_size:
+            raise ValueError(
+                f"the data have a vocabulary of {data_vocab_size} tokens but backbone {cfg['_target_']} predicts "
+                f"{net.head_rows} (head rows; [MASK] = id {net.mask_id}): use the backbone's tokenizer, or for a "
+                f"random backbone set backbone.head_rows={data_vocab_size} (and embed_rows, mask_id to match)"
+            )
+        return net
+
+    def mask_id(self, net: nn.Module, data_vocab_size: int) -> int:  # noqa: D102
+        return net.mask_id
+
+    def mlfm_adapter(self, net: nn.Module, **options: Any) -> nn.Module:  # noqa: D102
+        return LlamaMLFMAdapter(net, **options)
+
+    def record(self, cfg: dict, net: nn.Module) -> dict:  # noqa: D102
+        # the built network's own spec, on the meta device: a checkpoint reloads without its pretrained source and
+        # without a random initialisation (FlowLMModule.load_state_dict assigns the saved tensors)
+        target = f"{BidirectionalLM.__module__}.{BidirectionalLM.__qualname__}"
+        return {"_target_": target, **net.spec, "device": "meta"}
+
+
+BACKBONE_KINDS: tuple[BackboneKind, ...] = (TargetKind(), DiTKind())
+
+
+def backbone_kind(cfg: dict) -> BackboneKind:
+    """The family of a backbone config (first match in ``BACKBONE_KINDS``)."""
+    return next(kind for kind in BACKBONE_KINDS if kind.matches(cfg))
+
+
+# ------------------------------------------------------------------------------------------------------ module
 class FlowLMModule(L.LightningModule):
     """Base of every method's module: it owns the backbone and the optimiser; subclasses own the math.
 
@@ -47,7 +163,14 @@ class FlowLMModule(L.LightningModule):
         super().__init__()
         self.data_vocab_size = data_vocab_size
         self.seq_len = seq_len
+        if isinstance(backbone, nn.Module):  # Hydra built the `_target_` backbone node itself
+            raise ValueError(
+                f"{type(self).__name__} got a built {type(backbone).__name__} as its backbone: the method config "
+                "needs `_recursive_: false` (conf/method/mdm.yaml) so that the module builds its backbone"
+            )
         self.backbone_cfg = plain(backbone)
+        self.backbone_kind = backbone_kind(self.backbone_cfg)
+        self._backbone_record: dict | None = None
         self.optim_cfg = {"lr": 3e-4, "betas": (0.9, 0.999), "weight_decay": 0.0, "warmup_steps": 2500}
         self.optim_cfg.update(plain(optim))
         self.seed = seed
@@ -55,9 +178,29 @@ class FlowLMModule(L.LightningModule):
     def validate_inputs(self) -> None:
         """Check external inputs (teacher / init checkpoints) before any compute; nothing to check by default."""
 
-    def build_backbone(self, vocab_size: int, **extra: Any) -> DiT:
-        """The shared DiT with this run's size/overrides and a method-specific vocabulary."""
-        return build_dit(vocab_size=vocab_size, **{**self.backbone_cfg, **extra})
+    def build_backbone(self, vocab_size: int, **extra: Any) -> nn.Module:
+        """This run's backbone over ``vocab_size`` input rows (a DiT with this run's size/overrides, or a LLaMA-family
+        MDM built or loaded from its config); a data vocabulary the backbone does not predict is refused here."""
+        net = self.backbone_kind.build(
+            self.backbone_cfg, data_vocab_size=self.data_vocab_size, vocab_size=vocab_size, **extra
+        )
+        self._backbone_record = self.backbone_kind.record(self.backbone_cfg, net)
+        return net
+
+    def backbone_mask_id(self, net: nn.Module) -> int:
+        """The [MASK] input id of a network built by ``build_backbone`` (DiT: |V|; LLaMA family: its own)."""
+        return self.backbone_kind.mask_id(net, self.data_vocab_size)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """As nn.Module's; a backbone rebuilt on the meta device from a checkpoint's record (``TargetKind``) gets
+        the saved tensors assigned, then its RoPE buffers (not saved) rebuilt."""
+        on_meta = any(p.is_meta for p in self.parameters())
+        out = super().load_state_dict(state_dict, strict=strict, assign=assign or on_meta)
+        if on_meta:
+            for module in self.modules():
+                if isinstance(module, BidirectionalLM):
+                    module.materialize_rotary(module.model.embed_tokens.weight.device)
+        return out
 
     def optimizer_groups(self) -> list[dict]:
         """Trainable parameters in two AdamW groups: weight decay on matrices only, none on biases, norms, time
@@ -140,10 +283,11 @@ class FlowLMModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Record what this checkpoint is, so loaders can refuse the wrong kind before any compute; the backbone
-        config is saved with every DiT option it was built with, so a later change of a default cannot change it."""
+        config is saved as its family records it (``BackboneKind.record``): a DiT with every option it was built
+        with, so a later change of a default cannot change it; a LLaMA-family MDM as the built network's spec."""
         hparams = checkpoint.get("hyper_parameters")
         if isinstance(hparams, dict) and "backbone" in hparams:
-            hparams["backbone"] = {**RELEASED_OPTIONS, **plain(hparams["backbone"])}
+            hparams["backbone"] = self._backbone_record or self.backbone_kind.record(plain(hparams["backbone"]), None)
         checkpoint.setdefault("flowlm", {}).update(
             {
                 "family": self.family,

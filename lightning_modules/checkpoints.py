@@ -213,8 +213,10 @@ def load_module(
 
 
 def checkpoint_backbone(ckpt: dict) -> dict:
-    """The backbone config a checkpoint was trained with, options it predates filled in as they were then."""
-    return legacy_backbone_options(dict(ckpt.get("hyper_parameters", {}).get("backbone") or {}))
+    """The backbone config a checkpoint was trained with, options it predates filled in as they were then (a DiT;
+    a ``_target_`` one, the LLaMA family, is recorded whole)."""
+    backbone = dict(ckpt.get("hyper_parameters", {}).get("backbone") or {})
+    return backbone if "_target_" in backbone else legacy_backbone_options(backbone)
 
 
 def _backbone_kwargs(ckpt: dict) -> dict:

@@ -9,7 +9,7 @@ from flowlm.objectives.base import LossOutput
 from flowlm.objectives.mdm import mdm_elbo_loss
 from flowlm.processes.masking import MaskingProcess, stratified_times
 from flowlm.samplers.base import MaskedDenoiser
-from lightning_modules.base import FlowLMModule
+from lightning_modules.base import FlowLMModule, drop_mask_logit
 
 
 class MDMModule(FlowLMModule):
@@ -30,20 +30,29 @@ class MDMModule(FlowLMModule):
     ) -> None:
         super().__init__(data_vocab_size=data_vocab_size, seq_len=seq_len, backbone=backbone, optim=optim, seed=seed)
         self.save_hyperparameters()
-        self.mask_id = data_vocab_size
+        self.net = self.build_backbone(data_vocab_size + 1, two_times=False)
+        # [MASK]: the DiT's extra last row (id |V|); a LLaMA-family backbone's own (SMDM: its extra embedding row,
+        # the head predicts the data tokens only; LLaDA/Dream: an id inside the vocabulary, logit −∞, §2 SUBS)
+        self.mask_id = self.backbone_mask_id(self.net)
+        if time_conditioning and self.backbone_kind.time_agnostic:
+            raise ValueError("method.time_conditioning=true needs a DiT backbone: the LLaMA-family MDMs ignore t")
         self.time_conditioning = time_conditioning
         self.process = MaskingProcess(mask_id=self.mask_id, eps=eps)
-        self.net = self.build_backbone(data_vocab_size + 1, two_times=False)
 
     def forward(self, x: Tensor, t: Tensor) -> Tensor:
-        """Logits over data ids + [MASK] (B, L, V+1); t is ignored (fed as 0) unless time-conditioned."""
+        """Logits over data ids + [MASK] (B, L, V+1; a LLaMA-family head: B, L, V); t is ignored (fed as 0)
+        unless time-conditioned."""
         s = t if self.time_conditioning else torch.zeros_like(t)
         return self.net(x, s)
+
+    def data_logits(self, logits: Tensor) -> Tensor:
+        """Logits over the data vocabulary (B, L, V), [MASK] removed (SUBS, §2)."""
+        return drop_mask_logit(logits, self.data_vocab_size, self.mask_id)
 
     def denoiser(self) -> MaskedDenoiser:
         """This model as MDM samplers see it: logits over the data vocabulary ([MASK] removed, SUBS)."""
         return MaskedDenoiser(
-            fn=lambda x, t: self(x, t)[..., : self.mask_id],
+            fn=lambda x, t: self.data_logits(self(x, t)),
             mask_id=self.mask_id,
             time_conditioned=self.time_conditioning,
         )
@@ -57,7 +66,7 @@ class MDMModule(FlowLMModule):
         logits = self(noised.state, t)
         weight = self.process.schedule.loss_weight(t)  # −α'_t/(1−α_t) = 1/t
         loss_mask = batch.get("loss_mask", ~prompt_mask)  # text data may leave PAD out of the loss
-        return mdm_elbo_loss(logits, tokens, noised.noised & loss_mask, weight, loss_mask, self.mask_id)
+        return mdm_elbo_loss(self.data_logits(logits), tokens, noised.noised & loss_mask, weight, loss_mask, None)
 
     def sample_times(self, local_batch: int, batch_idx: int) -> Tensor:
         """This micro-batch's slice of one stratified draw of t over the global batch (all ranks, accumulation)."""

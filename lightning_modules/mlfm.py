@@ -12,14 +12,13 @@ import copy
 import torch
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_info
-from torch import Tensor
+from torch import Tensor, nn
 
-from flowlm.backbones.adapters import MLFMAdapter
 from flowlm.objectives.base import LossOutput
 from flowlm.objectives.mlfm import mlfm_loss
 from flowlm.processes.bridge import BridgeProcess
 from flowlm.samplers.mlfm import BridgeDenoiser
-from lightning_modules.base import FlowLMModule
+from lightning_modules.base import FlowLMModule, drop_mask_logit
 from lightning_modules.checkpoints import check_backbone_options, check_family, copy_backbone, read_checkpoint
 
 
@@ -49,11 +48,13 @@ class MLFMModule(FlowLMModule):
         if aux_mse_weight < 0 or not 0 <= full_response_mask_prob <= 1:
             raise ValueError("aux_mse_weight must be ≥ 0 and full_response_mask_prob in [0, 1]")
         self.init_from = init_from
-        self.mask_id = data_vocab_size
         self.aux_mse_weight = aux_mse_weight
         self.full_response_mask_prob = full_response_mask_prob
         self.process = BridgeProcess(**(bridge or {}))
-        self.net = MLFMAdapter(self.build_backbone(data_vocab_size + 1, two_times=False), **(adapter or {}))
+        base = self.build_backbone(data_vocab_size + 1, two_times=False)
+        self.mask_id = self.backbone_mask_id(base)  # DiT: |V|; LLaMA family: the backbone's own (base.py)
+        # the family's adapter: MLFMAdapter on a DiT, LlamaMLFMAdapter (LlamaAdaLNAdapter) on the LLaMA family
+        self.net = self.backbone_kind.mlfm_adapter(base, **(adapter or {}))
         self.init_report: dict[str, list[str]] | None = None
 
     # ------------------------------------------------------------------------------------------------ network
@@ -66,8 +67,8 @@ class MLFMModule(FlowLMModule):
         """This model as the MLFM sampler sees it: logits over the data vocabulary, E's data rows, m = E[MASK]."""
         emb = self.net.embeddings
         return BridgeDenoiser(
-            fn=lambda z, t: self(z, t)[..., : self.mask_id],
-            embeddings=emb[: self.mask_id],
+            fn=lambda z, t: drop_mask_logit(self(z, t), self.data_vocab_size, self.mask_id),
+            embeddings=emb[: self.data_vocab_size],
             mask_embedding=emb[self.mask_id],
             process=self.process,
         )
@@ -103,13 +104,16 @@ class MLFMModule(FlowLMModule):
                     lg.experiment.log_dict(lg.run_id, {**self.init_report, "trainable": trainable}, "init_from.json")
 
     @staticmethod
-    def _copy_mdm(adapter: MLFMAdapter, state: dict[str, Tensor]) -> dict[str, list[str]]:
+    def _copy_mdm(adapter: nn.Module, state: dict[str, Tensor]) -> dict[str, list[str]]:
         """MDM tensors (``net.<name>``) → the adapter's base (PEFT renames wrapped Linears ``<name>.base_layer``)."""
-        renamed = {
-            "net." + own: state[f"net.{src}"]
-            for own, src in adapter.base_state_names().items()
-            if f"net.{src}" in state
-        }
+        names = adapter.base_state_names()
+        renamed = {"net." + own: state[f"net.{src}"] for own, src in names.items() if f"net.{src}" in state}
+        unused = sorted({key for key in state if key.startswith("net.")} - {f"net.{src}" for src in names.values()})
+        if unused:  # a deeper (or other) MDM: its extra tensors would be silently dropped
+            raise ValueError(
+                f"the source checkpoint has another backbone size: {len(unused)} MDM tensor(s) with no counterpart "
+                f"here ({', '.join(unused[:3])}, ...)"
+            )
         report = copy_backbone(adapter.base, renamed, partial_modules=True)  # LoRA tensors: checked below
         if report["sliced"] or any(".lora_" not in name for name in report["fresh"]):
             raise ValueError(f"the MDM checkpoint does not cover the adapted backbone: missing {report['fresh'][:4]}")
@@ -133,10 +137,11 @@ class MLFMModule(FlowLMModule):
         pick = torch.rand(b, length, generator=gen, device=tokens.device).masked_fill(~free, -1).argmax(-1)
         masked |= empty[:, None] & (torch.arange(length, device=tokens.device) == pick[:, None])
         t = self.process.sample_t(b, generator=gen_cpu, device=tokens.device)
-        emb = self.net.embeddings  # [MASK] is the last row (mask_id = |V|)
-        logits = self(self.process.noise(tokens, t, ~masked, generator=gen, embeddings=emb).state, t)
+        emb = self.net.embeddings  # m = E[mask_id]: the last row (DiT, SMDM) or one inside (LLaDA, Dream)
+        z = self.process.sample(emb[self.mask_id], emb[tokens], t, masked, gen)  # the bridge at masked positions
+        logits = drop_mask_logit(self(z, t), self.data_vocab_size, self.mask_id)
         scored = masked & batch.get("loss_mask", masked)  # text data may leave PAD out of the loss
-        return mlfm_loss(logits, tokens, scored, self.mask_id, embeddings=emb, aux_weight=self.aux_mse_weight)
+        return mlfm_loss(logits, tokens, scored, None, embeddings=emb, aux_weight=self.aux_mse_weight)
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         """One step of the MLFM objective."""

@@ -312,3 +312,20 @@ class LlamaAdaLNAdapter(nn.Module):
     def forward(self, x: Tensor, s: Tensor, t: Tensor | None = None) -> Tensor:
         """Logits for ids or vectors x (vectors: x·E through the MDM's embedding) at times s [, t]."""
         return self.forward_embeddings(self.base.input_embeddings(x), s, t)
+
+
+class LlamaMLFMAdapter(LlamaAdaLNAdapter):
+    """``LlamaAdaLNAdapter`` with MLFM's call contract (flowlm/backbones/adapters.py ``MLFMAdapter``): one bridge
+    time per sequence on input embeddings, ``forward(z (B, L, d), time (B,), base_time (B,)) → logits``
+    (``base_time`` is ignored: the LLaMA-family MDMs are time-agnostic)."""
+
+    def __init__(self, base: BidirectionalLM, **options) -> None:
+        super().__init__(base, two_times=False, **options)
+
+    def forward(self, z: Tensor, time: Tensor, base_time: Tensor | None = None) -> Tensor:  # type: ignore[override]
+        """Logits for embeddings z (B, L, d) at time feature ``time`` (B,)."""
+        return self.forward_embeddings(z, time)
+
+    def base_state_names(self) -> dict[str, str]:
+        """This adapter's base parameter names → the plain backbone's (PEFT inserts ``.base_layer``)."""
+        return {name: name.replace(".base_layer", "") for name in self.base.state_dict() if ".lora_" not in name}

@@ -9,18 +9,21 @@ from torch import Tensor
 from flowlm.objectives.base import LossOutput
 
 
-def subs_log_probs(logits: Tensor, mask_id: int) -> Tensor:
+def subs_log_probs(logits: Tensor, mask_id: int | None) -> Tensor:
     """Log-probabilities over the data vocabulary: the [MASK] logit is −∞ (SUBS "zero masking probability").
 
-    The [MASK] id is the last row of the model vocabulary, so dropping it is a slice.
+    The [MASK] id is the last row of the model vocabulary, so dropping it is a slice; ``mask_id=None``: the logits
+    are over the data vocabulary already, [MASK] removed by the caller (a LLaMA-family MDM's head).
     """
+    if mask_id is None:
+        return F.log_softmax(logits.float(), dim=-1)
     if mask_id != logits.shape[-1] - 1:
         raise ValueError(f"[MASK] must be the last id ({logits.shape[-1] - 1}), got {mask_id}")
     return F.log_softmax(logits[..., :mask_id].float(), dim=-1)
 
 
 def mdm_elbo_loss(
-    logits: Tensor, tokens: Tensor, masked: Tensor, weight: Tensor, loss_mask: Tensor, mask_id: int
+    logits: Tensor, tokens: Tensor, masked: Tensor, weight: Tensor, loss_mask: Tensor, mask_id: int | None
 ) -> LossOutput:
     """Σ_l masked · w(t) · (−log p_θ(y^l | x_t)) / #non-prompt tokens; per token: w(t) · NLL (0 where not masked).
 

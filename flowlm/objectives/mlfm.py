@@ -10,12 +10,19 @@ from flowlm.objectives.mdm import subs_log_probs
 
 
 def mlfm_loss(
-    logits: Tensor, tokens: Tensor, masked: Tensor, mask_id: int, *, embeddings: Tensor | None = None, aux_weight=0.0
+    logits: Tensor,
+    tokens: Tensor,
+    masked: Tensor,
+    mask_id: int | None,
+    *,
+    embeddings: Tensor | None = None,
+    aux_weight=0.0,
 ) -> LossOutput:
     """Per-sequence mean of −log p(y^l | z_t) over masked positions, averaged over sequences that have any; plus
     λ · the same mean of ‖softmax(logits)·E − E_y‖² when ``aux_weight`` > 0 (E: data rows of the embedding).
 
-    logits (B, L, |V| + 1) with [MASK] last (its logit is dropped, SUBS); tokens, masked (B, L). Per token: the
+    logits (B, L, |V| + 1) with [MASK] last (its logit is dropped, SUBS), or (B, L, |V|) with ``mask_id=None``
+    ([MASK] removed by the caller); tokens, masked (B, L). Per token: the
     NLL at masked positions (0 elsewhere); parts: "ce", and "mse" with the auxiliary term.
     """
     log_p = subs_log_probs(logits, mask_id)
@@ -26,7 +33,7 @@ def mlfm_loss(
         return LossOutput(loss=ce, per_token=per_token, parts={"ce": ce})
     if embeddings is None:
         raise ValueError("the auxiliary embedding MSE needs the embedding matrix")
-    e = embeddings[:mask_id].float()
+    e = embeddings[: log_p.shape[-1]].float()  # the data rows (mask_id=None: logits over the data vocabulary)
     x1 = log_p.exp() @ e  # endpoint estimate x̂₁ = softmax(logits)·E
     mse = ((x1 - e[tokens]) ** 2).mean(-1)
     mse = _per_sequence_mean(torch.where(masked, mse, torch.zeros_like(mse)), masked)
