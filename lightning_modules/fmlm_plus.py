@@ -24,7 +24,7 @@ from torch import Tensor
 
 from flowlm.compiled import tails_enabled
 from flowlm.objectives.base import LossOutput
-from flowlm.objectives.flow import log_delta, log_delta_
+from flowlm.objectives.flow import SOFT_CAP, log_delta, log_delta_
 from flowlm.objectives.fmlm_plus import context_set, fmlm_plus_loss
 from flowlm.processes.gaussian_flow import (
     DIAGONAL,
@@ -38,6 +38,7 @@ from flowlm.processes.gaussian_flow import (
     choose_space,
 )
 from flowlm.samplers.base import FlowDenoiser
+from flowlm.samplers.summary import capped_head_summary
 from lightning_modules.base import FlowLMModule
 from lightning_modules.checkpoints import (
     check_backbone_options,
@@ -46,6 +47,8 @@ from lightning_modules.checkpoints import (
     load_module,
     read_checkpoint,
 )
+
+SUMMARIES = ("chunked", "dense")  # how greedy drafts read the model: FMLMPlusModule.denoiser
 
 
 class FMLMPlusModule(FlowLMModule):
@@ -112,11 +115,30 @@ class FMLMPlusModule(FlowLMModule):
                 self._space_cache = (key, choose_space(key[0], weight.float()))
         return self._space_cache[1]
 
-    def denoiser(self, space: str | None = None) -> FlowDenoiser:
-        """This model as flow samplers see it, reading states of its state space (or of ``space``)."""
+    def summary(
+        self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor | None = None, *, embedded: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """(max_v log δ_{s,t}(x), argmax_v) per position (B, L), ``forward``'s inputs: the output head and its soft
+        cap in vocabulary chunks, never a (B, L, |V|) log δ (flowlm/samplers/summary.py). The argmax is that of
+        the logits (the cap is monotone), the first index on a tie."""
+        h = x if embedded else self.net.input_embeddings(x)
+        head = self.net.final.linear
+        if type(head) is not torch.nn.Linear:  # e.g. an adapter on the head: its weight is not the whole head
+            raise TypeError(f"the chunked summary needs a plain Linear output head, got {type(head).__name__}")
+        features = self.net.head_features(h, s, t, pinned=pinned)
+        return capped_head_summary(features, head.weight, head.bias, cap=SOFT_CAP)
+
+    def denoiser(self, space: str | None = None, *, summary: str = "chunked") -> FlowDenoiser:
+        """This model as flow samplers see it, reading states of its state space (or of ``space``); greedy drafts
+        read its ``summary`` (``summary="chunked"``) or off the full log δ (``"dense"``, the earlier path)."""
+        if summary not in SUMMARIES:
+            raise ValueError(f"summary must be one of {SUMMARIES}, got {summary!r}")
         states = self.states(space)
         fn = functools.partial(self, embedded=True) if states.embedded else self
-        return FlowDenoiser(fn=fn, vocab_size=self.data_vocab_size, pinned_fn=fn, space=states)
+        summary_fn = None
+        if summary == "chunked":
+            summary_fn = functools.partial(self.summary, embedded=True) if states.embedded else self.summary
+        return FlowDenoiser(fn=fn, vocab_size=self.data_vocab_size, pinned_fn=fn, space=states, summary_fn=summary_fn)
 
     # ------------------------------------------------------------------------------------------ MDM sources
     def validate_inputs(self) -> None:
