@@ -14,6 +14,7 @@ One code path for every variant:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 
@@ -22,7 +23,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from flowlm.compiled import tails_enabled
+from flowlm.compiled import compiled_tails, tails_enabled
 from flowlm.objectives.base import LossOutput
 from flowlm.objectives.flow import SOFT_CAP, log_delta, log_delta_
 from flowlm.objectives.fmlm_plus import context_set, fmlm_plus_loss
@@ -71,6 +72,7 @@ class FMLMPlusModule(FlowLMModule):
         zero_t_embedding: bool = False,
         antithetic: bool = True,
         state_space: str = "auto",
+        compile_tails: bool = False,
         seed: int = 0,
     ) -> None:
         super().__init__(data_vocab_size=data_vocab_size, seq_len=seq_len, backbone=backbone, optim=optim, seed=seed)
@@ -87,6 +89,7 @@ class FMLMPlusModule(FlowLMModule):
         if state_space not in STATE_SPACES:
             raise ValueError(f"state_space must be one of {STATE_SPACES}, got {state_space!r}")
         self.state_space = state_space
+        self.compile_tails = compile_tails  # the loss's soft-capped log-softmax compiled (forward and backward)
         self.process = GaussianFlowProcess(vocab_size=data_vocab_size)
         self.net = self.build_backbone(data_vocab_size, two_times=True)
         self._space_cache: tuple | None = None  # (key of the embedding's storage and version, its state space)
@@ -212,20 +215,21 @@ class FMLMPlusModule(FlowLMModule):
         noise = torch.randn(process.draw_shape(tokens), generator=gen, device=tokens.device)
         # log δ_{s,t}(x) at per-sequence times, the pinned tokens at s = t = 1 (two adaLN rows per sequence)
         student = functools.partial(self, embedded=True) if process.embedded else self
-        return fmlm_plus_loss(
-            student,
-            tokens,
-            prompt,
-            kinds,
-            s,
-            t,
-            context=ctx,
-            noise=noise,
-            process=process,
-            **self.teachers(embedded=process.embedded),
-            loss_mask=batch.get("loss_mask"),  # text data may leave PAD out of the loss
-            parts=parts,
-        )
+        with compiled_tails() if self.compile_tails else contextlib.nullcontext():  # log δ fused (flowlm/compiled.py)
+            return fmlm_plus_loss(
+                student,
+                tokens,
+                prompt,
+                kinds,
+                s,
+                t,
+                context=ctx,
+                noise=noise,
+                process=process,
+                **self.teachers(embedded=process.embedded),
+                loss_mask=batch.get("loss_mask"),  # text data may leave PAD out of the loss
+                parts=parts,
+            )
 
     def training_process(self) -> GaussianFlowProcess:
         """The process of this step's states: over the vocabulary, or, when ``state_space`` chooses the embedding
