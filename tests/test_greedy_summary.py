@@ -150,7 +150,7 @@ def test_samplers_same_both_ways(name, sampler, nfe, wide, monkeypatch):
     """Every flow sampler gives the same tokens, NFE and confidences (to float rounding) reading the chunked
     summary as reading the full log δ; PR's commits follow (its tokens are committed round by round). At |V| = 3 000
     under bf16 autocast (many tied bf16 logits) too. The greedy PR / a-priori call never makes a (B, L, |V|)
-    tensor (at chunks of 512 columns; by default a chunk holds up to 2 MiB of logits); the dense path does."""
+    tensor (at chunks of 512 columns; by default a chunk holds up to 4 MiB of logits); the dense path does."""
     module, vocab = (wide_module(), 3000) if wide else (flow_module(), 40)
     b, length = 3, module.hparams.seq_len
     prompt = torch.randint(0, vocab, (b, length), generator=torch.Generator().manual_seed(4))
