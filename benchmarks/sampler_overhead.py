@@ -62,11 +62,18 @@ VARIANTS = [
     ("flow_map_onehot", "flow_map", {}, {"space": "onehot"}),
     ("confidence_full", "confidence", {"draws": "full"}, {}),
     ("ancestral_full", "ancestral", {"draws": "full"}, {}),
+    # greedy drafts read off the full (B, L, |V|) log δ (the path before the chunked summary); the confidence
+    # sampler's ranking over the whole float32 logits at once
+    ("pr_dense", "pr", {}, {"summary": "dense"}),
+    ("a_priori_dense", "a_priori", {}, {"summary": "dense"}),
+    ("block_dense", "block", {}, {"summary": "dense"}),
+    ("confidence_dense", "confidence", {}, {"dense_ranking": True}),
 ]
 
 
 # With --compile-tails: the samplers whose passes over the logits have a compiled version (flowlm/compiled.py).
 COMPILED = ["confidence", "pr", "a_priori", "flow_map", "block"]
+COMPILED_VARIANTS = [("pr_dense_compiled", "pr", {}, {"summary": "dense", "compile": True})]
 
 
 def sampler_specs(compile_tails: bool = False) -> list[tuple[str, str, dict, dict]]:
@@ -74,6 +81,7 @@ def sampler_specs(compile_tails: bool = False) -> list[tuple[str, str, dict, dic
     ``compile_tails`` also the ``*_compiled`` variants (option ``compile``: run inside ``compiled_tails()``)."""
     names = sorted(p.stem for p in (Path(CONF_DIR) / "sampler").glob("*.yaml"))
     compiled = [(f"{name}_compiled", name, {}, {"compile": True}) for name in COMPILED] if compile_tails else []
+    compiled += COMPILED_VARIANTS if compile_tails else []
     return [(name, name, {}, {}) for name in names] + VARIANTS + compiled
 
 
@@ -112,6 +120,7 @@ def measure_sampler(module, sampler, args, device, prompt, prompt_mask, *, limit
     of the times themselves."""
     options = dict(denoiser_options or {})
     compile_tails = options.pop("compile", False)
+    context = tails_context(compile_tails, options.pop("dense_ranking", False))
     denoiser = module.denoiser(**options)
     bare, (inputs, kwargs) = limit
     clocks = (0, 1) if device.type == "cpu" else (0,)  # wall; and process CPU time on a CPU
@@ -126,7 +135,7 @@ def measure_sampler(module, sampler, args, device, prompt, prompt_mask, *, limit
     def sample(rep: int) -> tuple[tuple[float, float], int]:
         gen = torch.Generator(device=device).manual_seed(args.seed + rep)
         start = clock(device)
-        with compiled_tails(compile_tails):
+        with context():
             out = sampler(denoiser, prompt=prompt, prompt_mask=prompt_mask, nfe=args.nfe, generator=gen)
         return elapsed(start, device), int(out.nfe)
 
@@ -139,7 +148,7 @@ def measure_sampler(module, sampler, args, device, prompt, prompt_mask, *, limit
             samples.append(spent)
             nfes.append(nfe)
             bares.append(bare_block(max(calls, 1)))
-        with compiled_tails(compile_tails):
+        with context():
             inside, total = network_share(denoiser, sampler, args, device, prompt, prompt_mask)
     row = {"nfe": median(nfes), "sample_s": median([x[0] for x in samples]), "forward_s": median([b[0] for b in bares])}
     for i, key in zip(clocks, ("ratio", "ratio_cpu"), strict=False):
@@ -150,6 +159,28 @@ def measure_sampler(module, sampler, args, device, prompt, prompt_mask, *, limit
         row[key] = median(per_call)
     row["outside_share"] = 1 - inside / total  # the sampler's own work, outside its network calls
     return row
+
+
+def tails_context(compile_tails: bool, dense_ranking: bool):
+    """A context factory for one sampler's calls: compiled tails on or off; ``dense_ranking``: the MDM confidence
+    sampler ranks over the whole float32 logits at once (``fused_max_log_prob`` run eagerly, the earlier path)
+    instead of in vocabulary chunks."""
+    import contextlib
+
+    from flowlm.samplers import mdm_confidence
+
+    @contextlib.contextmanager
+    def context():
+        chunked = mdm_confidence.max_log_prob
+        if dense_ranking:
+            mdm_confidence.max_log_prob = mdm_confidence.fused_max_log_prob.eager
+        try:
+            with compiled_tails(compile_tails):
+                yield
+        finally:
+            mdm_confidence.max_log_prob = chunked
+
+    return context
 
 
 def network_share(denoiser, sampler, args, device, prompt, prompt_mask) -> tuple[float, float]:
@@ -170,8 +201,9 @@ def network_share(denoiser, sampler, args, device, prompt, prompt_mask) -> tuple
         return call
 
     fns = {"fn": timed(denoiser.fn)}
-    if getattr(denoiser, "pinned_fn", None) is not None:
-        fns["pinned_fn"] = timed(denoiser.pinned_fn)
+    for field in ("pinned_fn", "summary_fn"):
+        if getattr(denoiser, field, None) is not None:
+            fns[field] = timed(getattr(denoiser, field))
     gen = torch.Generator(device=device).manual_seed(args.seed)
     start = clock(device)
     sampler(dataclasses.replace(denoiser, **fns), prompt=prompt, prompt_mask=prompt_mask, nfe=args.nfe, generator=gen)
@@ -396,14 +428,17 @@ def peak_memory(call, device) -> float:
 
 
 def memory_rows(modules, args, device, prompt, prompt_mask, log) -> dict[str, float]:
-    """Peak memory of one call of PR (both state spaces), the a-priori loop and the MDM confidence sampler (both
-    draws), each added to the process's memory before it; printed as MiB and over the confidence sampler's."""
+    """Peak memory of one call of PR (both state spaces; the chunked summary and the full log δ), the a-priori loop
+    (both), and the MDM confidence sampler (both draws), each added to the process's memory before it; printed as
+    MiB and over the confidence sampler's."""
     specs = [
         ("confidence", "confidence", {}, {}),
         ("confidence_full", "confidence", {"draws": "full"}, {}),
         ("pr", "pr", {}, {}),
+        ("pr_dense", "pr", {}, {"summary": "dense"}),
         ("pr_onehot", "pr", {}, {"space": "onehot"}),
         ("a_priori", "a_priori", {}, {}),
+        ("a_priori_dense", "a_priori", {}, {"summary": "dense"}),
     ]
     out = {}
     for name, config, overrides, options in specs:

@@ -40,10 +40,16 @@ from common import (
 )
 from torch import Tensor
 
-METHODS = ("mdm", "fmlm_plus", "mlfm", "fmlm_plus_onehot")
+METHODS = ("mdm", "fmlm_plus", "mlfm", "fmlm_plus_onehot", "fmlm_plus_compiled")
 # Variants of a method: (its conf/method file, overrides). fmlm_plus_onehot: the flow states over the vocabulary
-# (ε and x·E of size |V|), which ``state_space: auto`` replaces by h = x·E when |V| > d.
-VARIANTS = {"fmlm_plus_onehot": ("fmlm_plus", {"state_space": "onehot"})}
+# (ε and x·E of size |V|), which ``state_space: auto`` replaces by h = x·E when |V| > d; fmlm_plus_compiled: the
+# loss's soft-capped log-softmax compiled (``method.compile_tails``; not in the default --methods: compiling takes
+# a while on a CPU).
+VARIANTS = {
+    "fmlm_plus_onehot": ("fmlm_plus", {"state_space": "onehot"}),
+    "fmlm_plus_compiled": ("fmlm_plus", {"compile_tails": True}),
+}
+FLOWS = ("fmlm_plus", "fmlm_plus_onehot", "fmlm_plus_compiled")
 
 
 def loss_function(method: str, module) -> Callable[[dict, int], Tensor]:
@@ -290,7 +296,7 @@ def measure(args, *, log=print) -> dict:
             f" (wall-clock medians; process CPU time: {r['ratio_cpu']:.3f})" if on_cpu else " (wall-clock medians)"
         )
         log(f"ratio lightning/bare [{method}]: {r['ratio']:.3f}{cpu_note}")
-    for flow in ("fmlm_plus", "fmlm_plus_onehot"):
+    for flow in FLOWS:
         if "mdm" in modules and flow in modules:
             key = "fmlm_vs_mdm" if flow == "fmlm_plus" else f"{flow}_vs_mdm"
             result[key] = fmlm_cost_report(args, modules, batches, result, device, log, flow=flow)
@@ -365,7 +371,7 @@ def parser() -> argparse.ArgumentParser:
     """Command-line options (shared with gpu_check.py)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap, batch=256)  # the demo's training batch
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS[:4]), choices=METHODS)
     ap.add_argument("--steps", type=int, default=20, help="optimiser steps per run")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each run")
     ap.add_argument("--compile", action="store_true", help="torch.compile the module's network in both loops")

@@ -14,6 +14,7 @@ One code path for every variant:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 
@@ -22,9 +23,9 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from flowlm.compiled import tails_enabled
+from flowlm.compiled import compiled_tails, tails_enabled
 from flowlm.objectives.base import LossOutput
-from flowlm.objectives.flow import log_delta, log_delta_
+from flowlm.objectives.flow import SOFT_CAP, log_delta, log_delta_
 from flowlm.objectives.fmlm_plus import context_set, fmlm_plus_loss
 from flowlm.processes.gaussian_flow import (
     DIAGONAL,
@@ -38,6 +39,7 @@ from flowlm.processes.gaussian_flow import (
     choose_space,
 )
 from flowlm.samplers.base import FlowDenoiser
+from flowlm.samplers.summary import capped_head_summary
 from lightning_modules.base import FlowLMModule
 from lightning_modules.checkpoints import (
     check_backbone_options,
@@ -46,6 +48,8 @@ from lightning_modules.checkpoints import (
     load_module,
     read_checkpoint,
 )
+
+SUMMARIES = ("chunked", "dense")  # how greedy drafts read the model: FMLMPlusModule.denoiser
 
 
 class FMLMPlusModule(FlowLMModule):
@@ -68,6 +72,7 @@ class FMLMPlusModule(FlowLMModule):
         zero_t_embedding: bool = False,
         antithetic: bool = True,
         state_space: str = "auto",
+        compile_tails: bool = False,
         seed: int = 0,
     ) -> None:
         super().__init__(data_vocab_size=data_vocab_size, seq_len=seq_len, backbone=backbone, optim=optim, seed=seed)
@@ -84,6 +89,7 @@ class FMLMPlusModule(FlowLMModule):
         if state_space not in STATE_SPACES:
             raise ValueError(f"state_space must be one of {STATE_SPACES}, got {state_space!r}")
         self.state_space = state_space
+        self.compile_tails = compile_tails  # the loss's soft-capped log-softmax compiled (forward and backward)
         self.process = GaussianFlowProcess(vocab_size=data_vocab_size)
         self.net = self.build_backbone(data_vocab_size, two_times=True)
         self._space_cache: tuple | None = None  # (key of the embedding's storage and version, its state space)
@@ -112,11 +118,30 @@ class FMLMPlusModule(FlowLMModule):
                 self._space_cache = (key, choose_space(key[0], weight.float()))
         return self._space_cache[1]
 
-    def denoiser(self, space: str | None = None) -> FlowDenoiser:
-        """This model as flow samplers see it, reading states of its state space (or of ``space``)."""
+    def summary(
+        self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor | None = None, *, embedded: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """(max_v log δ_{s,t}(x), argmax_v) per position (B, L), ``forward``'s inputs: the output head and its soft
+        cap in vocabulary chunks, never a (B, L, |V|) log δ (flowlm/samplers/summary.py). The argmax is that of
+        the logits (the cap is monotone), the first index on a tie."""
+        h = x if embedded else self.net.input_embeddings(x)
+        head = self.net.final.linear
+        if type(head) is not torch.nn.Linear:  # e.g. an adapter on the head: its weight is not the whole head
+            raise TypeError(f"the chunked summary needs a plain Linear output head, got {type(head).__name__}")
+        features = self.net.head_features(h, s, t, pinned=pinned)
+        return capped_head_summary(features, head.weight, head.bias, cap=SOFT_CAP)
+
+    def denoiser(self, space: str | None = None, *, summary: str = "chunked") -> FlowDenoiser:
+        """This model as flow samplers see it, reading states of its state space (or of ``space``); greedy drafts
+        read its ``summary`` (``summary="chunked"``) or off the full log δ (``"dense"``, the earlier path)."""
+        if summary not in SUMMARIES:
+            raise ValueError(f"summary must be one of {SUMMARIES}, got {summary!r}")
         states = self.states(space)
         fn = functools.partial(self, embedded=True) if states.embedded else self
-        return FlowDenoiser(fn=fn, vocab_size=self.data_vocab_size, pinned_fn=fn, space=states)
+        summary_fn = None
+        if summary == "chunked":
+            summary_fn = functools.partial(self.summary, embedded=True) if states.embedded else self.summary
+        return FlowDenoiser(fn=fn, vocab_size=self.data_vocab_size, pinned_fn=fn, space=states, summary_fn=summary_fn)
 
     # ------------------------------------------------------------------------------------------ MDM sources
     def validate_inputs(self) -> None:
@@ -192,20 +217,21 @@ class FMLMPlusModule(FlowLMModule):
         noise = torch.randn(process.draw_shape(tokens), generator=gen, device=tokens.device)
         # log δ_{s,t}(x) at per-sequence times, the pinned tokens at s = t = 1 (two adaLN rows per sequence)
         student = functools.partial(self, embedded=True) if process.embedded else self
-        return fmlm_plus_loss(
-            student,
-            tokens,
-            prompt,
-            kinds,
-            s,
-            t,
-            context=ctx,
-            noise=noise,
-            process=process,
-            **self.teachers(embedded=process.embedded),
-            loss_mask=batch.get("loss_mask"),  # text data may leave PAD out of the loss
-            parts=parts,
-        )
+        with compiled_tails() if self.compile_tails else contextlib.nullcontext():  # log δ fused (flowlm/compiled.py)
+            return fmlm_plus_loss(
+                student,
+                tokens,
+                prompt,
+                kinds,
+                s,
+                t,
+                context=ctx,
+                noise=noise,
+                process=process,
+                **self.teachers(embedded=process.embedded),
+                loss_mask=batch.get("loss_mask"),  # text data may leave PAD out of the loss
+                parts=parts,
+            )
 
     def training_process(self) -> GaussianFlowProcess:
         """The process of this step's states: over the vocabulary, or, when ``state_space`` chooses the embedding

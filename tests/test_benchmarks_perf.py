@@ -55,7 +55,8 @@ def test_sampler_overhead_prints_a_ratio_per_sampler(outputs):
     run = outputs["sampler_overhead"]
     assert run.returncode == 0, run.stderr[-3000:]
     names = sorted(p.stem for p in (ROOT / "conf" / "sampler").glob("*.yaml") if p.stem != "ar")
-    variants = ["pr_n2", "mlfm_ccfg_otp", "pr_onehot", "a_priori_onehot", "flow_map_onehot"]
+    variants = ["pr_n2", "mlfm_ccfg_otp", "pr_onehot", "a_priori_onehot", "flow_map_onehot", "pr_dense"]
+    variants += ["a_priori_dense", "block_dense", "confidence_dense"]  # the full log δ; the dense ranking
     for name in [*names, *variants, "confidence_full", "ancestral_full"]:
         assert re.search(rf"^ratio sampler/\(NFE × forward\) \[{name}\]: {RATIO} ", run.stdout, re.M), run.stdout
     assert re.search(r"^ratio sampler/\(NFE × forward\) \[ar\]: n/a", run.stdout, re.M)

@@ -68,3 +68,34 @@ def test_compiled_samplers_give_the_eager_samples():
                 )
         assert torch.equal(outs[0].tokens, outs[1].tokens), type(sampler).__name__
         assert torch.allclose(outs[0].confidence, outs[1].confidence, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_training_loss_and_gradients_match_eager(monkeypatch):
+    """``method.compile_tails``: the FMLM+ loss (diagonal, boundary and off-diagonal rows: student log δ with its
+    backward, the teachers' no-grad passes) and every parameter's gradient equal the eager ones to float rounding;
+    the compiled step's student and teacher log δ run inside ``compiled_tails``, the eager step's outside."""
+    import lightning_modules.fmlm_plus as fmlm_plus
+    from flowlm.processes.gaussian_flow import batch_kinds_and_times
+    from tests.test_state_spaces import B, L, V, flow_module
+
+    seen, original = [], fmlm_plus.log_delta
+    monkeypatch.setattr(fmlm_plus, "log_delta", lambda logits: seen.append(tails_enabled()) or original(logits))
+    module = flow_module().train()
+    gen = torch.Generator().manual_seed(0)
+    batch = {"tokens": torch.randint(0, V, (B, L), generator=gen), "prompt_mask": torch.zeros(B, L, dtype=torch.bool)}
+    batch["prompt_mask"][:, :2] = True
+    kinds, s, t = batch_kinds_and_times(B, offset=0, count=B, generator=gen, diagonal=0.5, boundary=1 / 6)
+    results = []
+    for compiled in (False, True):
+        module.compile_tails = compiled
+        module.zero_grad(set_to_none=True)
+        loss = module.flow_loss(batch, kinds, s, t, torch.Generator().manual_seed(1)).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}))
+    assert seen == [False, True, True, True]  # eager: the student's (its teachers in place); compiled: all three
+    (eager, eager_grads), (fused, fused_grads) = results
+    assert torch.allclose(eager, fused, rtol=1e-5, atol=1e-6), (eager, fused)
+    assert eager_grads.keys() == fused_grads.keys() and len(eager_grads) > 10
+    for name, grad in eager_grads.items():
+        assert torch.allclose(grad, fused_grads[name], rtol=1e-4, atol=1e-6), name

@@ -320,6 +320,11 @@ class FinalLayer(nn.Module):
             h = modulate(h, *extra.chunk(2, dim=-1))
         return self.linear(h)
 
+    def features(self, x: Tensor, c: Tensor | PinnedCondition) -> Tensor:
+        """The head's input (…, d): ``forward`` less its Linear (no adapter modulation)."""
+        shift, scale = modulation(self.adaLN_modulation, c).chunk(2, dim=-1)
+        return modulate(self.norm(x), shift, scale)
+
 
 class DiT(nn.Module):
     """Bidirectional transformer over token ids or continuous vectors, conditioned per token on (s[, t]).
@@ -445,6 +450,15 @@ class DiT(nn.Module):
         for i, block in enumerate(self.blocks):
             h = block(h, c, causal=self.causal, extra=None if extra is None else extra[i])
         return self.final(h, c, extra=None if extra is None else extra[-1])
+
+    def head_features(self, h: Tensor, s: Tensor, t: Tensor | None = None, *, pinned: Tensor | None = None) -> Tensor:
+        """``forward_embeddings`` up to the output head's input (B, L, d): the logits are ``final.linear`` of it,
+        for callers that apply the head in vocabulary chunks (flowlm/samplers/summary.py)."""
+        b, length, _ = h.shape
+        c = self.condition(s, t, b, length, pinned)
+        for block in self.blocks:
+            h = block(h, c, causal=self.causal)
+        return self.final.features(h, c)
 
     def new_cache(self, max_len: int) -> KVCache:
         """An empty KV cache for incremental decoding of up to ``max_len`` positions (causal DiTs only)."""

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from flowlm.processes.gaussian_flow import EmbeddingSpace, OneHotSpace
+from flowlm.samplers.summary import dense_summary
 
 
 @dataclass
@@ -46,12 +47,16 @@ class FlowDenoiser:
     space, the default) or projected by the input embedding, h = x·E (the embedding space, for text vocabularies);
     fn and pinned_fn read states of that space. Samplers build every state through it (``noise``, ``data``,
     ``lift``), so they run unchanged in either.
+
+    ``summary_fn(x, s, t, pinned)``, when the model has it, returns in the pinned form only (max_v log δ, argmax_v)
+    per position, without a (B, L, |V|) log δ (``flowlm.samplers.summary``); greedy drafts call ``summary_at``.
     """
 
     fn: Callable[[Tensor, Tensor, Tensor], Tensor]
     vocab_size: int
     pinned_fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
     space: OneHotSpace | EmbeddingSpace | None = None
+    summary_fn: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
 
     @property
     def states(self) -> OneHotSpace | EmbeddingSpace:
@@ -60,14 +65,24 @@ class FlowDenoiser:
 
     def at(self, x: Tensor, s: float | Tensor, t: float | Tensor, pinned: Tensor) -> Tensor:
         """log δ_{s,t}(x) with the unpinned tokens at (s, t) (scalars or (B,)) and the pinned ones at s = t = 1."""
-        b = x.shape[0]
-        s, t = (
-            time.to(x.dtype).expand(b) if isinstance(time, Tensor) else x.new_full((b,), time)  # no host copy
-            for time in (s, t)
-        )
+        s, t = _sequence_times(x, s, t)
         if self.pinned_fn is not None:
             return self.pinned_fn(x, s, t, pinned)
         return self.fn(x, torch.where(pinned, 1.0, s[:, None]), torch.where(pinned, 1.0, t[:, None]))
+
+    def summary_at(self, x: Tensor, s: float | Tensor, t: float | Tensor, pinned: Tensor) -> tuple[Tensor, Tensor]:
+        """(max_v log δ_{s,t}(x), argmax_v) per position (B, L), as ``at`` times: all a greedy draft reads. The one
+        place the path is chosen: the model's ``summary_fn`` (no (B, L, |V|) log δ), else read off ``at``."""
+        if self.summary_fn is None:
+            return dense_summary(self.at(x, s, t, pinned))
+        return self.summary_fn(x, *_sequence_times(x, s, t), pinned)
+
+
+def _sequence_times(x: Tensor, s: float | Tensor, t: float | Tensor) -> tuple[Tensor, Tensor]:
+    """Times (scalars or (B,)) as (B,) tensors of x's dtype, without a host copy."""
+    b = x.shape[0]
+    s, t = (time.to(x.dtype).expand(b) if isinstance(time, Tensor) else x.new_full((b,), time) for time in (s, t))
+    return s, t
 
 
 CONFIDENCE_KINDS = ("a-priori", "a-posteriori")

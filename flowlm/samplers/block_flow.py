@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from flowlm.samplers.base import FlowDenoiser, SampleOutput, Sampler
-from flowlm.samplers.flow_map import flow_jumps
+from flowlm.samplers.flow_map import flow_jumps_summary
 
 
 class BlockFlowSampler(Sampler):
@@ -65,7 +65,7 @@ class BlockFlowSampler(Sampler):
         calls = 0
         for b in range(n_blocks):
             z = torch.where(committed[..., None], space.data(tokens), noise)
-            log_max, argmax = flow_jumps(model, z, committed, steps).max(-1)
+            log_max, argmax = flow_jumps_summary(model, z, committed, steps)  # the greedy draft's summary
             calls += steps
             block = block_id == b
             tokens = torch.where(block, argmax, tokens)

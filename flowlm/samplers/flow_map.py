@@ -11,20 +11,35 @@ from flowlm.samplers.base import FlowDenoiser, SampleOutput, Sampler
 
 def flow_jumps(model: FlowDenoiser, x: Tensor, pinned: Tensor, steps: int, *, euler: bool = False) -> Tensor:
     """Jump the unpinned tokens of x from 0 to 1 over a uniform grid of ``steps`` (one NFE each); pinned tokens
-    stay at s = t = 1. Returns the last log δ (at t = 1 the endpoint X_{s,1} = δ_{s,1}; callers that need only its
-    argmax and the probability there read them off the logarithm, no (B, L, |V|) exp). ``euler`` uses the diagonal
+    stay at s = t = 1. Returns the last log δ (at t = 1 the endpoint X_{s,1} = δ_{s,1}). ``euler`` uses the diagonal
     denoiser δ_{t_k,t_k} = D_{t_k} in the jump (FLM's Euler step of the velocity (D − z)/(1 − t)).
 
     x is a state of the model's space (``model.states``): the jump X = a·x + b·δ is linear, so in the embedding
     space it reads a·h + b·(δ·E), one δ·E product per intermediate jump (none for a single jump)."""
-    log_delta = x
-    for k in range(steps):
+    x, s, t = _to_last_jump(model, x, pinned, steps, euler)
+    return model.at(x, s, t, pinned)
+
+
+def flow_jumps_summary(
+    model: FlowDenoiser, x: Tensor, pinned: Tensor, steps: int, *, euler: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``flow_jumps`` read off as (max_v log δ, argmax_v) per position, all a greedy draft needs from the last
+    jump: its endpoint X_{s,1} is δ itself, so no (B, L, |V|) log δ is made there (``FlowDenoiser.summary_at``)."""
+    x, s, t = _to_last_jump(model, x, pinned, steps, euler)
+    return model.summary_at(x, s, t, pinned)
+
+
+def _to_last_jump(
+    model: FlowDenoiser, x: Tensor, pinned: Tensor, steps: int, euler: bool
+) -> tuple[Tensor, float, float]:
+    """The first ``steps`` − 1 jumps of ``flow_jumps``: the state before the last and the last jump's (s, t)."""
+    for k in range(steps - 1):
         log_delta = model.at(x, k / steps, k / steps if euler else (k + 1) / steps, pinned)
-        if k < steps - 1:  # the last jump's endpoint X_{s,1} is δ itself: no (B, L, |V|) map to compute
-            s = torch.where(pinned, 1.0, torch.full_like(x[..., 0], k / steps))
-            t_next = torch.where(pinned, 1.0, torch.full_like(x[..., 0], (k + 1) / steps))
-            x = flow_map(x, model.states.lift(log_delta.exp()), s, t_next)
-    return log_delta
+        s = torch.where(pinned, 1.0, torch.full_like(x[..., 0], k / steps))
+        t_next = torch.where(pinned, 1.0, torch.full_like(x[..., 0], (k + 1) / steps))
+        x = flow_map(x, model.states.lift(log_delta.exp()), s, t_next)
+    last = (steps - 1) / steps
+    return x, last, last if euler else 1.0
 
 
 class FlowMapSampler(Sampler):
@@ -53,9 +68,8 @@ class FlowMapSampler(Sampler):
         self.check_budget(nfe)
         space = model.states
         clean, noise = space.data(prompt), space.noise(prompt.shape, generator, prompt.device)
-        log_delta = flow_jumps(
+        log_max, tokens = flow_jumps_summary(
             model, torch.where(prompt_mask[..., None], clean, noise), prompt_mask, nfe, euler=self.euler
         )
-        log_max, tokens = log_delta.max(-1)
         confidence = torch.where(prompt_mask, 1.0, log_max.exp())  # prompt positions: the prompt token at p = 1
         return SampleOutput(tokens=torch.where(prompt_mask, prompt, tokens), confidence=confidence, nfe=nfe)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flowlm.compiled import compilable
+from flowlm.compiled import compilable, tails_enabled
 from flowlm.samplers.base import (
     MaskedDenoiser,
     SampleOutput,
@@ -17,6 +17,7 @@ from flowlm.samplers.base import (
     pick_tokens,
     sample_categorical,
 )
+from flowlm.samplers.summary import chunked_max_log_prob
 
 
 class ConfidenceSampler(Sampler):
@@ -91,10 +92,18 @@ class ConfidenceSampler(Sampler):
         return SampleOutput(tokens=x, confidence=confidence, nfe=calls)
 
 
-@compilable
 def max_log_prob(logits: Tensor) -> tuple[Tensor, Tensor]:
-    """(log max_v p(v), argmax) per position from logits, in float32: max logit − logsumexp (one fused pass with
-    ``compiled_tails``)."""
+    """(log max_v p(v), argmax) per position from logits, in float32: max logit − logsumexp. Eagerly in vocabulary
+    chunks without a (B, L, |V|) float32 copy (``chunked_max_log_prob``: 218 → 90 ms at (4, 128, 50 258) bf16 on one
+    CPU thread, measured); with ``compiled_tails`` one fused pass."""
+    if tails_enabled():
+        return fused_max_log_prob(logits)
+    return chunked_max_log_prob(logits)
+
+
+@compilable
+def fused_max_log_prob(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """``max_log_prob`` over the whole vocabulary at once (compiled inside ``compiled_tails``)."""
     x = logits.float()
     top, argmax = x.max(-1)
     return top - x.logsumexp(-1), argmax

@@ -15,7 +15,7 @@ from flowlm.samplers.base import (
     check_temperature,
     pick_tokens,
 )
-from flowlm.samplers.flow_map import flow_jumps
+from flowlm.samplers.flow_map import flow_jumps, flow_jumps_summary
 
 
 class PosteriorRefinementSampler(Sampler):
@@ -119,14 +119,15 @@ class PosteriorRefinementSampler(Sampler):
         calls = 0
         for r in range(rounds):
             x = torch.where(committed[..., None], space.data(tokens), noise)
-            log_probs, calls = self._draft(model, x, committed, calls, steps)
-            # read off log δ: argmax and the probability there, no (B, L, |V|) exp for the greedy draft
-            if self.temperature == 0:
-                draft = log_probs.argmax(dim=-1)
+            if self.temperature == 0:  # the greedy draft reads (log p_max, argmax) only: no (B, L, |V|) log δ
+                log_max, draft = self._summary(model, x, committed, steps)
+                p_draft = score = log_max.exp()  # the draft's probability is p_max
             else:
+                log_probs = self._draft(model, x, committed, steps)
                 draft = pick_tokens(log_probs, self.temperature, generator)
-            p_draft = log_probs.gather(-1, draft[..., None]).squeeze(-1).exp()
-            score = log_probs.amax(-1).exp() if self.score == "max_prob" and self.temperature > 0 else p_draft  # p_max
+                p_draft = log_probs.gather(-1, draft[..., None]).squeeze(-1).exp()
+                score = log_probs.amax(-1).exp() if self.score == "max_prob" else p_draft  # p_max
+            calls += steps
             open_ = ~committed
             commit = self._commit_mask(score, open_, rounds - r, positions)
             tokens = torch.where(commit, draft, tokens)
@@ -136,11 +137,17 @@ class PosteriorRefinementSampler(Sampler):
                 noise = space.noise(prompt.shape, generator, device)
         return SampleOutput(tokens=tokens, confidence=confidence, nfe=calls)
 
-    def _draft(self, model: FlowDenoiser, x: Tensor, committed: Tensor, calls: int, steps: int) -> tuple[Tensor, int]:
-        """log δ_{0,1} of the uncommitted tokens in N flow-map jumps (PR), or log δ_{0,0} (a-priori)."""
+    def _draft(self, model: FlowDenoiser, x: Tensor, committed: Tensor, steps: int) -> Tensor:
+        """log δ_{0,1} of the uncommitted tokens in N flow-map jumps (PR), or log δ_{0,0} (a-priori: N = 1)."""
         if self.confidence == "a_priori":
-            return model.at(x, 0.0, 0.0, committed), calls + 1
-        return flow_jumps(model, x, committed, steps), calls + steps
+            return model.at(x, 0.0, 0.0, committed)
+        return flow_jumps(model, x, committed, steps)
+
+    def _summary(self, model: FlowDenoiser, x: Tensor, committed: Tensor, steps: int) -> tuple[Tensor, Tensor]:
+        """``_draft`` read off as (max_v log δ, argmax_v) per position (``FlowDenoiser.summary_at``)."""
+        if self.confidence == "a_priori":
+            return model.summary_at(x, 0.0, 0.0, committed)
+        return flow_jumps_summary(model, x, committed, steps)
 
     def _commit_mask(self, score: Tensor, open_: Tensor, rounds_left: int, positions: Tensor) -> Tensor:
         """Threshold ∪ top-k (uniform budget ⌈open / rounds_left⌉ or a fixed k); everything on the last round."""

@@ -1,0 +1,104 @@
+"""The greedy summary of a model's output: per position the argmax and the log-probability there, computed
+without materialising a (B, L, |V|) log δ or log-softmax (methods.md §3, §5).
+
+A greedy draft (PR and the a-priori loop at temperature 0, the last jump of the flow-map, FLM Euler and block
+samplers) needs nothing else from log δ = log_softmax(c·tanh(l/c)). The soft cap is monotone, so
+argmax log δ = argmax l, and
+
+    log max_v δ = cap(l_max) − logsumexp_v cap(l_v),   cap(l) − c = c·(tanh(l/c) − 1) = −2c·σ(−2l/c) ∈ (−2c, 0],
+
+so Σ_v exp(cap(l_v) − c) needs no running maximum (every term lies in (e^{−2c}, 1], e^{−60} ≫ float32's least
+normal) and costs one sigmoid and one exp per logit, where tanh alone costs 2.7× both on this project's CPU
+(measured). ``capped_head_summary`` runs the output head in vocabulary chunks (memory B·L·chunk; each chunk's
+passes on data in cache) and folds each chunk into a running max / argmax / sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Bytes of one chunk's float32 logits (rows × chunk), where the chunk's passes stay in cache. Measured on one CPU
+# thread at |V| = 50 258: the capped summary at 512 rows, d 128, chunks of 256 / 512 / 1 024 / 2 048 columns
+# 192 / 146 / 129 / 131 ms, at 256 rows, d 512, of 2 048 / 4 096 / 8 192 columns 146 / 138 / 138 ms; the
+# confidence ranking at 512 rows, chunks of 1 024 / 2 048 / 4 096 columns 84 / 64 / 69 ms.
+CHUNK_BYTES = 4 << 20
+MIN_CHUNK = 256  # narrower chunks make the head's matrix product inefficient
+BLOCK = 64  # row_max's block: chunks are multiples of it
+
+
+def dense_summary(log_probs: Tensor) -> tuple[Tensor, Tensor]:
+    """(max_v log p, argmax_v) per position from materialised log-probabilities (…, |V|): the first maximal index,
+    as ``torch.argmax``."""
+    return log_probs.max(-1)
+
+
+def row_max(z: Tensor) -> tuple[Tensor, Tensor]:
+    """(max, first index of the max) along the last dim of a contiguous 2-D tensor, as ``torch.max(z, -1)``, through
+    ``amax`` over blocks of ``BLOCK`` columns, then the first block holding the max and the first index inside it
+    (ATen's CPU max-with-index costs ≈ 20× an ``amax``, measured)."""
+    n, width = z.shape
+    if width % BLOCK or not z.is_contiguous():
+        return z.max(-1)
+    blocks = z.view(n, width // BLOCK, BLOCK)
+    top, block = blocks.amax(-1).max(-1)  # the first block that holds the row's max
+    inner = blocks.gather(1, block[:, None, None].expand(n, 1, BLOCK)).squeeze(1).argmax(-1)  # first index in it
+    return top, block * BLOCK + inner
+
+
+def chunk_width(rows: int, vocab: int) -> int:
+    """Vocabulary chunk so that rows × chunk float32 logits take about ``CHUNK_BYTES`` (at least ``MIN_CHUNK``, a
+    multiple of ``BLOCK``)."""
+    width = max(MIN_CHUNK, CHUNK_BYTES // (4 * max(rows, 1))) // BLOCK * BLOCK
+    return min(vocab, width)
+
+
+def capped_head_summary(
+    features: Tensor, weight: Tensor, bias: Tensor | None, *, cap: float, chunk: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """(log max_v δ, argmax_v) per position, δ = softmax(cap · tanh(l / cap)), l = features · Wᵀ + b, without the
+    (…, |V|) logits: the head Linear(d, |V|) (``weight`` (|V|, d), ``bias``) in vocabulary chunks of ``chunk``
+    columns (default ``chunk_width``), run in the caller's autocast as the head would be (so l is rounded as the
+    model's logits are), read in float32. The argmax is the first index of the largest logit (``torch.argmax``'s
+    rule; a later chunk takes over only when strictly larger)."""
+    if cap <= 0:
+        raise ValueError(f"the summary needs a soft cap > 0, got {cap}")
+    if features.shape[-1] != weight.shape[1]:
+        raise ValueError(f"features have width {features.shape[-1]}, the head expects {weight.shape[1]}")
+    width = chunk if chunk is not None else chunk_width(features[..., 0].numel(), weight.shape[0])
+    if width < 1:
+        raise ValueError(f"chunk must be ≥ 1, got {width}")
+    lead, vocab = features.shape[:-1], weight.shape[0]
+    rows = features.reshape(-1, features.shape[-1])
+    best = torch.full((rows.shape[0],), -torch.inf, device=rows.device)  # running max logit, float32
+    index = torch.zeros(rows.shape[0], dtype=torch.long, device=rows.device)
+    total = torch.zeros(rows.shape[0], device=rows.device)  # Σ_v exp(cap(l_v) − cap) over the chunks so far
+    for start in range(0, vocab, width):
+        stop = min(start + width, vocab)
+        z = F.linear(rows, weight[start:stop], None if bias is None else bias[start:stop]).float()
+        top, arg = row_max(z)
+        index = torch.where(top > best, arg + start, index)  # strict: an earlier chunk keeps a tie (first index)
+        best = torch.maximum(best, top)
+        total += z.mul_(-2 / cap).sigmoid_().mul_(-2 * cap).exp_().sum(-1)  # exp(cap(l) − cap) = exp(−2c·σ(−2l/c))
+    shifted_top = torch.sigmoid(best * (-2 / cap)) * (-2 * cap)  # cap(l_max) − cap
+    return (shifted_top - total.log()).reshape(lead), index.reshape(lead)
+
+
+def chunked_max_log_prob(logits: Tensor, *, chunk: int | None = None) -> tuple[Tensor, Tensor]:
+    """(log max_v softmax(logits), argmax_v) per position in float32 (max logit − logsumexp), read in vocabulary
+    chunks with a running max, argmax and rescaled Σ exp (no (…, |V|) float32 copy); the argmax as ``torch.argmax``."""
+    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    rows = logits.reshape(-1, vocab)
+    width = chunk if chunk is not None else chunk_width(rows.shape[0], vocab)
+    best = torch.full((rows.shape[0],), -torch.inf, device=rows.device)
+    index = torch.zeros(rows.shape[0], dtype=torch.long, device=rows.device)
+    total = torch.zeros(rows.shape[0], device=rows.device)  # Σ exp(l − best) so far
+    for start in range(0, vocab, width):
+        z = rows[:, start : start + width].to(torch.float32, copy=True).contiguous()  # a copy: changed in place
+        top, arg = row_max(z)
+        index = torch.where(top > best, arg + start, index)
+        new = torch.maximum(best, top)
+        total = total.mul_((best - new).exp_()).add_(z.sub_(new[:, None]).exp_().sum(-1))
+        best = new
+    return (-total.log()).reshape(lead), index.reshape(lead)  # log max p = −log Σ exp(l − l_max)
