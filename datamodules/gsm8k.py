@@ -16,7 +16,7 @@ Length filter: a training example whose prompt + response exceeds L is dropped; 
 (its reference response truncated) unless its prompt leaves fewer than ``min_response_tokens`` positions, so the
 test set keeps its size. Counts are logged and kept in ``cache_meta["splits"][split]["dropped"]``.
 
-Metric interface (``callbacks/text_metrics.py``: ``GSM8KAccuracy``): ``tokenizer``, ``pad_id``,
+Metric interface (``flowlm/metrics/text_metrics.py``: ``GSM8KAccuracy``): ``tokenizer``, ``pad_id``,
 ``response_mask(target_tokens)`` (B, L) bool, ``gold_answers(target_tokens_or_indices)`` → list of float | None.
 """
 

@@ -15,23 +15,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from flowlm.tasks.files import DataFileError, json_records, text_lines
-from runners.paths import PROJECT_DIR
+from flowlm.tasks.files import DataFileError, json_records, project_path, text_lines
 
 PAD_TOKEN = "[PAD]"
 
 
 class DataUnavailableError(FileNotFoundError):
     """A dataset or tokenizer is neither on this machine nor downloadable (e.g. offline); says how to provide it."""
-
-
-def project_path(path: str | os.PathLike) -> Path:
-    """An absolute path: as given if absolute or present relative to the working directory, else under the project
-    root (so the shipped fixture configs work from any working directory)."""
-    p = Path(path).expanduser()
-    if p.is_absolute() or p.exists() or glob.glob(str(p)):
-        return p.resolve()
-    return PROJECT_DIR / p
 
 
 def load_tokenizer(name_or_path: str | os.PathLike):

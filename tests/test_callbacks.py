@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from callbacks.ema import EMA
-from callbacks.sudoku_metric import SudokuMetric
+from flowlm.metrics.sudoku_metric import SudokuMetric
 from flowlm.tasks.sudoku import SudokuLayout, SudokuSpec
 
 GRID = np.array([[1, 2, 3, 4], [3, 4, 1, 2], [2, 1, 4, 3], [4, 3, 2, 1]], dtype=np.int8)

@@ -21,9 +21,9 @@ from types import SimpleNamespace
 import pytest
 
 from callbacks.sampling_eval import SamplingEvaluation
-from callbacks.text_metrics import GSM8KAccuracy
 from flowlm.metrics import gsm8k
 from flowlm.metrics.gsm8k import Isolation, SandboxUnavailableError, execute_responses, isolation, run_program
+from flowlm.metrics.text_metrics import GSM8KAccuracy
 from flowlm.samplers import ConfidenceSampler
 
 # The escape: update_wrapper copies statistics.mean.__globals__ onto an object whose __setattr__ keeps it.

@@ -16,9 +16,9 @@ from fixtures.text import encode_rows, save_tiny_evaluator, tiny_evaluator, tiny
 from omegaconf import OmegaConf
 
 import flowlm.metrics.gsm8k as gsm8k
-from callbacks.text_metrics import GenPPLMetric, GSM8KAccuracy
 from flowlm.metrics.gsm8k import answers_match, defines_name, execute_responses, extract_program, prepare_program
 from flowlm.metrics.text import GenerativePerplexity
+from flowlm.metrics.text_metrics import GenPPLMetric, GSM8KAccuracy
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "eval"
 FENCE = "`" * 3

@@ -234,7 +234,7 @@ def test_a_sampler_without_a_valid_confidence_kind_is_refused_where_it_is_define
 
 def test_the_evaluation_reads_the_declared_kind_and_refuses_a_bad_one():
     from callbacks.sampling_eval import SamplingEvaluation, confidence_kind
-    from callbacks.sudoku_metric import SudokuMetric
+    from flowlm.metrics.sudoku_metric import SudokuMetric
 
     kind = property(lambda self: self.kind)
     sampler = type("Settable", (Sampler,), {"family": "flow", "__call__": _never_sampled, "confidence_kind": kind})()

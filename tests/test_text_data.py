@@ -297,7 +297,7 @@ def test_gsm8k_gold_answers_by_batch_tokens_and_index(tmp_path, tok_dir):
 
 
 def test_gsm8k_batches_score_with_the_accuracy_metric(tmp_path, tok_dir):
-    from callbacks.text_metrics import GSM8KAccuracy
+    from flowlm.metrics.text_metrics import GSM8KAccuracy
 
     dm = gsm_dm(tmp_path, tok_dir, val_batch_size=12)
     dm.setup()

@@ -10,7 +10,6 @@ import pytest
 import torch
 from fixtures.text import encode_rows, save_tiny_evaluator, tiny_evaluator, tiny_tokenizer
 
-from callbacks.text_metrics import GenPPLMetric, GSM8KAccuracy
 from flowlm.metrics.gsm8k import answers_match, extract_answer, parse_gold, run_program
 from flowlm.metrics.text import (
     EvaluatorUnavailableError,
@@ -19,6 +18,7 @@ from flowlm.metrics.text import (
     mean_entropy,
     unigram_entropy,
 )
+from flowlm.metrics.text_metrics import GenPPLMetric, GSM8KAccuracy
 
 TEXTS = [
     "Once upon a time there was a little cat.",

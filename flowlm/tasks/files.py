@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+# The checkout's root (the folder holding flowlm/): shipped fixtures named in configs resolve under it.
+PROJECT_DIR = Path(__file__).resolve().parents[2]
+
+
+def project_path(path: str | os.PathLike) -> Path:
+    """An absolute path: as given if absolute or present relative to the working directory, else under the project
+    root (so the shipped fixture configs work from any working directory)."""
+    p = Path(path).expanduser()
+    if p.is_absolute() or p.exists() or glob.glob(str(p)):
+        return p.resolve()
+    return PROJECT_DIR / p
 
 
 class DataFileError(ValueError):

@@ -10,14 +10,13 @@ the headline metrics are tensor states, reduced over ranks.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 
-from datamodules.sources import project_path
 from flowlm.metrics.gsm8k import (
     SANDBOXES,
     ExecResult,
@@ -30,6 +29,7 @@ from flowlm.metrics.gsm8k import (
     isolation,
 )
 from flowlm.metrics.text import GenerativePerplexity, check_convention, check_evaluator, unigram_entropy
+from flowlm.tasks.files import project_path
 
 
 def _decode(tokenizer, ids: Tensor, keep: Tensor, skip_special_tokens: bool = False) -> str:
@@ -306,6 +306,14 @@ class GSM8KAccuracy(Metric):
         return list(self._rows)
 
 
+def _warn_once_per_job(message: str) -> None:
+    """A warning from rank 0 only (every rank builds the metric; one line per job is enough)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        warnings.warn(message, stacklevel=3)
+
+
 def _isolation(sandbox: str) -> Isolation:
     """The sandbox's isolation, refused with the config key to change; a warning when it is Python-level only."""
     try:
@@ -315,7 +323,7 @@ def _isolation(sandbox: str) -> Isolation:
             f"GSM8K scorer=execute: {err} (in a run config: eval.metric.sandbox=python_only)"
         ) from None
     if sandbox == "python_only":
-        rank_zero_warn(
+        _warn_once_per_job(
             "GSM8K scorer=execute with eval.metric.sandbox=python_only: generated programs run behind the Python-level "
             "guard only, which they can escape (files, network and processes of this user are reachable)"
         )
