@@ -48,7 +48,7 @@ def test_joblib_runs_trials_in_parallel_processes(tmp_path):
         "-m",
         "launcher=joblib",
         "hydra.launcher.n_jobs=2",
-        "experiment=sudoku_mdm_uncond_tiny",
+        "experiment=sudoku_mdm_uncond", "scale=cpu",
         *FAST,
         "logger=none",
         "seed=0,1",
