@@ -267,7 +267,9 @@ def test_demo_ends_with_the_report_of_its_experiments(store, tmp_path):
     from runners.paths import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        run_cfgs = [compose("train", overrides=[f"experiment={e}", "scale=cpu"]) for e in ("demo_mdm", "demo_fmlm_plus")]
+        run_cfgs = [
+            compose("train", overrides=[f"experiment={e}", "scale=cpu"]) for e in ("demo_mdm", "demo_fmlm_plus")
+        ]
         for cfg in run_cfgs:  # as train() leaves them: resolved, tracked in the store made above
             OmegaConf.update(cfg, "paths.root", str(tmp_path))
             OmegaConf.update(cfg, "task", UNCOND)

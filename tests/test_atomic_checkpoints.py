@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN_DIR = Path("sudoku_mdm_uncond", "cpu", "seed0")
 # A checkpoint after every step, no evaluation before the last one: a few steps, a few saves, little else.
 RUN = [
-    "experiment=sudoku_mdm_uncond", "scale=cpu",
+    "experiment=sudoku_mdm_uncond",
+    "scale=cpu",
     *FAST,
     "logger=none",
     "callbacks.checkpoint.every_n_train_steps=1",

@@ -21,7 +21,8 @@ def _env(tmp_path):
 def test_ddp_on_two_cpu_processes(tmp_path):
     cmd = [
         str(BIN / "flowlm-train"),
-        "experiment=sudoku_mdm_uncond", "scale=cpu",
+        "experiment=sudoku_mdm_uncond",
+        "scale=cpu",
         "trainer=ddp",
         "trainer.accelerator=cpu",
         "data.num_train=64",

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # 64 examples in global batches of 16: 4 steps per epoch, so 10 steps cross two epoch boundaries.
 BASE = [
-    "experiment=sudoku_mdm_uncond", "scale=cpu",
+    "experiment=sudoku_mdm_uncond",
+    "scale=cpu",
     "data.num_train=64",
     "data.num_val=16",
     "data.batch_size=16",

@@ -24,7 +24,8 @@ from sweeps.trial import FAILURES_ENV, SweepCallback, _note_failure
 
 RUN = ["experiment=sudoku_mdm_uncond", "scale=cpu", *FAST]
 TEXT = [
-    "experiment=tinystories_mdm", "scale=cpu",
+    "experiment=tinystories_mdm",
+    "scale=cpu",
     *SHORT,
     "eval.nfe=[4]",
     "data.batch_size=4",

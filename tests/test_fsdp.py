@@ -19,7 +19,8 @@ BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parent.parent
 RUN = Path("sudoku_mdm_uncond") / "cpu" / "seed0"
 TINY = [
-    "experiment=sudoku_mdm_uncond", "scale=cpu",
+    "experiment=sudoku_mdm_uncond",
+    "scale=cpu",
     "data.num_train=64",
     "data.num_val=16",
     "data.batch_size=16",

@@ -529,7 +529,9 @@ def test_mlfm_trains_from_its_mdm_and_refuses_wrong_sources(runs_env):
     base = ["experiment=sudoku_mlfm_easy", "scale=cpu", *FAST, "logger=none", "eval.nfe=[4]"]
     with pytest.raises(ValueError, match="another backbone size"):
         train(compose_config(overrides=[*base, "backbone.d_model=64"]))
-    flow = train(compose_config(overrides=["experiment=sudoku_fmlm_plus_scratch_easy", "scale=cpu", *FAST, "logger=none"]))
+    flow = train(
+        compose_config(overrides=["experiment=sudoku_fmlm_plus_scratch_easy", "scale=cpu", *FAST, "logger=none"])
+    )
     flow_ckpt = Path(flow["run_dir"], "checkpoints", "last.ckpt")
     with pytest.raises(ValueError, match="is a 'flow' checkpoint, expected a 'mdm' one"):
         train(compose_config(overrides=[*base, f"method.init_from={flow_ckpt}"]))

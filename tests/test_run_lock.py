@@ -31,7 +31,14 @@ from tests.conftest import FAST, compose_config
 pytest_plugins = ["pytester"]
 
 BIN = Path(sys.executable).parent
-RUN = ["experiment=sudoku_mdm_uncond", "scale=cpu", *FAST, "logger=none", "eval.nfe=[2]", "trainer.enable_progress_bar=false"]
+RUN = [
+    "experiment=sudoku_mdm_uncond",
+    "scale=cpu",
+    *FAST,
+    "logger=none",
+    "eval.nfe=[2]",
+    "trainer.enable_progress_bar=false",
+]
 # A process that takes the lock exactly as flowlm-train does, says so, and waits to be killed.
 HOLD = (
     "import sys, time; from runners.common import lock_run_dir; "

@@ -106,7 +106,8 @@ def trained(tmp_path_factory):
     isolate_runs(mp, root)
     cfg = compose_config(
         overrides=[
-            "experiment=sudoku_mdm_uncond", "scale=cpu",
+            "experiment=sudoku_mdm_uncond",
+            "scale=cpu",
             *FAST,
             "trainer.max_steps=4",
             "trainer.val_check_interval=4",
@@ -280,16 +281,30 @@ def test_eval_on_a_user_puzzle_file(runs_env):
 def test_fmlm_plus_refuses_wrong_mdm_sources(trained, runs_env):
     _, result, _ = trained
     mdm_ckpt = Path(result["run_dir"], "checkpoints", "last.ckpt")
-    base = ["experiment=sudoku_fmlm_plus_init_uncond", "scale=cpu", *FAST, "logger=none", f"method.init_from={mdm_ckpt}"]
+    base = [
+        "experiment=sudoku_fmlm_plus_init_uncond",
+        "scale=cpu",
+        *FAST,
+        "logger=none",
+        f"method.init_from={mdm_ckpt}",
+    ]
     with pytest.raises(ValueError, match="another backbone size"):
         train(compose_config(overrides=[*base, "backbone.d_model=64"]))
     with pytest.raises(ValueError, match="another backbone size: .*no counterpart here"):  # was: trained on 1 of 4
         train(compose_config(overrides=[*base, "backbone.n_layers=1"]))
     with pytest.raises(ValueError, match="vocabulary of 6 data tokens, this run has 4"):
         train(compose_config(overrides=[*base, "data.box_rows=2", "data.box_cols=2", "data.num_train=64"]))
-    flow = train(compose_config(overrides=["experiment=sudoku_fmlm_plus_scratch_uncond", "scale=cpu", *FAST, "logger=none"]))
+    flow = train(
+        compose_config(overrides=["experiment=sudoku_fmlm_plus_scratch_uncond", "scale=cpu", *FAST, "logger=none"])
+    )
     flow_ckpt = Path(flow["run_dir"], "checkpoints", "last.ckpt")
-    distill = ["experiment=sudoku_fmlm_plus_distill_uncond", "scale=cpu", *FAST, "logger=none", f"method.teacher={flow_ckpt}"]
+    distill = [
+        "experiment=sudoku_fmlm_plus_distill_uncond",
+        "scale=cpu",
+        *FAST,
+        "logger=none",
+        f"method.teacher={flow_ckpt}",
+    ]
     with pytest.raises(ValueError, match="teacher .* is a 'flow' checkpoint, expected a 'mdm' one"):
         train(compose_config(overrides=distill))
     assert not list((runs_env / "runs").glob("sudoku_fmlm_plus_init_uncond/**/checkpoints/*.ckpt"))
@@ -297,7 +312,8 @@ def test_fmlm_plus_refuses_wrong_mdm_sources(trained, runs_env):
 
 def test_block_sampler_runs_in_the_evaluation(runs_env):
     over = [
-        "experiment=sudoku_fmlm_plus_scratch_medium", "scale=cpu",
+        "experiment=sudoku_fmlm_plus_scratch_medium",
+        "scale=cpu",
         *FAST,
         "logger=none",
         "+sampler@eval.samplers.block=block",
@@ -314,7 +330,8 @@ def test_fmlm_starts_from_an_flm_checkpoint(runs_env):
     flm = train(
         compose_config(
             overrides=[
-                "experiment=sudoku_fmlm_plus_scratch_uncond", "scale=cpu",
+                "experiment=sudoku_fmlm_plus_scratch_uncond",
+                "scale=cpu",
                 "method=flm",
                 *FAST,
                 "logger=none",
@@ -325,7 +342,8 @@ def test_fmlm_starts_from_an_flm_checkpoint(runs_env):
     )
     ckpt = Path(flm["run_dir"], "checkpoints", "last.ckpt")
     over = [
-        "experiment=sudoku_fmlm_plus_scratch_uncond", "scale=cpu",
+        "experiment=sudoku_fmlm_plus_scratch_uncond",
+        "scale=cpu",
         "method=fmlm",
         *FAST,
         "logger=none",

@@ -178,7 +178,8 @@ def test_optuna_study_on_sqlite_is_shared_by_two_sweep_workers(mlflow_server, tm
         str(BIN / "flowlm-train"),
         "-m",
         "hparams_search=train_optuna",
-        "experiment=sudoku_fmlm_plus_scratch_uncond", "scale=cpu",
+        "experiment=sudoku_fmlm_plus_scratch_uncond",
+        "scale=cpu",
         *TINY,
         "optimized_metric=eval/pr/nfe8/valid_pct",  # unconditional: validity
         f"sweep.name={study_name}",
@@ -248,7 +249,8 @@ def test_a_preempted_and_requeued_trial_resumes_its_folder_and_mlflow_run(tmp_pa
         # launcher resubmits the same trial) and requeued.
         "hydra/launcher=submitit_local",
         "hydra.launcher.timeout_min=60",  # far from the time limit: the signal means preemption
-        "experiment=sudoku_mdm_uncond", "scale=cpu",
+        "experiment=sudoku_mdm_uncond",
+        "scale=cpu",
         *TINY,
         "eval.nfe=[2]",
         "trainer.max_steps=8",

@@ -60,7 +60,9 @@ def flow_ckpt(tmp_path_factory):
     isolate_runs(mp, root)
     from conftest import compose_config
 
-    result = train(compose_config(overrides=["experiment=sudoku_fmlm_plus_scratch_uncond", "scale=cpu", *FAST, "logger=none"]))
+    result = train(
+        compose_config(overrides=["experiment=sudoku_fmlm_plus_scratch_uncond", "scale=cpu", *FAST, "logger=none"])
+    )
     yield Path(result["run_dir"], "checkpoints", "last.ckpt"), root
     mp.undo()
 
@@ -143,7 +145,8 @@ def test_grid_sweep_trains_each_point_in_its_own_run(tmp_path):
         "train",
         [
             "hparams_search=grid_nfe_seed",
-            "experiment=sudoku_mdm_uncond", "scale=cpu",
+            "experiment=sudoku_mdm_uncond",
+            "scale=cpu",
             *FAST,
             "seed=0,1",  # replaces the grid's seeds: 2 points
             "optimized_metric=eval/confidence/nfe2/valid_pct",
@@ -210,7 +213,11 @@ SEARCHES = [
     ("train", "train_optuna", ["experiment=sudoku_fmlm_plus_scratch_medium", "scale=cpu"]),
     ("eval", "pr_optuna", ["ckpt_path=some.ckpt"]),
     ("eval", "mlfm_optuna", ["ckpt_path=some.ckpt"]),
-    ("train", "optuna", ["experiment=sudoku_mdm_medium", "scale=cpu", "optimized_metric=eval/confidence/nfe4/accuracy"]),
+    (
+        "train",
+        "optuna",
+        ["experiment=sudoku_mdm_medium", "scale=cpu", "optimized_metric=eval/confidence/nfe4/accuracy"],
+    ),
 ]
 
 
