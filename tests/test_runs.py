@@ -58,23 +58,6 @@ def fast_text(cfg) -> list[str]:
     return over + ["data.tokenizer=tests/fixtures/tiny_tokenizer"]
 
 
-@pytest.mark.slow
-def test_every_experiment_composes_at_every_scale():
-    assert {"paper", "cpu"} <= set(SCALES) and len(EXPERIMENTS) >= 40
-    for experiment in EXPERIMENTS:
-        names = set()
-        for scale in SCALES:
-            cfg = compose_config(overrides=[f"experiment={experiment}", f"scale={scale}"])
-            assert cfg.name == experiment and cfg.scale.name == scale
-            names.add((cfg.paths.run_dir, cfg.task, cfg.sweep.name))
-            if cfg.source is not None:  # the MDM checkpoint of the same seed and scale
-                mdm = compose_config(overrides=[f"experiment={cfg.source}", f"scale={scale}"])
-                assert cfg.source_ckpt == str(Path(mdm.paths.run_dir, "checkpoints", "last.ckpt"))
-                assert cfg.source_ckpt in (cfg.method.get("init_from"), cfg.method.get("teacher"))
-        # scales never share a run folder, an MLflow experiment or a sweep
-        assert len({n[0] for n in names}) == len({n[1] for n in names}) == len({n[2] for n in names}) == len(SCALES)
-
-
 @pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_runs_fast_dev_run(experiment, scale, shared_runs):
