@@ -1,7 +1,7 @@
 """MLFM in the Sudoku comparison: on conditional 6×6 Sudoku (easy), the MDM's own samplers and the MLFM adapted
 from that same MDM, at every NFE budget, for CCFG scales w ∈ {0, 1, 2, 4} without and with OTP (ε = 0.05).
 
-Trains, per seed, `sudoku_mdm_easy_tiny` (ancestral / confidence evaluated), then `sudoku_mlfm_easy_tiny` initialised
+Trains, per seed, `sudoku_mdm_easy` (ancestral / confidence evaluated), then `sudoku_mlfm_easy` initialised
 from its last checkpoint and evaluated with `eval=sudoku_mlfm_grid`; prints % of puzzles solved, mean ± std over
 seeds, with the NFE actually spent per sample (CCFG costs 2 NFE per step, so at an odd budget it spends one less).
 
@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/bench_mlfm_sudoku"))
     args = ap.parse_args()
     common = [
+        "scale=cpu",
         f"paths.root={args.out.resolve()}",
         "eval.nfe=[" + ",".join(map(str, args.nfe)) + "]",
         f"eval.max_batches={max(1, args.samples // 128)}",
@@ -40,12 +41,12 @@ def main() -> None:
     models = [
         (
             "MDM",
-            "sudoku_mdm_easy_tiny",
+            "sudoku_mdm_easy",
             [f"trainer.max_steps={args.mdm_steps}", f"trainer.val_check_interval={args.mdm_steps}"],
         ),
         (
             "MLFM",
-            "sudoku_mlfm_easy_tiny",
+            "sudoku_mlfm_easy",
             [
                 "eval=sudoku_mlfm_grid",
                 f"trainer.max_steps={args.mlfm_steps}",

@@ -1,7 +1,7 @@
 """The papers' central claim at CPU scale: PR on FMLM+ vs MDM samplers on unconditional 6×6 Sudoku.
 
-Trains, for every seed and the same step budget, the MDM (`sudoku_mdm_uncond_tiny`), FMLM+ from scratch
-(`sudoku_fmlmp_scratch_uncond_tiny`) and FMLM+ initialised from that seed's MDM (`sudoku_fmlmp_init_uncond_tiny`),
+Trains, for every seed and the same step budget, the MDM (`sudoku_mdm_uncond`), FMLM+ from scratch
+(`sudoku_fmlm_plus_scratch_uncond`) and FMLM+ initialised from that seed's MDM (`sudoku_fmlm_plus_init_uncond`),
 evaluates % valid grids at every NFE budget for MDM ancestral / confidence and FMLM+ a-priori / PR (the two commit
 loops also with ``score=sampled``: LLaDA's ranking by the drawn token's probability), and prints the
 table (mean ± std over seeds) with the smallest NFE at which PR reaches the best MDM sampler's validity at full NFE.
@@ -31,9 +31,9 @@ SAMPLED = {
     "FMLM+": ["+sampler@eval.samplers.a_priori_sampled=a_priori", "eval.samplers.a_priori_sampled.score=sampled"],
 }
 MODELS = [
-    ("MDM", "sudoku_mdm_uncond_tiny", SAMPLED["MDM"]),
-    ("FMLM+ scratch", "sudoku_fmlmp_scratch_uncond_tiny", SAMPLED["FMLM+"]),
-    ("FMLM+ MDM-init", "sudoku_fmlmp_init_uncond_tiny", SAMPLED["FMLM+"]),
+    ("MDM", "sudoku_mdm_uncond", SAMPLED["MDM"]),
+    ("FMLM+ scratch", "sudoku_fmlm_plus_scratch_uncond", SAMPLED["FMLM+"]),
+    ("FMLM+ MDM-init", "sudoku_fmlm_plus_init_uncond", SAMPLED["FMLM+"]),
 ]
 
 
@@ -52,6 +52,7 @@ def main() -> None:
     args = ap.parse_args()
     nfe = "[" + ",".join(map(str, args.nfe)) + "]"
     common = [
+        "scale=cpu",
         f"paths.root={args.out.resolve()}",
         f"trainer.max_steps={args.steps}",
         f"trainer.val_check_interval={args.steps}",

@@ -100,7 +100,7 @@ class SamplingEvaluation(Callback):
             if sampler.family != pl_module.family:
                 raise ValueError(
                     f"sampler {name!r} ({type(sampler).__name__}) samples '{sampler.family}' models, "
-                    f"but the model is a '{pl_module.family}' model; choose samplers for it (e.g. eval=sudoku for "
+                    f"but the model is a '{pl_module.family}' model; choose samplers for it (e.g. eval=sudoku_mdm for "
                     "'mdm', eval=sudoku_flow for 'flow')"
                 )
 

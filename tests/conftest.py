@@ -157,21 +157,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-# Tiny data and budgets for end-to-end runs of any experiment config (9×9 configs keep their layout).
-FAST = [
-    "data.num_train=24",
-    "data.num_val=8",
-    "data.batch_size=8",
-    "data.gen_workers=1",
-    "trainer.accelerator=cpu",
-    "trainer.devices=1",
-    "trainer.max_steps=2",
-    "trainer.val_check_interval=2",
-    "trainer.log_every_n_steps=1",
-    "eval.nfe=[2]",
-    "eval.max_batches=1",
-    "method.optim.warmup_steps=1",
-]
+# Tiny data and budgets for end-to-end runs of any Sudoku experiment config (9×9 configs keep their layout):
+# conf/debug/fast.yaml. SHORT (conf/debug/short.yaml) leaves the data as configured (text experiments).
+FAST = ["debug=fast"]
+SHORT = ["debug=short"]
 
 
 def compose_config(config_name: str = "train", overrides: list[str] | None = None):

@@ -22,15 +22,15 @@ UNCOND, COND, SWEEP = "sudoku_uncond_6x6", "sudoku_hard_6x6", "pr_sweep"
 BUDGETS = (1, 3, 9)
 SAMPLERS = {
     "mdm": {"ancestral": AncestralSampler(), "confidence": ConfidenceSampler()},
-    "fmlmp": {"pr": PosteriorRefinementSampler(), "a_priori": PosteriorRefinementSampler(confidence="a_priori")},
+    "fmlm_plus": {"pr": PosteriorRefinementSampler(), "a_priori": PosteriorRefinementSampler(confidence="a_priori")},
 }
-MODULES = {"mdm": "lightning_modules.mdm.MDMModule", "fmlmp": "lightning_modules.fmlm_plus.FMLMPlusModule"}
+MODULES = {"mdm": "lightning_modules.mdm.MDMModule", "fmlm_plus": "lightning_modules.fmlm_plus.FMLMPlusModule"}
 SUDOKU = {"data/_target_": "datamodules.sudoku.SudokuDataModule", "data/box_rows": "2", "data/box_cols": "3"}
 
 
 def _valid_pct(name: str, sampler: str, budget: int, seed: int) -> float:
     # Deterministic, not round: formatting and averaging are exercised, and the curves rise with NFE.
-    return min(100.0, 7.3 * budget + 3.1 * len(sampler) + 1.37 * seed + (11.9 if name == "fmlmp" else 0.0))
+    return min(100.0, 7.3 * budget + 3.1 * len(sampler) + 1.37 * seed + (11.9 if name == "fmlm_plus" else 0.0))
 
 
 def _calibration(path: Path, name: str, seed: int) -> Path:
@@ -67,7 +67,7 @@ def store(tmp_path_factory):
     client = MlflowClient(tracking_uri=uri)
     logged = {}
     exp = client.create_experiment(UNCOND, artifact_location=str(root / "art" / UNCOND))
-    for name in ("mdm", "fmlmp"):
+    for name in ("mdm", "fmlm_plus"):
         for seed in (0, 1):
             metrics = {}
             for sampler in SAMPLERS[name]:
@@ -81,8 +81,8 @@ def store(tmp_path_factory):
             run_id = _run(client, exp, name, params, {**metrics, "train/loss": 1.0})
             client.log_artifact(run_id, str(_calibration(root / "calibration.npz", name, seed)), "eval/step0000010")
     exp = client.create_experiment(COND, artifact_location=str(root / "art" / COND))
-    params = {"seed": 0, "method/_target_": MODULES["fmlmp"], "data/conditional": "True", "data/difficulty": "hard"}
-    _run(client, exp, "fmlmp_hard", {**params, **SUDOKU}, {"eval/pr/nfe4/accuracy": 61.25, "eval/pr/nfe4/nfe": 4.0})
+    params = {"seed": 0, "method/_target_": MODULES["fmlm_plus"], "data/conditional": "True", "data/difficulty": "hard"}
+    _run(client, exp, "fmlm_plus_hard", {**params, **SUDOKU}, {"eval/pr/nfe4/accuracy": 61.25, "eval/pr/nfe4/nfe": 4.0})
     exp = client.create_experiment(SWEEP, artifact_location=str(root / "art" / SWEEP))
     grid = {}
     for i, (threshold, rounds) in enumerate([(t, r) for t in (0.9, 0.99, 0.999) for r in (2, 4)]):
@@ -115,9 +115,9 @@ def test_long_format_one_row_per_run_sampler_budget_metric(store):
     long = long_metrics(runs)
     assert len(long) == 4 * 2 * len(BUDGETS) * 4  # runs × samplers × budgets × metrics
     assert set(long["metric"]) == {"valid_pct", "nfe", "sec_per_sample", "distinct_valid"}
-    hit = long[(long["name"] == "fmlmp") & (long["sampler"] == "pr") & (long["nfe_budget"] == 3)]
+    hit = long[(long["name"] == "fmlm_plus") & (long["sampler"] == "pr") & (long["nfe_budget"] == 3)]
     hit = hit[(hit["metric"] == "valid_pct") & (hit["seed"] == 1)]
-    assert hit["value"].tolist() == [store["logged"]["fmlmp", "pr", 3, 1]]
+    assert hit["value"].tolist() == [store["logged"]["fmlm_plus", "pr", 3, 1]]
     table = eval_table(long)
     assert len(table) == 4 * 2 * len(BUDGETS) and "train/loss" not in table
     sweep = load_runs(store["uri"], tags={"flowlm.sweep": "grid"})
@@ -144,7 +144,7 @@ def test_papers_tables_sit_beside_the_measured_rows(store, report):
     paper = report.tables[f"paper/{UNCOND}"]
     pr = paper[paper["sampler"] == "pr"].set_index("source")
     assert pr.loc["paper, 9×9", "NFE 3"] == "22.2" and pr.loc["paper, 9×9", "NFE 81"] == "99.6"
-    mine = [store["logged"]["fmlmp", "pr", 9, seed] for seed in (0, 1)]
+    mine = [store["logged"]["fmlm_plus", "pr", 9, seed] for seed in (0, 1)]
     assert pr.loc["measured, 6×6", "NFE 9"] == fmt(np.mean(mine), np.std(mine, ddof=1), 2)
     assert pr.loc["measured, 6×6", "NFE 81"] == ""  # not measured: no value is made up
     hard = report.tables[f"paper/{COND}"].set_index(["source", "sampler"])
@@ -155,16 +155,16 @@ def test_papers_tables_sit_beside_the_measured_rows(store, report):
 
 def test_calibration_auroc_from_the_logged_tokens(store, report):
     table = report.tables[f"calibration/{UNCOND}"].set_index(["run", "sampler"])
-    assert table.loc[("fmlmp", "pr"), "confidence"] == "a-posteriori"
+    assert table.loc[("fmlm_plus", "pr"), "confidence"] == "a-posteriori"
     assert table.loc[("mdm", "confidence"), "confidence"] == "a-priori"
     with (
-        np.load(_calibration(store["root"] / "check.npz", "fmlmp", 0)) as a,
-        np.load(_calibration(store["root"] / "check1.npz", "fmlmp", 1)) as b,
+        np.load(_calibration(store["root"] / "check.npz", "fmlm_plus", 0)) as a,
+        np.load(_calibration(store["root"] / "check1.npz", "fmlm_plus", 1)) as b,
     ):
         pick = lambda d: d["group"] == list(zip(d["samplers"], d["budgets"], strict=True)).index(("pr", 3))
         conf = np.concatenate([a["confidence"][pick(a)], b["confidence"][pick(b)]])
         ok = np.concatenate([a["correct"][pick(a)], b["correct"][pick(b)]])
-    assert table.loc[("fmlmp", "pr"), "NFE 3"].startswith(f"{auroc(conf, ok):.3f} (")
+    assert table.loc[("fmlm_plus", "pr"), "NFE 3"].startswith(f"{auroc(conf, ok):.3f} (")
     scored = pd.read_csv(report.out / f"calibration_{UNCOND}.csv")
     pr, prior = (scored[scored["sampler"] == s]["auroc"].mean() for s in ("pr", "a_priori"))
     assert pr > prior > 0.5  # the synthetic a-posteriori confidence is the sharper one
@@ -267,7 +267,9 @@ def test_demo_ends_with_the_report_of_its_experiments(store, tmp_path):
     from runners.paths import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        run_cfgs = [compose("train", overrides=[f"experiment={e}"]) for e in ("demo_mdm", "demo_fmlmp")]
+        run_cfgs = [
+            compose("train", overrides=[f"experiment={e}", "scale=cpu"]) for e in ("demo_mdm", "demo_fmlm_plus")
+        ]
         for cfg in run_cfgs:  # as train() leaves them: resolved, tracked in the store made above
             OmegaConf.update(cfg, "paths.root", str(tmp_path))
             OmegaConf.update(cfg, "task", UNCOND)
@@ -281,8 +283,8 @@ def test_a_real_evaluation_logs_calibration_the_report_reads(tmp_path, monkeypat
     from runners.train import train
 
     isolate_runs(monkeypatch, tmp_path)
-    for experiment in ("sudoku_mdm_uncond_tiny", "sudoku_fmlmp_scratch_uncond_tiny"):
-        train(compose_config(overrides=[f"experiment={experiment}", *FAST, "eval.calibration_tokens=50"]))
+    for experiment in ("sudoku_mdm_uncond", "sudoku_fmlm_plus_scratch_uncond"):
+        train(compose_config(overrides=[f"experiment={experiment}", "scale=cpu", *FAST, "eval.calibration_tokens=50"]))
     uri = f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
     built = build_report(uri, tmp_path / "report", experiments=[UNCOND])
     table = built.tables[f"calibration/{UNCOND}"]

@@ -30,10 +30,11 @@ from tests.process_helpers import subprocess_env
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
-RUN_DIR = Path("sudoku_mdm_uncond_tiny", "seed0")
+RUN_DIR = Path("sudoku_mdm_uncond", "cpu", "seed0")
 # A checkpoint after every step, no evaluation before the last one: a few steps, a few saves, little else.
 RUN = [
-    "experiment=sudoku_mdm_uncond_tiny",
+    "experiment=sudoku_mdm_uncond",
+    "scale=cpu",
     *FAST,
     "logger=none",
     "callbacks.checkpoint.every_n_train_steps=1",

@@ -59,7 +59,7 @@ def _stories(lines: int = 6) -> list[bytes]:
 def test_a_non_utf8_garbage_or_broken_sudoku_csv_names_the_file_and_line(content, match, runs_env):
     bad = runs_env / "bad.csv"
     bad.write_bytes(content)
-    cfg = compose_config(overrides=["experiment=sudoku_mdm_medium_tiny", *FAST, f"data.eval_file={bad}"])
+    cfg = compose_config(overrides=["experiment=sudoku_mdm_medium", "scale=cpu", *FAST, f"data.eval_file={bad}"])
     with pytest.raises(DataFileError, match=match) as info:  # was: TypeError: function takes exactly 5 arguments
         train(cfg)
     assert any(isinstance(e, UnicodeDecodeError | csv.Error) for e in _chain(info.value))  # the original, chained

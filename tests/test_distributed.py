@@ -21,7 +21,8 @@ def _env(tmp_path):
 def test_ddp_on_two_cpu_processes(tmp_path):
     cmd = [
         str(BIN / "flowlm-train"),
-        "experiment=sudoku_mdm_uncond_tiny",
+        "experiment=sudoku_mdm_uncond",
+        "scale=cpu",
         "trainer=ddp",
         "trainer.accelerator=cpu",
         "data.num_train=64",
@@ -35,13 +36,13 @@ def test_ddp_on_two_cpu_processes(tmp_path):
     ]
     proc = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "| sudoku_mdm_uncond_tiny | confidence |" in proc.stdout
+    assert "| sudoku_mdm_uncond | confidence |" in proc.stdout
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in proc.stderr + proc.stdout
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["sudoku_uncond_6x6"])
     assert len(runs) == 1  # rank 1 does not open a second tracking run
     assert runs.iloc[0]["metrics.eval/confidence/nfe2/nfe"] <= 2
-    assert (tmp_path / "runs" / "sudoku_mdm_uncond_tiny" / "seed0" / "checkpoints" / "last.ckpt").exists()
+    assert (tmp_path / "runs" / "sudoku_mdm_uncond" / "cpu" / "seed0" / "checkpoints" / "last.ckpt").exists()
 
 
 @pytest.mark.slow
@@ -61,8 +62,8 @@ def test_demo_prints_its_table(tmp_path):
     for line in (
         "| demo_mdm | ancestral |",
         "| demo_mdm | confidence |",
-        "| demo_fmlmp | pr |",
-        "| demo_fmlmp | a_priori |",
+        "| demo_fmlm_plus | pr |",
+        "| demo_fmlm_plus | a_priori |",
         "NFE 36",
     ):
         assert line in proc.stdout

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # 64 examples in global batches of 16: 4 steps per epoch, so 10 steps cross two epoch boundaries.
 BASE = [
-    "experiment=sudoku_mdm_uncond_tiny",
+    "experiment=sudoku_mdm_uncond",
+    "scale=cpu",
     "data.num_train=64",
     "data.num_val=16",
     "data.batch_size=16",
@@ -113,7 +114,7 @@ def test_sigkill_then_resume_reaches_bitwise_the_uninterrupted_weights(tmp_path)
         check=False,
     )
     assert killed.returncode == -9, killed.stderr[-2000:]
-    run_dir = tmp_path / "runs" / "sudoku_mdm_uncond_tiny" / "crashed"
+    run_dir = tmp_path / "runs" / "sudoku_mdm_uncond" / "crashed"
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
     assert saved["global_step"] == 4  # what survived the crash: everything up to the last checkpoint
     resumed = _train(tmp_path, *steps, "run_name=crashed", *_trace(tmp_path, "resumed"))
@@ -126,7 +127,7 @@ def test_sigkill_then_resume_reaches_bitwise_the_uninterrupted_weights(tmp_path)
     for key in w_straight:
         assert torch.equal(w_straight[key], w_resumed[key]), key
     ckpts = [
-        torch.load(tmp_path / "runs" / "sudoku_mdm_uncond_tiny" / r / "checkpoints" / "last.ckpt", weights_only=False)
+        torch.load(tmp_path / "runs" / "sudoku_mdm_uncond" / r / "checkpoints" / "last.ckpt", weights_only=False)
         for r in ("straight", "crashed")
     ]
     assert ckpts[0]["global_step"] == ckpts[1]["global_step"] == 10
@@ -137,4 +138,4 @@ def test_sigkill_then_resume_reaches_bitwise_the_uninterrupted_weights(tmp_path)
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["sudoku_uncond_6x6"])
     # The relaunch continued the same MLflow run.
-    assert (runs["tags.mlflow.runName"] == "sudoku_mdm_uncond_tiny/crashed").sum() == 1
+    assert (runs["tags.mlflow.runName"] == "sudoku_mdm_uncond/crashed").sum() == 1

@@ -13,7 +13,7 @@ from runners.mlflow_run import make_logger
 from sweeps.trial import record_failure
 from tests.conftest import compose_config
 
-EXPERIMENT = ["experiment=sudoku_mdm_uncond_tiny"]
+EXPERIMENT = ["experiment=sudoku_mdm_uncond", "scale=cpu"]
 
 
 def _config(*overrides: str):

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import FAST, compose_config
+from conftest import FAST, SHORT, compose_config
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
@@ -22,10 +22,11 @@ from runners.evaluate import evaluate
 from runners.train import train
 from sweeps.trial import FAILURES_ENV, SweepCallback, _note_failure
 
-RUN = ["experiment=sudoku_mdm_uncond_tiny", *FAST]
+RUN = ["experiment=sudoku_mdm_uncond", "scale=cpu", *FAST]
 TEXT = [
-    "experiment=tinystories_mdm_tiny",
-    *(o for o in FAST if not o.startswith(("data.", "eval.nfe"))),
+    "experiment=tinystories_mdm",
+    "scale=cpu",
+    *SHORT,
     "eval.nfe=[4]",
     "data.batch_size=4",
     "data.seq_len=64",
@@ -80,7 +81,7 @@ def test_a_run_that_failed_before_its_first_checkpoint_does_not_block_other_sett
         _fail_first_step(patch)
         with pytest.raises(RuntimeError, match="boom"):
             train(compose_config(overrides=RUN))
-    run_dir = runs_env / "runs" / "sudoku_mdm_uncond_tiny" / "seed0"
+    run_dir = runs_env / "runs" / "sudoku_mdm_uncond" / "cpu" / "seed0"
     assert (run_dir / RUN_CONFIG).exists() and not (run_dir / "checkpoints" / "last.ckpt").exists()
     (failed,) = _runs(runs_env)
     assert failed.info.status == "FAILED"
@@ -137,7 +138,7 @@ def test_a_run_failing_after_training_is_failed_in_mlflow_with_its_error(runs_en
     assert run.data.tags["flowlm.error"] == "KeyError: 'no such column'"
 
     monkeypatch.setattr("runners.evaluate.pivot_table", broken_table)  # an evaluation's MLflow run likewise
-    ckpt = runs_env / "runs" / "sudoku_mdm_uncond_tiny" / "seed0" / "checkpoints" / "last.ckpt"
+    ckpt = runs_env / "runs" / "sudoku_mdm_uncond" / "cpu" / "seed0" / "checkpoints" / "last.ckpt"
     with pytest.raises(KeyError):
         evaluate(compose_config("eval", overrides=[f"ckpt_path={ckpt}", "eval.nfe=[2]", "eval.max_batches=1"]))
     _, evaluation = _runs(runs_env)

@@ -17,9 +17,10 @@ from tests.process_helpers import subprocess_env
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parent.parent
-RUN = Path("sudoku_mdm_uncond_tiny") / "seed0"
+RUN = Path("sudoku_mdm_uncond") / "cpu" / "seed0"
 TINY = [
-    "experiment=sudoku_mdm_uncond_tiny",
+    "experiment=sudoku_mdm_uncond",
+    "scale=cpu",
     "data.num_train=64",
     "data.num_val=16",
     "data.batch_size=16",
@@ -264,7 +265,7 @@ def test_resume_refuses_a_damaged_sharded_last_ckpt(tmp_path):
 
     from runners.common import RUN_CONFIG, RunExistsError, check_run_dir
 
-    cfg = compose_config("train", [f"paths.root={tmp_path}", "experiment=sudoku_mdm_uncond_tiny"])
+    cfg = compose_config("train", [f"paths.root={tmp_path}", "experiment=sudoku_mdm_uncond", "scale=cpu"])
     run_dir = Path(cfg.paths.run_dir)
     run_dir.mkdir(parents=True)
     OmegaConf.save(cfg, run_dir / RUN_CONFIG, resolve=True)
@@ -296,7 +297,7 @@ def test_fsdp2_trains_on_two_cpu_processes_into_sharded_checkpoints(fsdp2_run):
 
     root, proc, gathered = fsdp2_run
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in proc.stdout + proc.stderr
-    assert "| sudoku_mdm_uncond_tiny | confidence |" in proc.stdout
+    assert "| sudoku_mdm_uncond | confidence |" in proc.stdout
     last = root / "runs" / RUN / "checkpoints" / "last.ckpt"
     assert last.is_dir() and len(list(last.glob("*.distcp"))) == 2  # one shard per rank
     # Written to its own folder, then last.ckpt switched to it atomically (callbacks/checkpoint.py).
@@ -327,7 +328,7 @@ def test_fsdp2_checkpoint_evaluates_in_one_process(fsdp2_run):
         assert type(state[name]) is torch.Tensor and torch.equal(state[name], value), name  # full, unsharded
     cmd = [str(BIN / "flowlm-eval"), f"ckpt_path={last}", "eval.nfe=[2]", "eval.max_batches=1"]
     proc = _run([*cmd, "trainer.enable_progress_bar=false"], root)
-    assert "| sudoku_mdm_uncond_tiny | confidence |" in proc.stdout
+    assert "| sudoku_mdm_uncond | confidence |" in proc.stdout
 
 
 @pytest.mark.slow

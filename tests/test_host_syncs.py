@@ -55,7 +55,7 @@ def _probe_run(experiment: str, *extra: str) -> list[HostSyncs]:
 
     # No progress display: it reads the logged loss back when it prints (every progress_every_s and at the last
     # step, as Lightning's bar does at each refresh), which is the display's read, not the training step's.
-    overrides = [f"experiment={experiment}", *FAST, "logger=none", "trainer.max_steps=3", *extra]
+    overrides = [f"experiment={experiment}", "scale=cpu", *FAST, "logger=none", "trainer.max_steps=3", *extra]
     overrides.append("trainer.enable_progress_bar=false")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pl.Trainer, "__init__", with_probe)
@@ -63,7 +63,7 @@ def _probe_run(experiment: str, *extra: str) -> list[HostSyncs]:
     return probe.per_batch
 
 
-@pytest.mark.parametrize("experiment", ["sudoku_mdm_uncond_tiny", "sudoku_fmlmp_scratch_easy_tiny"])
+@pytest.mark.parametrize("experiment", ["sudoku_mdm_uncond", "sudoku_fmlm_plus_scratch_easy"])
 def test_a_training_step_reads_the_device_once(runs_env, experiment):
     """Forward, teacher passes, backward, clipping, AdamW and the EMA update: one read per step, the finite-loss
     guard's (plus the EMA's count, read once at the first update)."""

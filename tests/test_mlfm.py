@@ -524,18 +524,20 @@ def test_mlfm_trains_from_its_mdm_and_refuses_wrong_sources(runs_env):
     from runners.train import train
     from tests.conftest import FAST, compose_config
 
-    mdm = train(compose_config(overrides=["experiment=sudoku_mdm_easy_tiny", *FAST, "logger=none"]))
+    mdm = train(compose_config(overrides=["experiment=sudoku_mdm_easy", "scale=cpu", *FAST, "logger=none"]))
     mdm_ckpt = Path(mdm["run_dir"], "checkpoints", "last.ckpt")
-    base = ["experiment=sudoku_mlfm_easy_tiny", *FAST, "logger=none", "eval.nfe=[4]"]
+    base = ["experiment=sudoku_mlfm_easy", "scale=cpu", *FAST, "logger=none", "eval.nfe=[4]"]
     with pytest.raises(ValueError, match="another backbone size"):
         train(compose_config(overrides=[*base, "backbone.d_model=64"]))
-    flow = train(compose_config(overrides=["experiment=sudoku_fmlmp_scratch_easy_tiny", *FAST, "logger=none"]))
+    flow = train(
+        compose_config(overrides=["experiment=sudoku_fmlm_plus_scratch_easy", "scale=cpu", *FAST, "logger=none"])
+    )
     flow_ckpt = Path(flow["run_dir"], "checkpoints", "last.ckpt")
     with pytest.raises(ValueError, match="is a 'flow' checkpoint, expected a 'mdm' one"):
         train(compose_config(overrides=[*base, f"method.init_from={flow_ckpt}"]))
     with pytest.raises(ValueError, match="match no module"):
         train(compose_config(overrides=[*base, "method.adapter.lora_targets=[wq]"]))
-    assert not (runs_env / "runs" / "sudoku_mlfm_easy_tiny").exists()  # nothing written before the checks
+    assert not (runs_env / "runs" / "sudoku_mlfm_easy").exists()  # nothing written before the checks
 
     result = train(compose_config(overrides=base))
     rows = {(r["sampler"], r["nfe"]) for r in result["rows"]}  # 3 steps + 1, or 1 guided step × 2 + 1

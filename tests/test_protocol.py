@@ -193,7 +193,7 @@ def test_pr_budget_with_fixed_rounds_and_free_flow_steps():
 def test_text_flow_eval_uses_the_released_rounds():
     from tests.conftest import compose_config
 
-    cfg = compose_config("train", ["experiment=tinystories_fmlmp_scratch"])
+    cfg = compose_config("train", ["experiment=tinystories_fmlm_plus_scratch"])
     pr = cfg.eval.samplers.pr
     assert (pr.rounds, pr.flow_steps, pr.threshold, pr.noise, pr.commit) == (4, None, 0.999, "fresh", "uniform")
     assert cfg.backbone.d_model == 512  # the released TinyStories model is `mini`

@@ -20,7 +20,7 @@ from runners.tracking import TrackingUnavailable
 from runners.train import train
 from tests.conftest import FAST, compose_config
 
-RUN = ["experiment=sudoku_mdm_uncond_tiny", *FAST, "eval.nfe=[2]"]
+RUN = ["experiment=sudoku_mdm_uncond", "scale=cpu", *FAST, "eval.nfe=[2]"]
 
 
 def _ckpt(result_or_dir) -> Path:

@@ -31,7 +31,14 @@ from tests.conftest import FAST, compose_config
 pytest_plugins = ["pytester"]
 
 BIN = Path(sys.executable).parent
-RUN = ["experiment=sudoku_mdm_uncond_tiny", *FAST, "logger=none", "eval.nfe=[2]", "trainer.enable_progress_bar=false"]
+RUN = [
+    "experiment=sudoku_mdm_uncond",
+    "scale=cpu",
+    *FAST,
+    "logger=none",
+    "eval.nfe=[2]",
+    "trainer.enable_progress_bar=false",
+]
 # A process that takes the lock exactly as flowlm-train does, says so, and waits to be killed.
 HOLD = (
     "import sys, time; from runners.common import lock_run_dir; "
@@ -178,7 +185,7 @@ def test_a_second_flowlm_train_is_refused_and_the_relaunch_after_a_sigkill_resum
         text=True,
         cwd=PROJECT_DIR,
     )
-    run_dir = runs_env / "runs" / "sudoku_mdm_uncond_tiny" / "seed0"
+    run_dir = runs_env / "runs" / "sudoku_mdm_uncond" / "cpu" / "seed0"
     last = run_dir / "checkpoints" / "last.ckpt"
     try:
         deadline = time.monotonic() + 300

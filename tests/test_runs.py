@@ -5,7 +5,7 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
-from conftest import FAST, compose_config, isolate_runs
+from conftest import FAST, SHORT, compose_config, isolate_runs
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
@@ -15,6 +15,7 @@ from runners.paths import CONF_DIR
 from runners.train import train
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
+SCALES = sorted(p.stem for p in (Path(CONF_DIR) / "scale").glob("*.yaml"))
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def shared_runs(tmp_path_factory):
 def fast_text(cfg) -> list[str]:
     """FAST for text/GSM8K experiments: their fixtures and tiny models (a paper-scale config keeps its HF dataset
     name, which is unreachable offline, so it runs on the fixture files and tokenizer of its tiny counterpart)."""
-    over = [o for o in FAST if not o.startswith("data.")] + [
+    over = [*SHORT] + [
         "data.batch_size=4",
         "data.num_workers=0",
         "data.num_proc=null",
@@ -46,7 +47,7 @@ def fast_text(cfg) -> list[str]:
         ]
         over = [o for o in over if not o.startswith("eval.metric.evaluator")]
     else:  # text flow samplers run PR with the released R = 4 rounds: a budget of at least 4
-        over = [o for o in over if not o.startswith("eval.nfe")] + ["eval.nfe=[4]"]
+        over += ["eval.nfe=[4]"]
         over += [
             "data.name=null",
             "data.files=tests/fixtures/tinystories_sample.jsonl",
@@ -57,19 +58,21 @@ def fast_text(cfg) -> list[str]:
     return over + ["data.tokenizer=tests/fixtures/tiny_tokenizer"]
 
 
+@pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
-def test_every_experiment_runs_fast_dev_run(experiment, shared_runs):
-    base = compose_config(overrides=[f"experiment={experiment}"])
+def test_every_experiment_runs_fast_dev_run(experiment, scale, shared_runs):
+    at = [f"experiment={experiment}", f"scale={scale}"]
+    base = compose_config(overrides=at)
     fast = FAST if base.data._target_.startswith("datamodules.sudoku") else fast_text(base)
-    if base.method._target_.endswith("ARModule"):
-        fast = [o for o in fast if not o.startswith("eval.nfe")]  # AR spends one NFE per token: keep its budget
-    cfg = compose_config(overrides=[f"experiment={experiment}", *fast, "+trainer.fast_dev_run=true", "logger=none"])
-    for key in ("init_from", "teacher"):  # an MDM-based variant: train that MDM (2 steps, with a checkpoint) first
-        source = OmegaConf.select(cfg, f"method.{key}")
-        if source and not Path(source).exists():
-            mdm = Path(source).parents[2].name
-            train(compose_config(overrides=[f"experiment={mdm}", *fast, "logger=none"]))
-            assert Path(source).exists()
+    if base.method._target_.endswith("ARModule"):  # AR spends one NFE per token: keep its budget (unresolved)
+        nfe = OmegaConf.to_container(base.eval, resolve=False)["nfe"]
+        fast = [o for o in fast if not o.startswith("eval.nfe")]
+        fast.append(f"eval.nfe={nfe}" if isinstance(nfe, str) else f"eval.nfe=[{','.join(map(str, nfe))}]")
+    cfg = compose_config(overrides=[*at, *fast, "+trainer.fast_dev_run=true", "logger=none"])
+    if cfg.source is not None:  # an MDM-based variant: train that MDM (2 steps, with a checkpoint) first
+        if not Path(cfg.source_ckpt).exists():
+            train(compose_config(overrides=[f"experiment={cfg.source}", f"scale={scale}", *fast, "logger=none"]))
+        assert Path(cfg.source_ckpt).exists()
     result = train(cfg)
     assert result["rows"], "the final evaluation produced no rows"
     for row in result["rows"]:
@@ -86,7 +89,8 @@ def trained(tmp_path_factory):
     isolate_runs(mp, root)
     cfg = compose_config(
         overrides=[
-            "experiment=sudoku_mdm_uncond_tiny",
+            "experiment=sudoku_mdm_uncond",
+            "scale=cpu",
             *FAST,
             "trainer.max_steps=4",
             "trainer.val_check_interval=4",
@@ -191,11 +195,11 @@ def test_existing_run_is_never_overwritten(trained):
     cfg, result, _ = trained
     run_dir = Path(result["run_dir"])
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
-    other = compose_config(overrides=["experiment=sudoku_mdm_uncond_tiny", *FAST, "backbone.n_layers=2"])
+    other = compose_config(overrides=["experiment=sudoku_mdm_uncond", "scale=cpu", *FAST, "backbone.n_layers=2"])
     OmegaConf.update(other, "paths.root", cfg.paths.root)
     with pytest.raises(RunExistsError, match="backbone.n_layers"):
         train(other)
-    strict = compose_config(overrides=["experiment=sudoku_mdm_uncond_tiny", *FAST, "if_exists=error"])
+    strict = compose_config(overrides=["experiment=sudoku_mdm_uncond", "scale=cpu", *FAST, "if_exists=error"])
     OmegaConf.update(strict, "paths.root", cfg.paths.root)
     with pytest.raises(RunExistsError, match="if_exists=error"):
         train(strict)
@@ -230,7 +234,7 @@ def test_unknown_components_fail_at_composition(override, match, runs_env):
     ],
 )
 def test_bad_input_fails_before_compute(overrides, error, match, runs_env):
-    cfg = compose_config(overrides=["experiment=sudoku_mdm_medium_tiny", *FAST, *overrides])
+    cfg = compose_config(overrides=["experiment=sudoku_mdm_medium", "scale=cpu", *FAST, *overrides])
     with pytest.raises(error, match=match):
         train(cfg)
     assert not (runs_env / "runs" / cfg.name).exists() or not any((runs_env / "runs" / cfg.name).rglob("*.ckpt"))
@@ -240,7 +244,7 @@ def test_eval_on_a_user_puzzle_file(runs_env):
     from flowlm.tasks.sudoku import SudokuSpec, generate, grid_to_string
 
     box = ["data.box_rows=2", "data.box_cols=2"]
-    cfg = compose_config(overrides=["experiment=sudoku_mdm_easy_tiny", *FAST, *box, "logger=none"])
+    cfg = compose_config(overrides=["experiment=sudoku_mdm_easy", "scale=cpu", *FAST, *box, "logger=none"])
     ckpt = Path(train(cfg)["run_dir"], "checkpoints", "last.ckpt")
     puzzles, solutions = generate(SudokuSpec(2, 2), conditional=True, difficulty="hard", num=5, seed=123)
     good = runs_env / "mine.csv"
@@ -260,24 +264,39 @@ def test_eval_on_a_user_puzzle_file(runs_env):
 def test_fmlm_plus_refuses_wrong_mdm_sources(trained, runs_env):
     _, result, _ = trained
     mdm_ckpt = Path(result["run_dir"], "checkpoints", "last.ckpt")
-    base = ["experiment=sudoku_fmlmp_init_uncond_tiny", *FAST, "logger=none", f"method.init_from={mdm_ckpt}"]
+    base = [
+        "experiment=sudoku_fmlm_plus_init_uncond",
+        "scale=cpu",
+        *FAST,
+        "logger=none",
+        f"method.init_from={mdm_ckpt}",
+    ]
     with pytest.raises(ValueError, match="another backbone size"):
         train(compose_config(overrides=[*base, "backbone.d_model=64"]))
     with pytest.raises(ValueError, match="another backbone size: .*no counterpart here"):  # was: trained on 1 of 4
         train(compose_config(overrides=[*base, "backbone.n_layers=1"]))
     with pytest.raises(ValueError, match="vocabulary of 6 data tokens, this run has 4"):
         train(compose_config(overrides=[*base, "data.box_rows=2", "data.box_cols=2", "data.num_train=64"]))
-    flow = train(compose_config(overrides=["experiment=sudoku_fmlmp_scratch_uncond_tiny", *FAST, "logger=none"]))
+    flow = train(
+        compose_config(overrides=["experiment=sudoku_fmlm_plus_scratch_uncond", "scale=cpu", *FAST, "logger=none"])
+    )
     flow_ckpt = Path(flow["run_dir"], "checkpoints", "last.ckpt")
-    distill = ["experiment=sudoku_fmlmp_distill_uncond_tiny", *FAST, "logger=none", f"method.teacher={flow_ckpt}"]
+    distill = [
+        "experiment=sudoku_fmlm_plus_distill_uncond",
+        "scale=cpu",
+        *FAST,
+        "logger=none",
+        f"method.teacher={flow_ckpt}",
+    ]
     with pytest.raises(ValueError, match="teacher .* is a 'flow' checkpoint, expected a 'mdm' one"):
         train(compose_config(overrides=distill))
-    assert not list((runs_env / "runs").glob("sudoku_fmlmp_init_uncond_tiny/*/checkpoints/*.ckpt"))
+    assert not list((runs_env / "runs").glob("sudoku_fmlm_plus_init_uncond/**/checkpoints/*.ckpt"))
 
 
 def test_block_sampler_runs_in_the_evaluation(runs_env):
     over = [
-        "experiment=sudoku_fmlmp_scratch_medium_tiny",
+        "experiment=sudoku_fmlm_plus_scratch_medium",
+        "scale=cpu",
         *FAST,
         "logger=none",
         "+sampler@eval.samplers.block=block",
@@ -294,7 +313,8 @@ def test_fmlm_starts_from_an_flm_checkpoint(runs_env):
     flm = train(
         compose_config(
             overrides=[
-                "experiment=sudoku_fmlmp_scratch_uncond_tiny",
+                "experiment=sudoku_fmlm_plus_scratch_uncond",
+                "scale=cpu",
                 "method=flm",
                 *FAST,
                 "logger=none",
@@ -305,7 +325,8 @@ def test_fmlm_starts_from_an_flm_checkpoint(runs_env):
     )
     ckpt = Path(flm["run_dir"], "checkpoints", "last.ckpt")
     over = [
-        "experiment=sudoku_fmlmp_scratch_uncond_tiny",
+        "experiment=sudoku_fmlm_plus_scratch_uncond",
+        "scale=cpu",
         "method=fmlm",
         *FAST,
         "logger=none",

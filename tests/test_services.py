@@ -123,7 +123,7 @@ def _stop_group(proc: subprocess.Popen, sig: signal.Signals = signal.SIGTERM) ->
 @pytest.mark.slow
 def test_tracking_server_receives_runs_from_two_processes(mlflow_server, tmp_path):
     url, server_dir = mlflow_server
-    common = [str(BIN / "flowlm-train"), "experiment=sudoku_mdm_uncond_tiny", *TINY, "eval.nfe=[2]"]
+    common = [str(BIN / "flowlm-train"), "experiment=sudoku_mdm_uncond", "scale=cpu", *TINY, "eval.nfe=[2]"]
     procs = [
         # The two documented ways to point a worker at the server: the environment, or the override.
         subprocess.Popen(
@@ -147,12 +147,12 @@ def test_tracking_server_receives_runs_from_two_processes(mlflow_server, tmp_pat
     experiment = client.get_experiment_by_name("sudoku_uncond_6x6")
     assert experiment is not None and experiment.artifact_location.startswith("mlflow-artifacts:")
     runs = {r.info.run_name: r for r in client.search_runs([experiment.experiment_id])}
-    assert sorted(runs) == ["sudoku_mdm_uncond_tiny/worker0", "sudoku_mdm_uncond_tiny/worker1"]
-    for i, run in enumerate(runs[f"sudoku_mdm_uncond_tiny/worker{i}"] for i in range(2)):
+    assert sorted(runs) == ["sudoku_mdm_uncond/worker0", "sudoku_mdm_uncond/worker1"]
+    for i, run in enumerate(runs[f"sudoku_mdm_uncond/worker{i}"] for i in range(2)):
         assert run.info.status == "FINISHED"
         assert run.data.params["seed"] == str(i)
         assert "train/loss" in run.data.metrics and run.data.metrics["eval/confidence/nfe2/nfe"] <= 2
-        run_dir = tmp_path / "runs" / "sudoku_mdm_uncond_tiny" / f"worker{i}"
+        run_dir = tmp_path / "runs" / "sudoku_mdm_uncond" / f"worker{i}"
         assert (run_dir / "mlflow_run_id").read_text().strip() == run.info.run_id
         listed = {f.path for f in client.list_artifacts(run.info.run_id)}
         assert {"config", "eval"} <= listed
@@ -160,7 +160,7 @@ def test_tracking_server_receives_runs_from_two_processes(mlflow_server, tmp_pat
         stored = server_dir / "artifacts" / experiment.experiment_id / run.info.run_id / "artifacts"
         assert (stored / "config" / "resolved.yaml").is_file() and (stored / "eval" / "final_table.md").is_file()
         table = Path(client.download_artifacts(run.info.run_id, "eval/final_table.md", str(tmp_path)))
-        assert "| sudoku_mdm_uncond_tiny | confidence |" in table.read_text()
+        assert "| sudoku_mdm_uncond | confidence |" in table.read_text()
     assert not (tmp_path / "runs" / "mlflow.db").exists() and not (tmp_path / "runs" / "mlartifacts").exists()
 
 
@@ -178,7 +178,8 @@ def test_optuna_study_on_sqlite_is_shared_by_two_sweep_workers(mlflow_server, tm
         str(BIN / "flowlm-train"),
         "-m",
         "hparams_search=train_optuna",
-        "experiment=sudoku_fmlmp_scratch_uncond_tiny",
+        "experiment=sudoku_fmlm_plus_scratch_uncond",
+        "scale=cpu",
         *TINY,
         "optimized_metric=eval/pr/nfe8/valid_pct",  # unconditional: validity
         f"sweep.name={study_name}",
@@ -248,7 +249,8 @@ def test_a_preempted_and_requeued_trial_resumes_its_folder_and_mlflow_run(tmp_pa
         # launcher resubmits the same trial) and requeued.
         "hydra/launcher=submitit_local",
         "hydra.launcher.timeout_min=60",  # far from the time limit: the signal means preemption
-        "experiment=sudoku_mdm_uncond_tiny",
+        "experiment=sudoku_mdm_uncond",
+        "scale=cpu",
         *TINY,
         "eval.nfe=[2]",
         "trainer.max_steps=8",

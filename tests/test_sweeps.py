@@ -60,7 +60,9 @@ def flow_ckpt(tmp_path_factory):
     isolate_runs(mp, root)
     from conftest import compose_config
 
-    result = train(compose_config(overrides=["experiment=sudoku_fmlmp_scratch_uncond_tiny", *FAST, "logger=none"]))
+    result = train(
+        compose_config(overrides=["experiment=sudoku_fmlm_plus_scratch_uncond", "scale=cpu", *FAST, "logger=none"])
+    )
     yield Path(result["run_dir"], "checkpoints", "last.ckpt"), root
     mp.undo()
 
@@ -143,7 +145,8 @@ def test_grid_sweep_trains_each_point_in_its_own_run(tmp_path):
         "train",
         [
             "hparams_search=grid_nfe_seed",
-            "experiment=sudoku_mdm_uncond_tiny",
+            "experiment=sudoku_mdm_uncond",
+            "scale=cpu",
             *FAST,
             "seed=0,1",  # replaces the grid's seeds: 2 points
             "optimized_metric=eval/confidence/nfe2/valid_pct",
@@ -187,7 +190,7 @@ def test_a_crashing_trial_does_not_stop_the_grid(flow_ckpt):
 def test_a_wrong_objective_fails_before_compute(key, match, runs_env):
     from conftest import compose_config
 
-    cfg = compose_config(overrides=["experiment=sudoku_mdm_uncond_tiny", *FAST, f"optimized_metric={key}"])
+    cfg = compose_config(overrides=["experiment=sudoku_mdm_uncond", "scale=cpu", *FAST, f"optimized_metric={key}"])
     with pytest.raises(ObjectiveError, match=match):
         train(cfg)
     assert not list((runs_env / "runs").rglob("run_config.yaml")) and not list((runs_env / "runs").rglob("*.ckpt"))
@@ -205,12 +208,16 @@ def test_objectives_are_read_from_the_result_rows():
 
 
 SEARCHES = [
-    ("train", "grid_nfe_seed", ["experiment=sudoku_mdm_medium_tiny"]),
+    ("train", "grid_nfe_seed", ["experiment=sudoku_mdm_medium", "scale=cpu"]),
     ("eval", "grid_nfe_seed", ["ckpt_path=some.ckpt"]),
-    ("train", "train_optuna", ["experiment=sudoku_fmlmp_scratch_medium_tiny"]),
+    ("train", "train_optuna", ["experiment=sudoku_fmlm_plus_scratch_medium", "scale=cpu"]),
     ("eval", "pr_optuna", ["ckpt_path=some.ckpt"]),
     ("eval", "mlfm_optuna", ["ckpt_path=some.ckpt"]),
-    ("train", "optuna", ["experiment=sudoku_mdm_medium_tiny", "optimized_metric=eval/confidence/nfe4/accuracy"]),
+    (
+        "train",
+        "optuna",
+        ["experiment=sudoku_mdm_medium", "scale=cpu", "optimized_metric=eval/confidence/nfe4/accuracy"],
+    ),
 ]
 
 
