@@ -83,7 +83,8 @@ def two_runs(tmp_path_factory):
     mdm = train(
         compose_config(
             overrides=[
-                "experiment=sudoku_mdm_easy_tiny",
+                "experiment=sudoku_mdm_easy",
+                "scale=cpu",
                 *common,
                 "trainer.max_steps=8",
                 "callbacks.convergence.stop=true",
@@ -95,7 +96,8 @@ def two_runs(tmp_path_factory):
     init = train(
         compose_config(
             overrides=[
-                "experiment=sudoku_fmlmp_init_easy_tiny",
+                "experiment=sudoku_fmlm_plus_init_easy",
+                "scale=cpu",
                 *common,
                 "eval.samplers.pr.rounds=1",
                 "callbacks.convergence.min_evals=2",
@@ -115,7 +117,7 @@ def read_csv(path):
 def test_a_converged_run_stops_and_records_it(two_runs):
     root, results, mdm, _ = two_runs
     assert mdm["global_step"] == 4  # converged at the second validation, before max_steps = 8
-    record = json.loads((root / "runs" / "sudoku_mdm_easy_tiny" / "seed0" / CONVERGENCE_FILE).read_text())
+    record = json.loads((root / "runs" / "sudoku_mdm_easy" / "cpu" / "seed0" / CONVERGENCE_FILE).read_text())
     assert record["converged"] is True and record["steps"] == 4 and record["budget_steps"] == 4
     assert record["wall_s"] > 0 and record["final_val_loss"] > 0
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'runs' / 'mlflow.db'}")
@@ -128,7 +130,7 @@ def test_a_converged_run_stops_and_records_it(two_runs):
 @pytest.mark.slow
 def test_results_csv_rows_and_the_budget_of_an_initialised_run(two_runs):
     root, results, _, init = two_runs
-    mdm_rows = read_csv(results / "sudoku_easy_6x6" / "sudoku_mdm_easy_tiny_seed0.csv")
+    mdm_rows = read_csv(results / "sudoku_easy_6x6" / "sudoku_mdm_easy_seed0.csv")
     assert list(mdm_rows[0]) == COLUMNS
     assert {(r["sampler"], r["nfe_budget"]) for r in mdm_rows} == {
         (s, b) for s in ("ancestral", "confidence") for b in ("1", "4")
@@ -138,7 +140,7 @@ def test_results_csv_rows_and_the_budget_of_an_initialised_run(two_runs):
     assert row["converged"] == "True" and row["steps"] == "4" and row["budget_steps"] == "4"
     assert float(row["accuracy"]) >= 0 and row["valid_pct"] == ""
     assert int(row["calibration_tokens"]) == 64
-    init_rows = read_csv(results / "sudoku_easy_6x6" / "sudoku_fmlmp_init_easy_tiny_seed0.csv")
+    init_rows = read_csv(results / "sudoku_easy_6x6" / "sudoku_fmlm_plus_init_easy_seed0.csv")
     pr = next(r for r in init_rows if r["sampler"] == "pr")
     assert (pr["method"], pr["variant"], pr["confidence_kind"]) == ("FMLM+", "init", "a-posteriori")
     assert json.loads(pr["sampler_settings"])["rounds"] == 1

@@ -136,7 +136,7 @@ def test_flowlm_eval_scores_an_export_as_its_checkpoint(runs_env):
     from runners.evaluate import evaluate
     from runners.train import train
 
-    result = train(compose_config(overrides=["experiment=sudoku_mdm_uncond_tiny", *FAST, "logger=none"]))
+    result = train(compose_config(overrides=["experiment=sudoku_mdm_uncond", "scale=cpu", *FAST, "logger=none"]))
     out = export(result["run_dir"], runs_env / "export")
     rows = {}
     for path in (Path(result["run_dir"], "checkpoints", "last.ckpt"), out):

@@ -21,7 +21,7 @@ from runners.train import train
 # The 6×6 Sudoku data have 9 token ids: a tiny random Llama in SMDM's layout ([MASK] = the extra embedding row 9,
 # the head predicts the 9 data ids).
 LLAMA = ["backbone=llama/tiny", "backbone.embed_rows=10", "backbone.head_rows=9", "backbone.mask_id=9"]
-MDM = ["experiment=sudoku_mdm_easy_tiny", *FAST, *LLAMA, "logger=none"]
+MDM = ["experiment=sudoku_mdm_easy", "scale=cpu", *FAST, *LLAMA, "logger=none"]
 TARGET = "flowlm.backbones.llama.BidirectionalLM"
 
 
@@ -140,7 +140,8 @@ def test_mlfm_init_from_the_llama_mdm_starts_as_the_mdm(mdm_run, tmp_path, monke
     _, ckpt = mdm_run
     isolate_runs(monkeypatch, tmp_path)
     over = [
-        "experiment=sudoku_mlfm_easy_tiny",
+        "experiment=sudoku_mlfm_easy",
+        "scale=cpu",
         *FAST,
         *LLAMA,
         "method=mlfm_llama",
@@ -183,8 +184,8 @@ def test_bad_llama_runs_fail_before_compute(mdm_run, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="time_conditioning=true needs a DiT"):
         train(compose_config(overrides=[*MDM, "method.time_conditioning=true"]))
     with pytest.raises(ValueError, match="AR need a DiT backbone"):
-        train(compose_config(overrides=["experiment=sudoku_ar_medium_tiny", *FAST, *LLAMA, "logger=none"]))
-    mlfm = ["experiment=sudoku_mlfm_easy_tiny", *FAST, *LLAMA, "method=mlfm_llama", f"method.init_from={ckpt}"]
+        train(compose_config(overrides=["experiment=sudoku_ar_medium", "scale=cpu", *FAST, *LLAMA, "logger=none"]))
+    mlfm = ["experiment=sudoku_mlfm_easy", "scale=cpu", *FAST, *LLAMA, "method=mlfm_llama", f"method.init_from={ckpt}"]
     with pytest.raises(ValueError, match="another backbone size"):
         train(compose_config(overrides=[*mlfm, "backbone.n_layers=1", "logger=none"]))
     assert not (tmp_path / "runs").exists()
