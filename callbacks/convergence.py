@@ -65,7 +65,8 @@ def check_convergence(
 
 def source_steps(path: str | None) -> int:
     """Training steps of the run a checkpoint ``path`` comes from (``<run>/checkpoints/<file>``): its
-    ``convergence.json`` budget (a chain counts every link), else the checkpoint's ``global_step``; 0 for None."""
+    ``convergence.json`` budget (a chain counts every link), else the checkpoint's ``global_step``; 0 for None and,
+    with a warning, for a source that is no local file (a hub name: trained outside the suite)."""
     if not path:
         return 0
     ckpt = Path(path)
@@ -77,7 +78,13 @@ def source_steps(path: str | None) -> int:
     if ckpt.is_dir():  # a sharded checkpoint folder without its run's record: the budget cannot be told
         warnings.warn(f"no {CONVERGENCE_FILE} beside {ckpt}: its steps are not counted", RuntimeWarning, stacklevel=2)
         return 0
-    raise FileNotFoundError(f"source checkpoint {ckpt} not found (needed for the run's step budget)")
+    # Not a local file or folder: a pretrained source by hub name (docs/pretrained.md), trained outside the suite
+    warnings.warn(
+        f"{path} is not a local checkpoint (a hub name?): its training steps are not counted in budget_steps",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return 0
 
 
 class Convergence(Callback):

@@ -6,6 +6,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import FAST, compose_config, isolate_runs
 from mlflow.tracking import MlflowClient
 
@@ -147,3 +148,16 @@ def test_results_csv_rows_and_the_budget_of_an_initialised_run(two_runs):
     # 2 own steps (not converged: one validation, nothing to compare) + the MDM's 4
     assert pr["steps"] == "2" and pr["budget_steps"] == "6" and pr["converged"] == "False"
     assert init["global_step"] == 2
+
+
+def test_a_sources_steps_come_from_its_record_else_its_checkpoint_and_a_hub_name_counts_none(tmp_path):
+    from callbacks.convergence import source_steps
+
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    torch.save({"global_step": 7}, ckpt)
+    assert source_steps(str(ckpt)) == 7 and source_steps(None) == 0
+    (tmp_path / "run" / CONVERGENCE_FILE).write_text(json.dumps({"budget_steps": 11}))
+    assert source_steps(str(ckpt)) == 11  # a chain: the record's budget, its own source included
+    with pytest.warns(RuntimeWarning, match="not a local checkpoint"):
+        assert source_steps("kuleshov-group/mdlm-owt") == 0
