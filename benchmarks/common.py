@@ -73,6 +73,8 @@ def load_group_config(group: str, name: str):
     defaults = node.pop("defaults", [])
     merged = OmegaConf.create()
     for entry in defaults:
+        if not isinstance(entry, str):  # another group's choice (a method's `override /family...`): not this node
+            continue
         merged = OmegaConf.merge(merged, node if entry == "_self_" else load_group_config(group, entry))
     return merged if "_self_" in defaults else OmegaConf.merge(merged, node)
 
