@@ -2,6 +2,7 @@
 with and without it, on MLFM over a tiny SMDM-layout Llama (adaLN hooks + LoRA with dropout) and on an MDM DiT."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +105,53 @@ def test_mdm_dit_same_loss_and_gradients_with_checkpointing():
 def test_nothing_to_checkpoint_is_refused():
     with pytest.raises(ValueError, match="nothing to checkpoint"):
         checkpoint_activations(torch.nn.Linear(2, 2))
+
+
+def _fsdp_ac_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """Rank r of 2: activation checkpointing, then FSDP2 over the decoder layers and the adapter, its half of the
+    batch, one SGD step; compared with the plain unsharded model on the whole batch."""
+    import torch.distributed as dist
+    from test_pretrained_llama_family import _fsdp_step, _tiny_adapter_holder
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from lightning_modules.sharding import shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        holder, reference = _tiny_adapter_holder(), _tiny_adapter_holder()
+        gen = torch.Generator().manual_seed(3)
+        ids, targets = torch.randint(0, 65, (4, 9), generator=gen), torch.randint(0, 64, (4, 9), generator=gen)
+        times = torch.rand(4, generator=gen)
+        assert checkpoint_activations(holder) == 2  # before sharding, as configure_model does
+        assert shard(holder, init_device_mesh("cpu", (2,)))
+        rows = slice(2 * rank, 2 * rank + 2)
+        local = _fsdp_step(holder, ids[rows], targets[rows], times[rows])
+        full = _fsdp_step(reference, ids, targets, times)
+        want = dict(reference.named_parameters())
+        diffs = [(local - full[rows]).abs().max().item()]
+        for name, p in holder.named_parameters():
+            if p.requires_grad:
+                value = p.full_tensor() if isinstance(p, DTensor) else p
+                diffs.append((value - want[name]).abs().max().item())
+        (Path(out_dir) / f"rank{rank}").write_text(f"{max(diffs):.3e}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_checkpointing_under_fsdp2_on_two_cpu_processes_trains_like_one_plain_process(tmp_path):
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(_fsdp_ac_worker, args=(str(tmp_path / "pg"), str(tmp_path)), nprocs=2, join=False)
+    for _ in range(180):
+        if context.join(timeout=1):
+            break
+    else:
+        for process in context.processes:
+            process.kill()
+        pytest.fail("FSDP2 ranks hung")
+    for rank in (0, 1):
+        diff = float((tmp_path / f"rank{rank}").read_text())
+        assert diff < 1e-5, (rank, diff)
