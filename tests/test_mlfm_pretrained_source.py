@@ -56,3 +56,10 @@ def test_another_vocabulary_is_refused_and_a_dit_still_needs_init_from(smdm_file
         MLFMModule(data_vocab_size=65, seq_len=12, backbone=backbone(smdm_file), optim={})  # [PAD] added: 64 + 1
     with pytest.raises(ValueError, match="set method.init_from"):
         MLFMModule(data_vocab_size=8, seq_len=12, backbone={"size": "tiny"}, optim={}, init_from=None)
+
+
+def test_a_random_backbone_without_init_from_warns_that_it_adapts_a_random_mdm():
+    random_llama = {"_target_": "flowlm.backbones.llama.BidirectionalLM", "embed_rows": 9, "head_rows": 8}
+    random_llama |= {"mask_id": 8, "hidden_size": 16, "n_layers": 1, "n_heads": 2, "intermediate_size": 32}
+    with pytest.warns(UserWarning, match="a random MDM"):
+        MLFMModule(data_vocab_size=8, seq_len=6, backbone=random_llama, optim={}, adapter={"cond_dim": 16})
