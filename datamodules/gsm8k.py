@@ -151,6 +151,7 @@ class GSM8KDataModule(TokenCacheDataModule):
         loss_on_pad: bool = True,
         cache_dir: str | os.PathLike = "data_cache/gsm8k",
         hf_cache_dir: str | os.PathLike | None = None,
+        pad_token: str = "add",
         num_proc: int | None = None,
         batch_size: int = 64,
         val_batch_size: int | None = None,
@@ -171,6 +172,7 @@ class GSM8KDataModule(TokenCacheDataModule):
             pin_memory=pin_memory,
             seed=seed,
             hf_cache_dir=hf_cache_dir,
+            pad_token=pad_token,
         )
         self.save_hyperparameters(logger=False)  # the runner logs the data config itself (as Sudoku does)
         # Files override the default hub name, so `data.train_files=x.jsonl` alone switches to a local source.

@@ -2,7 +2,9 @@
 folder of data files) or local files (read through before loading), and a HF tokenizer with a distinct PAD.
 
 The data vocabulary is the tokenizer's, with a distinct ``[PAD]`` added when it has none (GPT-2 has none:
-50 257 + 1); models put [MASK] at ``vocab_size``, so PAD ≠ MASK.
+50 257 + 1); models put [MASK] at ``vocab_size``, so PAD ≠ MASK. ``pad_token`` chooses otherwise for a pretrained
+backbone whose vocabulary is the tokenizer's exactly: ``eos`` pads with EOS (SMDM's GSM8K SFT, the released
+convention: 32 000 ids, [MASK] = 32 000), a token string pads with that existing token.
 """
 
 from __future__ import annotations
@@ -18,20 +20,25 @@ from typing import Any
 from flowlm.tasks.files import DataFileError, json_records, project_path, text_lines
 
 PAD_TOKEN = "[PAD]"
+PAD_ADD, PAD_EOS = "add", "eos"  # data.pad_token: add a distinct [PAD] (default) | pad with EOS | an existing token
 
 
 class DataUnavailableError(FileNotFoundError):
     """A dataset or tokenizer is neither on this machine nor downloadable (e.g. offline); says how to provide it."""
 
 
-def load_tokenizer(name_or_path: str | os.PathLike):
-    """A HF tokenizer by hub name (``gpt2``), folder or ``tokenizer.json`` file, with a distinct PAD token.
+def load_tokenizer(name_or_path: str | os.PathLike, pad_token: str = PAD_ADD):
+    """A HF tokenizer by hub name (``gpt2``), folder or ``tokenizer.json`` file, with its PAD set by ``pad_token``.
 
-    PAD is added as ``[PAD]`` (a new id at the end) when the tokenizer has none or shares it with BOS/EOS, so that
-    padding is never mistaken for text and never equals the models' [MASK] id (= the data vocabulary size).
+    ``add`` (default): PAD is added as ``[PAD]`` (a new id at the end) when the tokenizer has none or shares it with
+    BOS/EOS, so that padding is never mistaken for text and never equals the models' [MASK] id (= the data
+    vocabulary size). ``eos``: PAD = EOS, no new id (SMDM's SFT convention, docs/pretrained.md). Any other string:
+    PAD = that token, which must already be in the vocabulary (no new id).
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    if not isinstance(pad_token, str) or not pad_token:
+        raise ValueError(f"pad_token must be 'add', 'eos' or a token of the vocabulary, got {pad_token!r}")
     spec = str(name_or_path)
     local = project_path(spec)
     try:
@@ -46,9 +53,24 @@ def load_tokenizer(name_or_path: str | os.PathLike):
             f"`huggingface-cli download {spec}`, which fills the HF cache that HF_HUB_OFFLINE=1 then reads) and set "
             "data.tokenizer=DIR"
         ) from e
-    special = {tokenizer.bos_token_id, tokenizer.eos_token_id} - {None}
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id in special:
-        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    if pad_token == PAD_ADD:
+        special = {tokenizer.bos_token_id, tokenizer.eos_token_id} - {None}
+        if tokenizer.pad_token_id is None or tokenizer.pad_token_id in special:
+            tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+        return tokenizer
+    if pad_token == PAD_EOS:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"data.pad_token=eos: tokenizer {spec!r} has no EOS token")
+        pad_token = tokenizer.eos_token
+    if pad_token not in tokenizer.get_vocab():
+        raise ValueError(
+            f"data.pad_token={pad_token!r} is not a token of tokenizer {spec!r}; give 'add' (a new [PAD] id), 'eos' "
+            "or an existing token"
+        )
+    size = len(tokenizer)
+    tokenizer.pad_token = pad_token  # an existing token: no new id
+    if len(tokenizer) != size:  # transformers added it after all: the vocabulary would no longer match the model
+        raise ValueError(f"data.pad_token={pad_token!r} grew tokenizer {spec!r} from {size} to {len(tokenizer)} ids")
     return tokenizer
 
 

@@ -106,6 +106,7 @@ class TextDataModule(TokenCacheDataModule):
         loss_on_pad: bool = True,
         cache_dir: str | os.PathLike = "data_cache/text",
         hf_cache_dir: str | os.PathLike | None = None,
+        pad_token: str = "add",
         num_proc: int | None = None,
         batch_size: int = 256,
         val_batch_size: int | None = None,
@@ -126,6 +127,7 @@ class TextDataModule(TokenCacheDataModule):
             pin_memory=pin_memory,
             seed=seed,
             hf_cache_dir=hf_cache_dir,
+            pad_token=pad_token,
         )
         self.save_hyperparameters(logger=False)  # the runner logs the data config itself (as Sudoku does)
         if packing not in PACKINGS:

@@ -56,6 +56,7 @@ class TokenCacheDataModule(GlobalBatchDataModule, ABC):
         pin_memory: bool,
         seed: int,
         hf_cache_dir: str | os.PathLike | None,
+        pad_token: str = "add",
     ) -> None:
         super().__init__()
         for name, value, low in (
@@ -71,7 +72,8 @@ class TokenCacheDataModule(GlobalBatchDataModule, ABC):
         if num_proc is not None and (not isinstance(num_proc, int) or num_proc < 1):
             raise ValueError(f"num_proc must be None or an int >= 1, got {num_proc!r}")
         self.tokenizer_name = str(tokenizer)
-        self.tokenizer = load_tokenizer(tokenizer)  # now, not in setup: the runner reads vocab_size first
+        self.pad_token = pad_token
+        self.tokenizer = load_tokenizer(tokenizer, pad_token)  # now, not in setup: the runner reads vocab_size first
         self._seq_len = seq_len
         self.cache_dir = Path(cache_dir)
         self.batch_size, self.val_batch_size = batch_size, val_batch_size
@@ -100,7 +102,7 @@ class TokenCacheDataModule(GlobalBatchDataModule, ABC):
 
     @property
     def pad_id(self) -> int:
-        """The PAD id (never a text token, never [MASK])."""
+        """The PAD id: never [MASK]; a distinct id with ``pad_token=add`` (default), EOS with ``pad_token=eos``."""
         return int(self.tokenizer.pad_token_id)
 
     @property

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from flowlm.backbones.adapters import MLFMAdapter
 from flowlm.backbones.dit import RELEASED_OPTIONS, build_dit
 from flowlm.backbones.llama import BidirectionalLM, LlamaMLFMAdapter
-from lightning_modules.sharding import compile_blocks, shard
+from lightning_modules.sharding import checkpoint_activations, compile_blocks, shard
 from runners.paths import git_commit
 
 # The commit of the code this process runs, read once (two git calls) and recorded in every checkpoint it writes.
@@ -275,7 +275,11 @@ class FlowLMModule(L.LightningModule):
         Under ``ModelParallelStrategy`` (trainer=fsdp2, ``self.device_mesh`` set) each DiT block and then the DiT
         (or adapter) get FSDP2's ``fully_shard``, in bf16 when the trainer runs bf16-mixed (lightning_modules/
         sharding.py). With ``compile: true`` at the top of the run config each block is compiled in place, after
-        sharding; a run config without the key, or a checkpoint loaded for evaluation, runs eagerly."""
+        sharding; a run config without the key, or a checkpoint loaded for evaluation, runs eagerly. With
+        ``activation_checkpointing: true`` each block / decoder layer recomputes its activations in backward
+        (applied first, before sharding)."""
+        if (getattr(self, "run_config", None) or {}).get("activation_checkpointing", False):
+            checkpoint_activations(self)
         if self.device_mesh is not None:
             shard(self, self.device_mesh, precision=self._trainer.precision if self._trainer else None)
         if (getattr(self, "run_config", None) or {}).get("compile", False):

@@ -3,11 +3,16 @@
 The MDM's DiT is frozen and read on continuous embeddings: masked positions hold a Brownian-bridge state between
 the [MASK] embedding (t = 0) and the clean token's (t = 1), one t per sequence; the adapter (time adaLN + LoRA,
 flowlm/backbones/adapters.py) learns the t dependence. Loss: CE on the clean token at masked positions.
+
+The MDM comes from ``init_from`` (an MDM checkpoint of this suite), or, on the LLaMA family, from the backbone
+config itself: ``backbone=llama/smdm_1028m`` with ``init_from: null`` adapts the pretrained SMDM as loaded (the
+MLFM paper's setup; docs/pretrained.md).
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from lightning.pytorch.loggers import MLFlowLogger
@@ -23,7 +28,8 @@ from lightning_modules.checkpoints import check_backbone_options, check_family, 
 
 
 class MLFMModule(FlowLMModule):
-    """Frozen MDM DiT + adapter; ``init_from`` (an MDM checkpoint of the same backbone) is required."""
+    """Frozen MDM + adapter; the MDM is ``init_from`` (an MDM checkpoint of the same backbone), or a LLaMA-family
+    backbone config's own weights (a pretrained ``source``) when ``init_from`` is null."""
 
     family = "mlfm"
 
@@ -34,7 +40,7 @@ class MLFMModule(FlowLMModule):
         seq_len: int,
         backbone: dict,
         optim: dict,
-        init_from: str | None,
+        init_from: str | None = None,
         adapter: dict | None = None,
         bridge: dict | None = None,
         aux_mse_weight: float = 0.0,
@@ -43,8 +49,18 @@ class MLFMModule(FlowLMModule):
     ) -> None:
         super().__init__(data_vocab_size=data_vocab_size, seq_len=seq_len, backbone=backbone, optim=optim, seed=seed)
         self.save_hyperparameters()
-        if not init_from:
-            raise ValueError("MLFM adapts a pretrained MDM: set method.init_from to an MDM checkpoint")
+        pretrained = "_target_" in self.backbone_cfg  # a LLaMA-family MDM, built or loaded by its config
+        if not init_from and not pretrained:
+            raise ValueError(
+                "MLFM adapts a pretrained MDM: set method.init_from to an MDM checkpoint (or use a pretrained "
+                "LLaMA-family backbone, e.g. backbone=llama/smdm_1028m, with method.init_from=null)"
+            )
+        if not init_from and "source" not in self.backbone_cfg and self.backbone_cfg.get("device") != "meta":
+            warnings.warn(
+                f"MLFM with init_from=null adapts backbone {self.backbone_cfg['_target_']} as built: a random MDM "
+                "(no pretrained source); only smoke runs (scale=cpu) mean this",
+                stacklevel=2,
+            )
         if aux_mse_weight < 0 or not 0 <= full_response_mask_prob <= 1:
             raise ValueError("aux_mse_weight must be ≥ 0 and full_response_mask_prob in [0, 1]")
         self.init_from = init_from
@@ -75,7 +91,10 @@ class MLFMModule(FlowLMModule):
 
     # --------------------------------------------------------------------------------------------- MDM source
     def validate_inputs(self) -> None:
-        """The source must be a time-agnostic MDM of this vocabulary and backbone size (checked before compute)."""
+        """The source must be a time-agnostic MDM of this vocabulary and backbone size (checked before compute);
+        with ``init_from`` null the backbone config's own MDM is adapted (its loader checked it when building)."""
+        if not self.init_from:
+            return
         ckpt = read_checkpoint(self.init_from, data_vocab_size=self.data_vocab_size)  # a path or hub name
         check_family(
             ckpt["flowlm"], self.init_from, family="mdm", data_vocab_size=self.data_vocab_size, role="init_from"
@@ -90,7 +109,7 @@ class MLFMModule(FlowLMModule):
 
     def on_fit_start(self) -> None:
         """Copy the MDM's weights into the frozen base (fresh runs only; a resumed run has them already)."""
-        if self.global_step == 0 and self.init_report is None:
+        if self.init_from and self.global_step == 0 and self.init_report is None:
             source = read_checkpoint(self.init_from, data_vocab_size=self.data_vocab_size)
             self.init_report = self._copy_mdm(self.net, source["state_dict"])
             trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)

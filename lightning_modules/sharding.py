@@ -6,6 +6,10 @@ of the LightningModule that holds parameters (the DiT, an MLFM adapter) becomes 
 time MLPs, final layer, adapter parameters). Frozen parameters stay replicated (FSDP2 ``ignored_params``): they need
 no gradient reduction, and methods read some of them outside a forward pass (MLFM's embedding table builds its
 bridge states), where a sharded parameter would be a DTensor shard.
+
+Activation checkpointing (``activation_checkpointing: true`` in the run config) recomputes each such unit's
+activations in backward instead of storing them (torch's composable non-reentrant ``checkpoint``: parameter names,
+hence checkpoints, unchanged); it is applied before sharding, as torch's FSDP2 examples do.
 """
 
 from __future__ import annotations
@@ -35,6 +39,40 @@ def shard_units(module: nn.Module) -> list[nn.Module]:
     for backbone in (m for m in module.modules() if isinstance(m, BidirectionalLM)):
         units += list(backbone.layers)
     return units
+
+
+def checkpoint_activations(module: nn.Module) -> int:
+    """Activation checkpointing on every shard unit of ``module`` (DiT blocks, LLaMA decoder layers): their
+    activations are recomputed in backward (same loss and gradients, less memory, about one more forward).
+    Idempotent; returns how many units were newly wrapped.
+
+    A module that feeds the units per-call state outside their arguments (the LLaMA adaLN adapter's modulation,
+    read by forward hooks) gives ``recompute_context()``: a context manager, captured at forward time, that
+    restores that state while the unit is recomputed in backward.
+    """
+    from torch.distributed._composable import checkpoint
+
+    units = [u for u in shard_units(module) if not getattr(u, "_flowlm_checkpointed", False)]
+    if not units and not shard_units(module):
+        raise ValueError(f"{type(module).__name__} holds no DiT block or decoder layer: nothing to checkpoint")
+    owners = [m for m in module.modules() if callable(getattr(m, "recompute_context", None))]
+
+    def context_fn():
+        captured = [owner.recompute_context() for owner in owners]  # at forward time
+        return contextlib.nullcontext(), _entered(captured)
+
+    for unit in units:
+        checkpoint(unit, context_fn=context_fn)
+        unit._flowlm_checkpointed = True
+    return len(units)
+
+
+@contextlib.contextmanager
+def _entered(contexts: list) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for ctx in contexts:
+            stack.enter_context(ctx)
+        yield
 
 
 def fsdp_modules(module: nn.Module) -> list[nn.Module]:

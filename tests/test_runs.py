@@ -55,7 +55,21 @@ def fast_text(cfg) -> list[str]:
             "data.val_last_n=40",
             "data.seq_len=64",
         ]
+    if str(cfg.backbone.get("_target_", "")).endswith("load_smdm"):  # a pretrained SMDM: its tiny CPU-scale file
+        over += [f"backbone.{k}={v}" for k, v in TINY_SMDM.items()] + ["method.adapter.cond_dim=32"]
+        if "strategy" in cfg.trainer:  # the paper scale's FSDP2: not in one pytest process (tests/test_fsdp.py)
+            over += ["trainer.strategy=auto"]
     return over + ["data.tokenizer=tests/fixtures/tiny_tokenizer"]
+
+
+# conf/scale/gsm8k_mlfm_smdm/cpu.yaml's backbone (the shipped tests/fixtures/tiny_smdm file)
+TINY_SMDM = {
+    "source": "tests/fixtures/tiny_smdm/mdm-tiny.safetensors",
+    "filename": "null",
+    "dtype": "null",
+    "config": "{n_layer:2,n_head:4,n_embd:32,intermediate_size:64,n_query_groups:2,vocab_size:512,"
+    "padding_multiple:64,block_size:1024}",
+}
 
 
 @pytest.mark.parametrize("scale", SCALES)

@@ -9,6 +9,8 @@ accepted and ignored, since these MDMs are time-agnostic.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from contextlib import nullcontext
 
 import torch
@@ -271,6 +273,19 @@ class LlamaAdaLNAdapter(nn.Module):
             return output * (1 + chunks[slot])
 
         return hook
+
+    def recompute_context(self) -> contextlib.AbstractContextManager:
+        """A context that restores this call's modulation (read now) while activation checkpointing recomputes a
+        decoder layer in backward, after ``forward_embeddings`` has cleared it (lightning_modules/sharding.py)."""
+        return self._with_mods(self._mods)
+
+    @contextlib.contextmanager
+    def _with_mods(self, mods: list[tuple[Tensor, ...]] | None) -> Iterator[None]:
+        saved, self._mods = self._mods, mods
+        try:
+            yield
+        finally:
+            self._mods = saved
 
     def set_trainable(self, parts: tuple[str, ...] | list[str]) -> None:
         """requires_grad only on the configured parts; the MDM stays frozen."""
