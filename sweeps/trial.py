@@ -131,8 +131,8 @@ def join_sweep(cfg: DictConfig, hydra_cfg: DictConfig) -> None:
     with open_dict(cfg):
         if cfg.sweep.get("run_dirs", "trial") == "experiment":
             # A sweep over experiments × seeds (hparams_search=sudoku_tables): each trial keeps its experiment's
-            # own folder ${paths.root}/<name>/<scale>/seed<seed>, where the runs built on it (init_from, teacher) find its
-            # checkpoint and a relaunch resumes it; one trial per (experiment, seed), so no two share a folder.
+            # own folder ${paths.root}/<name>/<scale>/seed<seed>, where the runs built on it (init_from, teacher)
+            # find its checkpoint and a relaunch resumes it; one trial per (experiment, seed): no two share a folder.
             run_dir = Path(cfg.paths.run_dir)
             cfg.paths.run_dir = str(run_dir)
             cfg.sweep.trial_id = "-".join(run_dir.relative_to(cfg.paths.root).parts)  # <name>-<scale>-seed<seed>
