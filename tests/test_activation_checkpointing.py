@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import spawn_ranks
 
 from lightning_modules.mdm import MDMModule
 from lightning_modules.mlfm import MLFMModule
@@ -142,16 +143,9 @@ def _fsdp_ac_worker(rank: int, init_file: str, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_checkpointing_under_fsdp2_on_two_cpu_processes_trains_like_one_plain_process(tmp_path):
-    import torch.multiprocessing as mp
-
-    context = mp.spawn(_fsdp_ac_worker, args=(str(tmp_path / "pg"), str(tmp_path)), nprocs=2, join=False)
-    for _ in range(180):
-        if context.join(timeout=1):
-            break
-    else:
-        for process in context.processes:
-            process.kill()
-        pytest.fail("FSDP2 ranks hung")
+    spawn_ranks(
+        _fsdp_ac_worker, tmp_path, timeout_s=180, what="FSDP2 ranks"
+    )  # a hang fails the test instead of blocking it
     for rank in (0, 1):
         diff = float((tmp_path / f"rank{rank}").read_text())
         assert diff < 1e-5, (rank, diff)

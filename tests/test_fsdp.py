@@ -11,6 +11,7 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
+from conftest import spawn_ranks
 from lightning.pytorch.callbacks import Callback
 
 from tests.process_helpers import subprocess_env
@@ -208,16 +209,9 @@ def _unequal_forwards(rank: int, init_file: str, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_ranks_may_run_different_numbers_of_forwards_inside_full_parameters(tmp_path):
-    import torch.multiprocessing as mp
-
-    context = mp.spawn(_unequal_forwards, args=(str(tmp_path / "pg"), str(tmp_path)), nprocs=2, join=False)
-    for _ in range(120):  # a hang (the failure this guards against) fails the test instead of blocking it
-        if context.join(timeout=1):
-            break
-    else:
-        for process in context.processes:
-            process.kill()
-        pytest.fail("ranks with different numbers of forwards hung")
+    spawn_ranks(
+        _unequal_forwards, tmp_path, timeout_s=120, what="ranks with different numbers of forwards"
+    )  # a hang fails the test instead of blocking it
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["True True"] * 2
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import spawn_ranks
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -600,16 +601,9 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_fsdp2_on_two_cpu_processes_trains_the_adapted_llama_like_one_process(tmp_path):
-    import torch.multiprocessing as mp
-
-    context = mp.spawn(_fsdp_worker, args=(str(tmp_path / "pg"), str(tmp_path)), nprocs=2, join=False)
-    for _ in range(180):
-        if context.join(timeout=1):
-            break
-    else:
-        for process in context.processes:
-            process.kill()
-        pytest.fail("FSDP2 ranks hung")
+    spawn_ranks(
+        _fsdp_worker, tmp_path, timeout_s=180, what="FSDP2 ranks"
+    )  # a hang fails the test instead of blocking it
     for rank in (0, 1):
         diff, n_dtensor = (tmp_path / f"rank{rank}").read_text().split()
         assert float(diff) < 1e-5 and int(n_dtensor) > 0, (rank, diff, n_dtensor)
