@@ -182,17 +182,3 @@ def random_ar_module(*, vocab: int, seq_len: int, seed: int = 0):
     for p in module.parameters():
         torch.nn.init.normal_(p, std=0.2)
     return module.eval()
-
-
-def spawn_ranks(worker, tmp_path, *, nprocs: int = 2, timeout_s: int = 180, what: str = "ranks") -> None:
-    """Run ``worker(rank, <rendezvous file>, <out dir>)`` on ``nprocs`` CPU processes; a hang fails the test after
-    ``timeout_s`` seconds (the processes are killed) instead of blocking the suite."""
-    import torch.multiprocessing as mp
-
-    context = mp.spawn(worker, args=(str(tmp_path / "pg"), str(tmp_path)), nprocs=nprocs, join=False)
-    for _ in range(timeout_s):
-        if context.join(timeout=1):
-            return
-    for process in context.processes:
-        process.kill()
-    pytest.fail(f"{what} hung")

@@ -1,5 +1,7 @@
-"""Callbacks that tests add to a `flowlm-train` subprocess (``PYTHONPATH`` = the repository root):
-``+callbacks.<name>._target_=tests.process_helpers.<Class>``."""
+"""Helpers for tests that run more than one process: the environment of a `flowlm-train` subprocess, a spawn with
+a hang guard, and callbacks that tests add to such a subprocess (``PYTHONPATH`` = the repository root):
+``+callbacks.<name>._target_=tests.process_helpers.<Class>``. Nothing here imports ``conftest``, so a subprocess
+can import it."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
@@ -28,6 +31,20 @@ def subprocess_env(root: Path, **extra: str) -> dict:
     }
     env.pop("MLFLOW_TRACKING_URI", None)
     return env
+
+
+def spawn_ranks(worker, tmp_path, *, nprocs: int = 2, timeout_s: int = 180, what: str = "ranks") -> None:
+    """Run ``worker(rank, <rendezvous file>, <out dir>)`` on ``nprocs`` CPU processes; a hang fails the test after
+    ``timeout_s`` seconds (the processes are killed) instead of blocking the suite."""
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(worker, args=(str(tmp_path / "pg"), str(tmp_path)), nprocs=nprocs, join=False)
+    for _ in range(timeout_s):
+        if context.join(timeout=1):
+            return
+    for process in context.processes:
+        process.kill()
+    pytest.fail(f"{what} hung")
 
 
 class KillAtStep(Callback):

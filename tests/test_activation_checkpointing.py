@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import spawn_ranks
 
 from lightning_modules.mdm import MDMModule
 from lightning_modules.mlfm import MLFMModule
 from lightning_modules.sharding import checkpoint_activations
+from tests.process_helpers import spawn_ranks
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32 on CPU: the recomputed forward runs the same kernels, so ~bit-equal
 

@@ -11,10 +11,9 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
-from conftest import spawn_ranks
 from lightning.pytorch.callbacks import Callback
 
-from tests.process_helpers import subprocess_env
+from tests.process_helpers import spawn_ranks, subprocess_env
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import spawn_ranks
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -21,6 +20,7 @@ from flowlm.pretrained.files import resolve_source
 from flowlm.pretrained.llada import LLADA_8B, load_llada
 from flowlm.pretrained.smdm import load_smdm
 from flowlm.samplers import ConfidenceSampler, SemiARConfidenceSampler
+from tests.process_helpers import spawn_ranks
 
 TOL = 1e-4
 D, LAYERS, HEADS, INTER = 32, 2, 4, 48
