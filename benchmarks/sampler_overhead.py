@@ -201,7 +201,7 @@ def network_share(denoiser, sampler, args, device, prompt, prompt_mask) -> tuple
         return call
 
     fns = {"fn": timed(denoiser.fn)}
-    for field in ("pinned_fn", "summary_fn"):
+    for field in ("pinned_fn", "summary_fn", "lift_fn", "posterior_fn"):
         if getattr(denoiser, field, None) is not None:
             fns[field] = timed(getattr(denoiser, field))
     gen = torch.Generator(device=device).manual_seed(args.seed)

@@ -39,7 +39,7 @@ from flowlm.processes.gaussian_flow import (
     choose_space,
 )
 from flowlm.samplers.base import FlowDenoiser
-from flowlm.samplers.summary import capped_head_summary
+from flowlm.samplers.summary import head_expectation
 from lightning_modules.base import FlowLMModule
 from lightning_modules.checkpoints import (
     check_backbone_options,
@@ -124,12 +124,28 @@ class FMLMPlusModule(FlowLMModule):
         """(max_v log δ_{s,t}(x), argmax_v) per position (B, L), ``forward``'s inputs: the output head and its soft
         cap in vocabulary chunks, never a (B, L, |V|) log δ (flowlm/samplers/summary.py). The argmax is that of
         the logits (the cap is monotone), the first index on a tie."""
+        log_max, argmax, _ = self._head_pass(x, s, t, pinned, embedded=embedded, mean=False)
+        return log_max, argmax
+
+    def lifted(
+        self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor | None = None, *, embedded: bool = False
+    ) -> Tensor:
+        """δ_{s,t}(x)·E (B, L, d), the denoiser's mean in the embedding space (what a flow-map sub-step adds), from
+        the head's vocabulary chunks: the same as ``states("embedding").lift(forward(...).exp())`` to float
+        rounding, without a (B, L, |V|) tensor; the product with E is the one δ·E needs by its definition."""
+        return self._head_pass(x, s, t, pinned, embedded=embedded, mean=True)[2]
+
+    def _head_pass(
+        self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor | None, *, embedded: bool, mean: bool
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``head_expectation`` of this network's soft-capped head at (x, s, t), with E as its table if ``mean``."""
         h = x if embedded else self.net.input_embeddings(x)
         head = self.net.final.linear
         if type(head) is not torch.nn.Linear:  # e.g. an adapter on the head: its weight is not the whole head
-            raise TypeError(f"the chunked summary needs a plain Linear output head, got {type(head).__name__}")
+            raise TypeError(f"the chunked head pass needs a plain Linear output head, got {type(head).__name__}")
         features = self.net.head_features(h, s, t, pinned=pinned)
-        return capped_head_summary(features, head.weight, head.bias, cap=SOFT_CAP)
+        table = self.net.embed.weight if mean else None
+        return head_expectation(features, head.weight, head.bias, cap=SOFT_CAP, table=table)
 
     def denoiser(self, space: str | None = None, *, summary: str = "chunked") -> FlowDenoiser:
         """This model as flow samplers see it, reading states of its state space (or of ``space``); greedy drafts
@@ -138,10 +154,14 @@ class FMLMPlusModule(FlowLMModule):
             raise ValueError(f"summary must be one of {SUMMARIES}, got {summary!r}")
         states = self.states(space)
         fn = functools.partial(self, embedded=True) if states.embedded else self
-        summary_fn = None
+        summary_fn = lift_fn = None
         if summary == "chunked":
             summary_fn = functools.partial(self.summary, embedded=True) if states.embedded else self.summary
-        return FlowDenoiser(fn=fn, vocab_size=self.data_vocab_size, pinned_fn=fn, space=states, summary_fn=summary_fn)
+            if states.embedded:  # δ·E from the head's chunks; the one-hot space's δ is its own state (no product)
+                lift_fn = functools.partial(self.lifted, embedded=True)
+        return FlowDenoiser(
+            fn=fn, vocab_size=self.data_vocab_size, pinned_fn=fn, space=states, summary_fn=summary_fn, lift_fn=lift_fn
+        )
 
     # ------------------------------------------------------------------------------------------ MDM sources
     def validate_inputs(self) -> None:

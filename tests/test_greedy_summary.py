@@ -14,7 +14,7 @@ import flowlm.samplers.summary as summary_module
 from flowlm.objectives.flow import SOFT_CAP, log_delta
 from flowlm.samplers import PosteriorRefinementSampler
 from flowlm.samplers.mdm_confidence import fused_max_log_prob, max_log_prob
-from flowlm.samplers.summary import BLOCK, capped_head_summary, chunked_max_log_prob, row_max
+from flowlm.samplers.summary import BLOCK, capped_head_summary, chunked_max_log_prob, head_expectation, row_max
 from lightning_modules.fmlm_plus import FMLMPlusModule
 from tests.test_state_spaces import SAMPLERS, flow_module
 
@@ -63,6 +63,35 @@ def test_capped_summary_equals_dense(vocab, autocast):
             for width in widths:
                 _, got = capped_head_summary(features, tied_w, tied_b, cap=SOFT_CAP, chunk=width)
                 assert torch.equal(got, want), (columns, width)
+
+
+@pytest.mark.parametrize("cap", [None, SOFT_CAP, 2.0])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_head_expectation_equals_dense(cap, autocast):
+    """The one-pass head fold: log max p, argmax and Σ p·E of p = softmax(g(l)) (g the soft cap or the identity)
+    equal the dense computation at every chunk width, under float32 and bf16 autocast (the head rounded as the
+    model's logits; Σ p·E in float32 as the dense lift); without the cap the online rescaling is exercised by logits
+    spread over ±30 whose running max grows from chunk to chunk."""
+    features, weight, bias = head(2003, seed=7)
+    table = torch.randn(2003, 5, generator=torch.Generator().manual_seed(8))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = F.linear(features, weight, bias).float()
+        g = logits if cap is None else cap * torch.tanh(logits / cap)
+        p = g.softmax(-1)
+        with torch.autocast("cpu", enabled=False):
+            want_mean = p @ table
+        want_max, want_arg = p.amax(-1), logits.argmax(-1)  # the cap is monotone: the logits' argmax (it saturates)
+        for width in (7, BLOCK, 500, None):
+            got_max, got_arg, got_mean = head_expectation(features, weight, bias, cap=cap, table=table, chunk=width)
+            assert torch.equal(got_arg, want_arg), width
+            assert torch.allclose(got_max, want_max.log(), atol=2e-5, rtol=1e-5), (width, cap)
+            assert torch.allclose(got_mean, want_mean, atol=1e-5, rtol=1e-4), (
+                width,
+                (got_mean - want_mean).abs().max(),
+            )
+        assert head_expectation(features, weight, bias, cap=cap)[2] is None  # no table: the summary alone
+    with pytest.raises(ValueError, match="table has"):
+        head_expectation(features, weight, bias, table=table[:10])
 
 
 def test_row_max_is_torch_max():
@@ -141,6 +170,8 @@ def wide_module(vocab: int = 3000) -> FMLMPlusModule:
     return module
 
 
+# Greedy samplers: no (B, L, |V|) tensor on the chunked path (the flow-map sub-steps' δ·E from the head's chunks).
+GREEDY = ("pr", "pr_n2", "a_priori", "flow_map", "flm_euler", "block")
 CASES = [*SAMPLERS, ("a_priori_t1", PosteriorRefinementSampler(rounds=3, confidence="a_priori", temperature=1.0), 3)]
 
 
@@ -148,9 +179,10 @@ CASES = [*SAMPLERS, ("a_priori_t1", PosteriorRefinementSampler(rounds=3, confide
 @pytest.mark.parametrize(("name", "sampler", "nfe"), CASES, ids=[c[0] for c in CASES])
 def test_samplers_same_both_ways(name, sampler, nfe, wide, monkeypatch):
     """Every flow sampler gives the same tokens, NFE and confidences (to float rounding) reading the chunked
-    summary as reading the full log δ; PR's commits follow (its tokens are committed round by round). At |V| = 3 000
-    under bf16 autocast (many tied bf16 logits) too. The greedy PR / a-priori call never makes a (B, L, |V|)
-    tensor (at chunks of 512 columns; by default a chunk holds up to 4 MiB of logits); the dense path does."""
+        summary as reading the full log δ; PR's commits follow (its tokens are committed round by round). At |V| = 3 000
+        under bf16 autocast (many tied bf16 logits) too. The greedy PR / a-priori call never makes a (B, L, |V|)
+        tensor (at chunks of 512 columns; by default a chunk holds up to 4 MiB of logits), nor do the flow-map, FLM
+    Euler, block and two-step PR samplers, whose sub-steps take δ·E from the head's chunks; the dense path does."""
     module, vocab = (wide_module(), 3000) if wide else (flow_module(), 40)
     b, length = 3, module.hparams.seq_len
     prompt = torch.randint(0, vocab, (b, length), generator=torch.Generator().manual_seed(4))
@@ -168,5 +200,5 @@ def test_samplers_same_both_ways(name, sampler, nfe, wide, monkeypatch):
     assert torch.equal(outs[0].tokens, outs[1].tokens)
     assert outs[0].nfe == outs[1].nfe == nfe
     assert torch.allclose(outs[0].confidence, outs[1].confidence, atol=2e-5, rtol=1e-4)
-    if name in ("pr", "a_priori") and wide:
+    if name in GREEDY and wide:
         assert largest[0] < b * length * vocab <= largest[1], largest

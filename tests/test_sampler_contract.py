@@ -87,7 +87,8 @@ def _ar():
 
 
 FAMILY_MODELS = {"mdm": _mdm, "flow": _flow, "mlfm": _mlfm, "ar": _ar}
-NETWORK_CALLS = ("fn", "pinned_fn", "summary_fn", "extend")  # the fields of a model view that run the network
+# the fields of a model view that run the network
+NETWORK_CALLS = ("fn", "pinned_fn", "summary_fn", "lift_fn", "posterior_fn", "extend")
 
 
 @functools.cache

@@ -50,6 +50,8 @@ class FlowDenoiser:
 
     ``summary_fn(x, s, t, pinned)``, when the model has it, returns in the pinned form only (max_v log δ, argmax_v)
     per position, without a (B, L, |V|) log δ (``flowlm.samplers.summary``); greedy drafts call ``summary_at``.
+    ``lift_fn(x, s, t, pinned)``, likewise, returns the denoiser's mean as a state, δ·E (B, L, d), in the embedding
+    space only; flow-map sub-steps call ``lifted_at``.
     """
 
     fn: Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -57,6 +59,7 @@ class FlowDenoiser:
     pinned_fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
     space: OneHotSpace | EmbeddingSpace | None = None
     summary_fn: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
+    lift_fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
 
     @property
     def states(self) -> OneHotSpace | EmbeddingSpace:
@@ -76,6 +79,14 @@ class FlowDenoiser:
         if self.summary_fn is None:
             return dense_summary(self.at(x, s, t, pinned))
         return self.summary_fn(x, *_sequence_times(x, s, t), pinned)
+
+    def lifted_at(self, x: Tensor, s: float | Tensor, t: float | Tensor, pinned: Tensor) -> Tensor:
+        """δ_{s,t}(x) as a state of the model's space (``states.lift``), as ``at`` times: what a flow-map sub-step
+        adds. The one place the path is chosen: the model's ``lift_fn`` (no (B, L, |V|) log δ), else lifted off
+        ``at``."""
+        if self.lift_fn is None:
+            return self.states.lift(self.at(x, s, t, pinned).exp())
+        return self.lift_fn(x, *_sequence_times(x, s, t), pinned)
 
 
 def _sequence_times(x: Tensor, s: float | Tensor, t: float | Tensor) -> tuple[Tensor, Tensor]:

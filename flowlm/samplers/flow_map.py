@@ -15,7 +15,8 @@ def flow_jumps(model: FlowDenoiser, x: Tensor, pinned: Tensor, steps: int, *, eu
     denoiser δ_{t_k,t_k} = D_{t_k} in the jump (FLM's Euler step of the velocity (D − z)/(1 − t)).
 
     x is a state of the model's space (``model.states``): the jump X = a·x + b·δ is linear, so in the embedding
-    space it reads a·h + b·(δ·E), one δ·E product per intermediate jump (none for a single jump)."""
+    space it reads a·h + b·(δ·E), one δ·E product per intermediate jump (none for a single jump), which the model's
+    head computes chunk by chunk where it can (``FlowDenoiser.lifted_at``)."""
     x, s, t = _to_last_jump(model, x, pinned, steps, euler)
     return model.at(x, s, t, pinned)
 
@@ -34,10 +35,10 @@ def _to_last_jump(
 ) -> tuple[Tensor, float, float]:
     """The first ``steps`` − 1 jumps of ``flow_jumps``: the state before the last and the last jump's (s, t)."""
     for k in range(steps - 1):
-        log_delta = model.at(x, k / steps, k / steps if euler else (k + 1) / steps, pinned)
+        delta = model.lifted_at(x, k / steps, k / steps if euler else (k + 1) / steps, pinned)
         s = torch.where(pinned, 1.0, torch.full_like(x[..., 0], k / steps))
         t_next = torch.where(pinned, 1.0, torch.full_like(x[..., 0], (k + 1) / steps))
-        x = flow_map(x, model.states.lift(log_delta.exp()), s, t_next)
+        x = flow_map(x, delta, s, t_next)
     last = (steps - 1) / steps
     return x, last, last if euler else 1.0
 

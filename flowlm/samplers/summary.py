@@ -64,8 +64,35 @@ def capped_head_summary(
     rule; a later chunk takes over only when strictly larger)."""
     if cap <= 0:
         raise ValueError(f"the summary needs a soft cap > 0, got {cap}")
+    log_max, index, _ = head_expectation(features, weight, bias, cap=cap, chunk=chunk)
+    return log_max, index
+
+
+def head_expectation(
+    features: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    *,
+    cap: float | None = None,
+    table: Tensor | None = None,
+    chunk: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(log max_v p, argmax_v, Σ_v p_v·table_v) per position, p = softmax(g(l)), l = features · Wᵀ + b, g the soft
+    cap c·tanh(l/c) (``cap``) or the identity (``cap=None``), in one pass over the head's vocabulary chunks: the
+    denoiser's mean δ·E that a flow-map sub-step needs (``table`` = E, (|V|, d_e)), and MLFM's endpoint estimate
+    x̂₁ = p·E, without a (…, |V|) tensor. The last is None without ``table``.
+
+    Each chunk's weights w_v = exp(g(l_v) − m) fold into Σ w and Σ w·table_v: with the cap, m = c and every w lies in
+    (e^{−2c}, 1] (no running maximum); without it, m is the running max logit and both sums are rescaled by
+    exp(m_old − m_new) when it grows (the online softmax). The head runs in the caller's autocast (l is rounded as
+    the model's logits are); w·table runs in float32 with autocast off, as the dense lift ``EmbeddingSpace.lift``.
+    Cost: the head's product plus one (B·L) × |V| × d_e product, which δ·E needs by its definition."""
+    if cap is not None and cap <= 0:
+        raise ValueError(f"the soft cap must be > 0 (or None), got {cap}")
     if features.shape[-1] != weight.shape[1]:
         raise ValueError(f"features have width {features.shape[-1]}, the head expects {weight.shape[1]}")
+    if table is not None and table.shape[0] != weight.shape[0]:
+        raise ValueError(f"table has {table.shape[0]} rows, the head {weight.shape[0]}")
     width = chunk if chunk is not None else chunk_width(features[..., 0].numel(), weight.shape[0])
     if width < 1:
         raise ValueError(f"chunk must be ≥ 1, got {width}")
@@ -73,16 +100,34 @@ def capped_head_summary(
     rows = features.reshape(-1, features.shape[-1])
     best = torch.full((rows.shape[0],), -torch.inf, device=rows.device)  # running max logit, float32
     index = torch.zeros(rows.shape[0], dtype=torch.long, device=rows.device)
-    total = torch.zeros(rows.shape[0], device=rows.device)  # Σ_v exp(cap(l_v) − cap) over the chunks so far
+    total = torch.zeros(rows.shape[0], device=rows.device)  # Σ_v w_v over the chunks so far
+    mean = None if table is None else torch.zeros(rows.shape[0], table.shape[1], device=rows.device)  # Σ w·table
     for start in range(0, vocab, width):
         stop = min(start + width, vocab)
         z = F.linear(rows, weight[start:stop], None if bias is None else bias[start:stop]).float()
         top, arg = row_max(z)
         index = torch.where(top > best, arg + start, index)  # strict: an earlier chunk keeps a tie (first index)
-        best = torch.maximum(best, top)
-        total += z.mul_(-2 / cap).sigmoid_().mul_(-2 * cap).exp_().sum(-1)  # exp(cap(l) − cap) = exp(−2c·σ(−2l/c))
-    shifted_top = torch.sigmoid(best * (-2 / cap)) * (-2 * cap)  # cap(l_max) − cap
-    return (shifted_top - total.log()).reshape(lead), index.reshape(lead)
+        new = torch.maximum(best, top)
+        if cap is not None:
+            w = z.mul_(-2 / cap).sigmoid_().mul_(-2 * cap).exp_()  # exp(cap(l) − cap) = exp(−2c·σ(−2l/c))
+        else:
+            w = z.sub_(new[:, None]).exp_()  # exp(l − m_new)
+            rescale = (best - new).exp_()  # exp(m_old − m_new): 0 at the first chunk (m_old = −∞)
+            total.mul_(rescale)
+            if mean is not None:
+                mean.mul_(rescale[:, None])
+        total += w.sum(-1)
+        if mean is not None:
+            with torch.autocast(device_type=rows.device.type, enabled=False):
+                mean.addmm_(w.to(table.dtype), table[start:stop])
+        best = new
+    if cap is not None:
+        log_max = torch.sigmoid(best * (-2 / cap)) * (-2 * cap) - total.log()  # cap(l_max) − cap − log Σ w
+    else:
+        log_max = -total.log()  # log max p = −log Σ exp(l − l_max)
+    if mean is not None:
+        mean = (mean / total[:, None]).reshape(*lead, table.shape[1])
+    return log_max.reshape(lead), index.reshape(lead), mean
 
 
 def chunked_max_log_prob(logits: Tensor, *, chunk: int | None = None) -> tuple[Tensor, Tensor]:
