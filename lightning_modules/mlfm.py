@@ -23,6 +23,7 @@ from flowlm.objectives.base import LossOutput
 from flowlm.objectives.mlfm import mlfm_loss
 from flowlm.processes.bridge import BridgeProcess
 from flowlm.samplers.mlfm import BridgeDenoiser
+from flowlm.samplers.summary import head_expectation
 from lightning_modules.base import FlowLMModule, drop_mask_logit
 from lightning_modules.checkpoints import check_backbone_options, check_family, copy_backbone, read_checkpoint
 
@@ -79,14 +80,39 @@ class MLFMModule(FlowLMModule):
         conditioning reads 0: the suite's MDMs are time-agnostic by default (validate_inputs refuses others)."""
         return self.net(z, self.process.condition(t), torch.zeros_like(t))
 
-    def denoiser(self) -> BridgeDenoiser:
-        """This model as the MLFM sampler sees it: logits over the data vocabulary, E's data rows, m = E[MASK]."""
+    def denoiser(self, *, summary: str = "chunked") -> BridgeDenoiser:
+        """This model as the MLFM sampler sees it: logits over the data vocabulary, E's data rows, m = E[MASK]; with
+        ``summary="chunked"`` also ``posterior`` (the posterior's mode, its log-probability and x̂₁ = p·E from the
+        head's vocabulary chunks), where the adapter exposes its head (``head_parts``: the DiT adapter, whose
+        [MASK] row is the head's last) and the module is in eval mode; ``"dense"``: logits only (the earlier path)."""
+        if summary not in ("chunked", "dense"):
+            raise ValueError(f"summary must be one of ('chunked', 'dense'), got {summary!r}")
         emb = self.net.embeddings
+        chunked = (
+            summary == "chunked"
+            and not self.training
+            and getattr(self.net, "head_parts", None) is not None
+            and self.mask_id == self.data_vocab_size
+        )
         return BridgeDenoiser(
             fn=lambda z, t: drop_mask_logit(self(z, t), self.data_vocab_size, self.mask_id),
             embeddings=emb[: self.data_vocab_size],
             mask_embedding=emb[self.mask_id],
             process=self.process,
+            posterior_fn=self.posterior if chunked else None,
+        )
+
+    def posterior(self, z: Tensor, t: Tensor, *, mean: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(log max_v p, argmax_v, x̂₁ = p·E or None) over the data vocabulary, p = softmax of ``forward``'s data
+        logits, from the head's vocabulary chunks (flowlm/samplers/summary.py): no (B, L, |V|) tensor; x̂₁ is the
+        one (B·L) × |V| × d product a bridge step needs by its definition."""
+        features, weight, bias, low_rank = self.net.head_parts(z, self.process.condition(t), torch.zeros_like(t))
+        v = self.data_vocab_size  # the head's rows [0, |V|): the [MASK] logit (row |V|) dropped, SUBS
+        if low_rank is not None:
+            low_rank = (low_rank[0], low_rank[1][:v])
+        table = self.net.embeddings[:v] if mean else None
+        return head_expectation(
+            features, weight[:v], None if bias is None else bias[:v], table=table, low_rank=low_rank
         )
 
     # --------------------------------------------------------------------------------------------- MDM source

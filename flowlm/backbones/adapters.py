@@ -81,9 +81,35 @@ class MLFMAdapter(nn.Module):
     def forward(self, z: Tensor, time: Tensor, base_time: Tensor) -> Tensor:
         """Logits over the MDM's vocabulary for embeddings z at time feature ``time`` (B,); ``base_time`` is what
         the MDM's own conditioning reads (0 for a time-agnostic MDM)."""
+        return self.base.forward_embeddings(z, base_time, extra=self._modulation(time))
+
+    def _modulation(self, time: Tensor) -> list[Tensor]:
+        """The adapter's adaLN modulation of every block and of the final layer at time feature ``time`` (B,)."""
         c = torch.nn.functional.silu(self.time_embed(time[:, None]))  # (B, 1, cond): one time per sequence
-        extra = [mod(c) for mod in self.block_mods] + [self.final_mod(c)]
-        return self.base.forward_embeddings(z, base_time, extra=extra)
+        return [mod(c) for mod in self.block_mods] + [self.final_mod(c)]
+
+    def head_parts(
+        self, z: Tensor, time: Tensor, base_time: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
+        """``forward``'s logits as (features, W, b, low-rank part) with logits = features·Wᵀ + b + u·Bᵀ (the head's
+        LoRA: u = scaling · A(features), B (|V|, r); None without one), for callers that apply the head in
+        vocabulary chunks (``flowlm.samplers.summary.head_expectation``). Eval mode only: LoRA dropout would make
+        the chunks disagree."""
+        if self.training:
+            raise RuntimeError("head_parts is for evaluation (LoRA dropout is active in training mode)")
+        features = self.base.head_features(z, base_time, extra=self._modulation(time))
+        head = self.base.final.linear
+        if type(head) is nn.Linear:
+            return features, head.weight, head.bias, None
+        base_layer = head.get_base_layer()
+        adapters = [name for name in head.active_adapters if name in head.lora_A]
+        if head.merged or head.disable_adapters or not adapters:  # the base layer alone computes the head
+            return features, base_layer.weight, base_layer.bias, None
+        if len(adapters) > 1 or adapters[0] in head.lora_variant or head.lora_B[adapters[0]].bias is not None:
+            raise TypeError("head_parts supports one plain LoRA adapter on the head (no DoRA, no LoRA bias)")
+        name = adapters[0]
+        u = head.lora_A[name](features.to(head.lora_A[name].weight.dtype)) * head.scaling[name]
+        return features, base_layer.weight, base_layer.bias, (u, head.lora_B[name].weight)
 
     def base_state_names(self) -> dict[str, str]:
         """This adapter's base parameter names → the plain DiT's names (PEFT inserts ``.base_layer``)."""

@@ -315,15 +315,13 @@ class FinalLayer(nn.Module):
     def forward(self, x: Tensor, c: Tensor | PinnedCondition, extra: Tensor | None = None) -> Tensor:
         """``extra`` (…, 2·d): an adapter's shift/scale applied after this layer's own (zero = unchanged)."""
         shift, scale = modulation(self.adaLN_modulation, c).chunk(2, dim=-1)
-        h = modulate(self.norm(x), shift, scale)
-        if extra is not None:
-            h = modulate(h, *extra.chunk(2, dim=-1))
-        return self.linear(h)
+        return self.linear(self.features(x, c, extra))
 
-    def features(self, x: Tensor, c: Tensor | PinnedCondition) -> Tensor:
-        """The head's input (…, d): ``forward`` less its Linear (no adapter modulation)."""
+    def features(self, x: Tensor, c: Tensor | PinnedCondition, extra: Tensor | None = None) -> Tensor:
+        """The head's input (…, d): ``forward`` less its Linear."""
         shift, scale = modulation(self.adaLN_modulation, c).chunk(2, dim=-1)
-        return modulate(self.norm(x), shift, scale)
+        h = modulate(self.norm(x), shift, scale)
+        return h if extra is None else modulate(h, *extra.chunk(2, dim=-1))
 
 
 class DiT(nn.Module):
@@ -443,22 +441,26 @@ class DiT(nn.Module):
     ) -> Tensor:
         """Logits for inputs given directly as embeddings h (B, L, d) (MLFM feeds these); ``extra`` holds an
         adapter's modulation for every block and then the final layer (see DiTBlock.forward)."""
+        return self.final.linear(self.head_features(h, s, t, extra=extra, pinned=pinned))
+
+    def head_features(
+        self,
+        h: Tensor,
+        s: Tensor,
+        t: Tensor | None = None,
+        *,
+        extra: list[Tensor] | None = None,
+        pinned: Tensor | None = None,
+    ) -> Tensor:
+        """``forward_embeddings`` up to the output head's input (B, L, d): the logits are ``final.linear`` of it,
+        for callers that apply the head in vocabulary chunks (flowlm/samplers/summary.py)."""
         b, length, _ = h.shape
         c = self.condition(s, t, b, length, pinned)
         if extra is not None and len(extra) != len(self.blocks) + 1:
             raise ValueError(f"extra modulation for {len(extra)} layers, expected {len(self.blocks) + 1}")
         for i, block in enumerate(self.blocks):
             h = block(h, c, causal=self.causal, extra=None if extra is None else extra[i])
-        return self.final(h, c, extra=None if extra is None else extra[-1])
-
-    def head_features(self, h: Tensor, s: Tensor, t: Tensor | None = None, *, pinned: Tensor | None = None) -> Tensor:
-        """``forward_embeddings`` up to the output head's input (B, L, d): the logits are ``final.linear`` of it,
-        for callers that apply the head in vocabulary chunks (flowlm/samplers/summary.py)."""
-        b, length, _ = h.shape
-        c = self.condition(s, t, b, length, pinned)
-        for block in self.blocks:
-            h = block(h, c, causal=self.causal)
-        return self.final.features(h, c)
+        return self.final.features(h, c, None if extra is None else extra[-1])
 
     def new_cache(self, max_len: int) -> KVCache:
         """An empty KV cache for incremental decoding of up to ``max_len`` positions (causal DiTs only)."""

@@ -8,7 +8,13 @@ One step from t to t' on the free (masked, not promoted) positions:
           context take q = p exactly).
     z' ~ N(((1 − t')/(1 − t))·z + ((t' − t)/(1 − t))·x̂₁,w, σ²(t' − t)(1 − t')/(1 − t)·I)
     clean positions (prompt, promoted tokens) are reset to their embeddings.
-The last step lands at t' = 1, where z = x̂₁,w exactly. Final decoding (``final_decode``):
+The last step lands at t' = 1, where z = x̂₁,w exactly.
+
+Cost at a text vocabulary: a greedy trajectory (temperature 0, ``final_decode`` call or conditional) reads each call
+through the model's ``posterior_fn``: p's mode, max and x̂₁ = p·E from the head's vocabulary chunks, and the CCFG
+target as x̂₁,w = x̂₁ + w·(x̂₁ − x̂₁,corr) (linear in p), so no (B, L, |V|) tensor is made; x̂₁ is one (B·L) × |V| ×
+d product per call, which the step needs by its definition. A draw at temperature > 0 and the guided decode read
+the whole posterior (the dense path, also the models without ``posterior_fn``). Final decoding (``final_decode``):
   - ``call`` (the released sampler, ``SamplingProposal.propose``: one more network call on the final state at the
     end of the time grid, conditional only, as with its default velocity-space guidance): free positions take a draw at
     ``temperature`` (0 = argmax) from softmax(logits(z, 1)). It costs 1 NFE per trajectory and is made whenever the
@@ -48,12 +54,30 @@ GRIDS = ("uniform", "density")
 @dataclass(frozen=True)
 class BridgeDenoiser:
     """An MLFM as samplers see it: ``fn(z (B, L, d), t (B,)) → logits over the data vocabulary (B, L, |V|)``, the
-    data rows of the embedding matrix E (|V|, d), the [MASK] embedding m (d,) and the bridge process."""
+    data rows of the embedding matrix E (|V|, d), the [MASK] embedding m (d,) and the bridge process.
+
+    ``posterior_fn(z, t, mean=True)``, when the model has it, returns what a greedy trajectory reads of p =
+    softmax(fn(z, t)), without a (B, L, |V|) tensor: (log max_v p, argmax_v, x̂₁ = p·E, or None with ``mean=False``).
+    """
 
     fn: Callable[[Tensor, Tensor], Tensor]
     embeddings: Tensor
     mask_embedding: Tensor
     process: BridgeProcess
+    posterior_fn: Callable[..., tuple[Tensor, Tensor, Tensor | None]] | None = None
+
+
+@dataclass
+class _Posterior:
+    """One network call read as the trajectory needs it: the posterior's max probability and mode (B, L), and
+    either x̂₁ = p·E (the chunked path) or p itself and the logits (the dense path; ``log_probs`` at the end)."""
+
+    p_max: Tensor
+    mode: Tensor
+    mean: Tensor | None = None
+    probs: Tensor | None = None
+    logits: Tensor | None = None
+    log_probs: Tensor | None = None
 
 
 class MLFMSampler(Sampler):
@@ -147,6 +171,8 @@ class MLFMSampler(Sampler):
         tokens = torch.where(fixed, prompt, 0)  # free positions hold a placeholder id until decoded
         confidence = prompt_mask.float()
         in_trajectory = self.otp_eps > 0 and self.otp_mode == "trajectory"
+        # The whole posterior only where a decode needs it: a draw (T > 0), the guided posterior q.
+        dense = model.posterior_fn is None or self.temperature > 0 or self.final_decode == "guided"
         has_prompt: bool | None = None
         spent = 0
         for r in range(self.rounds):
@@ -158,6 +184,8 @@ class MLFMSampler(Sampler):
                     has_prompt = bool(prompt_mask.any())  # the one host read of a call (CCFG only)
                 reference = has_prompt
             steps, final_call = self.plan(nfe, 2 if reference else 1)
+            # a guided decode (final_decode=guided, or call without room for the call) reads the whole q of CCFG
+            guided_decode = not final_call and self.final_decode != "conditional" and reference
             out = self._trajectory(
                 model,
                 tokens,
@@ -169,31 +197,45 @@ class MLFMSampler(Sampler):
                 reference=reference,
                 final_call=final_call,
                 promote=in_trajectory,
+                dense=dense or guided_decode,
             )
             tokens, fixed, confidence = out.tokens, out.fixed, out.confidence
             spent += out.nfe
             free = ~fixed
+            final = out.final
             if r == self.rounds - 1:  # decode everything still free
-                draw = pick_tokens(out.final_log_probs, self.temperature, generator)
-                p_draw = out.final_log_probs.gather(-1, draw[..., None]).squeeze(-1).exp()
+                if self.temperature == 0:
+                    draw, p_draw = final.mode, final.p_max
+                else:
+                    draw = pick_tokens(final.log_probs, self.temperature, generator)
+                    p_draw = final.log_probs.gather(-1, draw[..., None]).squeeze(-1).exp()
                 tokens = torch.where(free, draw, tokens)
                 confidence = torch.where(free, p_draw, confidence)
             else:  # round-based OTP: promote the confident free positions (at least one per row), run again
-                pmax, mode = out.final_log_probs.exp().max(-1)
-                pmax = torch.where(free, pmax, -1.0)
+                pmax = torch.where(free, final.p_max, -1.0)
                 new = free & (pmax >= 1 - self.otp_eps)
                 best = (torch.arange(pmax.shape[-1], device=pmax.device) == pmax.argmax(-1, keepdim=True)) & free
                 new = new | (best & ~new.any(-1, keepdim=True))
-                tokens = torch.where(new, mode, tokens)
+                tokens = torch.where(new, final.mode, tokens)
                 confidence = torch.where(new, pmax, confidence)
                 fixed = fixed | new
         return SampleOutput(tokens=tokens, confidence=confidence, nfe=spent)
 
-    def _promote(self, probs: Tensor, tokens: Tensor, fixed: Tensor, confidence: Tensor) -> tuple[Tensor, ...]:
+    def _promote(self, post: _Posterior, tokens: Tensor, fixed: Tensor, confidence: Tensor) -> tuple[Tensor, ...]:
         """OTP: fix every free position whose posterior mode has probability ≥ 1 − ε to that mode."""
-        pmax, mode = probs.max(-1)
-        new = ~fixed & (pmax >= 1 - self.otp_eps)
-        return torch.where(new, mode, tokens), fixed | new, torch.where(new, pmax, confidence)
+        new = ~fixed & (post.p_max >= 1 - self.otp_eps)
+        return torch.where(new, post.mode, tokens), fixed | new, torch.where(new, post.p_max, confidence)
+
+    @staticmethod
+    def _posterior(model: BridgeDenoiser, z: Tensor, t: Tensor, *, dense: bool, mean: bool = True) -> _Posterior:
+        """The network at (z, t): through ``posterior_fn`` (x̂₁ if ``mean``), or its whole softmax (``dense``)."""
+        if dense:
+            logits = model.fn(z, t).float()
+            probs = F.softmax(logits, -1)
+            p_max, mode = probs.max(-1)
+            return _Posterior(p_max=p_max, mode=mode, probs=probs, logits=logits)
+        log_max, mode, x1 = model.posterior_fn(z, t, mean=mean)
+        return _Posterior(p_max=log_max.exp(), mode=mode, mean=x1)
 
     def _trajectory(
         self,
@@ -208,6 +250,7 @@ class MLFMSampler(Sampler):
         reference: bool,
         final_call: bool,
         promote: bool,
+        dense: bool,
     ) -> _Trajectory:
         """One trajectory from t = 0 to 1 with ``fixed`` positions clean (and, if ``promote``, OTP inside it):
         ``steps`` bridge steps (with the CCFG reference call if ``reference``), then the final posterior."""
@@ -220,42 +263,47 @@ class MLFMSampler(Sampler):
         clean = emb[tokens]
         z = torch.where(fixed[..., None], clean, m)  # t = 0: every free position at the [MASK] embedding
         nfe = 0
-        logits = guided = None
+        post = guided = None
         for k in range(steps):
             t, t_next = grid[k], grid[k + 1]
             tt = torch.full((b,), t, device=z.device)
-            logits = model.fn(z, tt).float()
+            post = self._posterior(model, z, tt, dense=dense)
             nfe += 1
-            probs = F.softmax(logits, -1)
             if promote and self.otp_order == "before_step":
-                tokens, fixed, confidence = self._promote(probs, tokens, fixed, confidence)
+                tokens, fixed, confidence = self._promote(post, tokens, fixed, confidence)
                 clean = emb[tokens]
-            guided = probs
+            guided, target = post.probs, post.mean
             if reference:
                 # CCFG reference: the context re-noised by the forward bridge marginal at the current t.
                 scope = prompt_mask if self.guidance_scope == "prompt" else fixed
                 z_corr = process.sample(m, clean, tt, scope, generator, noise_dtype=torch.float64)
                 z_corr = torch.where(scope[..., None], z_corr, z)
-                probs_corr = F.softmax(model.fn(z_corr, tt).float(), -1)
+                corr = self._posterior(model, z_corr, tt, dense=dense)
                 nfe += 1
-                w = self.guidance * scope.any(-1).to(probs.dtype)[:, None, None]  # a row with no context: v_corr = v
+                w = self.guidance * scope.any(-1).to(torch.float32)[:, None, None]  # a row with no context: v_corr = v
                 # v_w = v + w·(v − v_corr), v = (x̂₁ − z)/(1 − t): at the same z, x̂₁,w = q·E, q = p + w·(p − p_corr)
-                guided = probs_corr.sub_(probs).mul_(-w).add_(probs)  # in place: one (B, L, |V|) buffer
-            z = process.ddpm_step(z, guided @ emb, t, t_next, generator)
+                if dense:
+                    guided = corr.probs.sub_(post.probs).mul_(-w).add_(post.probs)  # in place: one (B, L, |V|) buffer
+                else:
+                    target = corr.mean.sub_(post.mean).mul_(-w).add_(post.mean)  # x̂₁ + w·(x̂₁ − x̂₁,corr)
+            z = process.ddpm_step(z, guided @ emb if dense else target, t, t_next, generator)
             if promote and self.otp_order == "after_step" and k < steps - 1:
-                tokens, fixed, confidence = self._promote(probs, tokens, fixed, confidence)
+                tokens, fixed, confidence = self._promote(post, tokens, fixed, confidence)
                 clean = emb[tokens]
             z = torch.where(fixed[..., None], clean, z)  # clean positions are reset every step
         if final_call:  # the released decode: one conditional call on the final state, at t = 1
-            logits = model.fn(z, torch.full((b,), grid[-1], device=z.device)).float()
+            final = self._posterior(model, z, torch.full((b,), grid[-1], device=z.device), dense=dense, mean=False)
             nfe += 1
-            log_probs = F.log_softmax(logits, -1)
-        elif self.final_decode == "conditional":  # the last step's conditional posterior
-            log_probs = F.log_softmax(logits, -1)
-        else:  # the last step's guided posterior q, where z(1) = q·E (clipped at 0, renormalised)
+        elif self.final_decode == "conditional" or guided is None and not dense:  # conditional (= guided without CCFG)
+            final = post
+        else:  # the last step's guided posterior q, where z(1) = q·E (clipped at 0, renormalised): dense only
             q = guided.clamp_min(0)
-            log_probs = (q / q.sum(-1, keepdim=True)).log()
-        return _Trajectory(tokens=tokens, fixed=fixed, confidence=confidence, final_log_probs=log_probs, nfe=nfe)
+            q = q / q.sum(-1, keepdim=True)
+            p_max, mode = q.max(-1)
+            final = _Posterior(p_max=p_max, mode=mode, probs=q, log_probs=q.log())
+        if final.logits is not None:  # the dense call or conditional decode: as the earlier path read it
+            final.log_probs = F.log_softmax(final.logits, -1)
+        return _Trajectory(tokens=tokens, fixed=fixed, confidence=confidence, final=final, nfe=nfe)
 
 
 @functools.lru_cache(maxsize=64)
@@ -272,5 +320,5 @@ class _Trajectory:
     tokens: Tensor
     fixed: Tensor
     confidence: Tensor
-    final_log_probs: Tensor
+    final: _Posterior
     nfe: int

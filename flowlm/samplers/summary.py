@@ -75,12 +75,14 @@ def head_expectation(
     *,
     cap: float | None = None,
     table: Tensor | None = None,
+    low_rank: tuple[Tensor, Tensor] | None = None,
     chunk: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(log max_v p, argmax_v, Σ_v p_v·table_v) per position, p = softmax(g(l)), l = features · Wᵀ + b, g the soft
     cap c·tanh(l/c) (``cap``) or the identity (``cap=None``), in one pass over the head's vocabulary chunks: the
     denoiser's mean δ·E that a flow-map sub-step needs (``table`` = E, (|V|, d_e)), and MLFM's endpoint estimate
-    x̂₁ = p·E, without a (…, |V|) tensor. The last is None without ``table``.
+    x̂₁ = p·E, without a (…, |V|) tensor. The last is None without ``table``. ``low_rank`` = (u (…, r), B (|V|, r))
+    adds u·Bᵀ to the logits, chunk by chunk: a LoRA on the head, u = scaling · A(features).
 
     Each chunk's weights w_v = exp(g(l_v) − m) fold into Σ w and Σ w·table_v: with the cap, m = c and every w lies in
     (e^{−2c}, 1] (no running maximum); without it, m is the running max logit and both sums are rescaled by
@@ -93,18 +95,25 @@ def head_expectation(
         raise ValueError(f"features have width {features.shape[-1]}, the head expects {weight.shape[1]}")
     if table is not None and table.shape[0] != weight.shape[0]:
         raise ValueError(f"table has {table.shape[0]} rows, the head {weight.shape[0]}")
+    lr_shape = None if low_rank is None else (low_rank[1].shape[0], low_rank[0].shape[-1])
+    if lr_shape is not None and lr_shape != (weight.shape[0], low_rank[1].shape[1]):
+        raise ValueError(f"low-rank head part {tuple(low_rank[0].shape)} × {tuple(low_rank[1].shape)} does not fit")
     width = chunk if chunk is not None else chunk_width(features[..., 0].numel(), weight.shape[0])
     if width < 1:
         raise ValueError(f"chunk must be ≥ 1, got {width}")
     lead, vocab = features.shape[:-1], weight.shape[0]
     rows = features.reshape(-1, features.shape[-1])
+    u = None if low_rank is None else low_rank[0].reshape(rows.shape[0], -1)
     best = torch.full((rows.shape[0],), -torch.inf, device=rows.device)  # running max logit, float32
     index = torch.zeros(rows.shape[0], dtype=torch.long, device=rows.device)
     total = torch.zeros(rows.shape[0], device=rows.device)  # Σ_v w_v over the chunks so far
     mean = None if table is None else torch.zeros(rows.shape[0], table.shape[1], device=rows.device)  # Σ w·table
     for start in range(0, vocab, width):
         stop = min(start + width, vocab)
-        z = F.linear(rows, weight[start:stop], None if bias is None else bias[start:stop]).float()
+        z = F.linear(rows, weight[start:stop], None if bias is None else bias[start:stop])
+        if u is not None:
+            z = z + F.linear(u, low_rank[1][start:stop])  # as the LoRA layer adds it: in the autocast dtype
+        z = z.float()
         top, arg = row_max(z)
         index = torch.where(top > best, arg + start, index)  # strict: an earlier chunk keeps a tie (first index)
         new = torch.maximum(best, top)
