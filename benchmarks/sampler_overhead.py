@@ -19,10 +19,17 @@ a CPU also process CPU time, which other processes on a shared machine do not st
     .venv/bin/python benchmarks/sampler_overhead.py --batch 4 --seq-len 128 --vocab 50258 --nfe 4   # GPT-2 vocab
     .venv/bin/python benchmarks/sampler_overhead.py --device cuda --backbone small --seq-len 1024 --vocab 50258
 
-The last column, from one extra call with the network timed, splits the excess: the share of the sampler's time
-spent outside its network calls (its own work); the rest is its network calls costing more than an MDM forward
-(a |V|-sized input, per-token times) or running slower inside the sampler than back to back (caches). The AR sampler
-is listed, not measured: with its KV cache a call processes one new position (benchmarks/ar_kv_cache.py).
+The column "outside network calls", from one extra call with the network timed, splits the excess: the share of the
+sampler's time spent outside its network calls (its own work); the rest is its network calls costing more than an MDM
+forward (a |V|-sized input, per-token times) or running slower inside the sampler than back to back (caches). The AR
+sampler is listed, not measured: with its KV cache a call processes one new position (benchmarks/ar_kv_cache.py).
+
+The last column is the sampler's limit where a step needs more than the network by its definition: the matrix-product
+FLOPs of one call (torch's FlopCounterMode) over NFE × those of one MDM forward. It is 1.0 for samplers whose only
+products are their network calls (PR and the a-priori loop with one flow step per round, the MDM samplers); a
+flow-map sub-step adds one (B·L) × |V| × d product δ·E, an MLFM step one p·E (two with CCFG), which at a text
+vocabulary cost about as much as the output head. The earlier paths kept as options (``*_onehot``: the network's
+|V|-sized input product) count their extra products there too.
 """
 
 from __future__ import annotations
@@ -67,6 +74,12 @@ VARIANTS = [
     ("pr_dense", "pr", {}, {"summary": "dense"}),
     ("a_priori_dense", "a_priori", {}, {"summary": "dense"}),
     ("block_dense", "block", {}, {"summary": "dense"}),
+    # flow-map sub-steps lifting the full δ (B, L, |V|) before δ·E; MLFM reading whole posteriors
+    ("flow_map_dense", "flow_map", {}, {"summary": "dense"}),
+    ("flm_euler_dense", "flm_euler", {}, {"summary": "dense"}),
+    ("pr_n2_dense", "pr", {"flow_steps": 2}, {"summary": "dense"}),
+    ("mlfm_dense", "mlfm", {}, {"summary": "dense"}),
+    ("mlfm_ccfg_otp_dense", "mlfm", {"guidance": 2.0, "otp_eps": 0.05}, {"summary": "dense"}),
     ("confidence_dense", "confidence", {}, {"dense_ranking": True}),
 ]
 
@@ -150,6 +163,16 @@ def measure_sampler(module, sampler, args, device, prompt, prompt_mask, *, limit
             bares.append(bare_block(max(calls, 1)))
         with context():
             inside, total = network_share(denoiser, sampler, args, device, prompt, prompt_mask)
+            flops = matmul_flops(
+                lambda: sampler(
+                    denoiser,
+                    prompt=prompt,
+                    prompt_mask=prompt_mask,
+                    nfe=args.nfe,
+                    generator=torch.Generator(device=device).manual_seed(args.seed),
+                )
+            )
+        forward_flops = matmul_flops(lambda: bare(*inputs, **kwargs))
     row = {"nfe": median(nfes), "sample_s": median([x[0] for x in samples]), "forward_s": median([b[0] for b in bares])}
     for i, key in zip(clocks, ("ratio", "ratio_cpu"), strict=False):
         per_call = [
@@ -158,7 +181,17 @@ def measure_sampler(module, sampler, args, device, prompt, prompt_mask, *, limit
         ]
         row[key] = median(per_call)
     row["outside_share"] = 1 - inside / total  # the sampler's own work, outside its network calls
+    row["flop_ratio"] = flops / (max(calls, 1) * forward_flops)  # the compute-bound limit of this implementation
     return row
+
+
+def matmul_flops(call) -> float:
+    """The matrix-product FLOPs of one call (torch's FlopCounterMode: mm, addmm, bmm, attention)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        call()
+    return float(counter.get_total_flops())
 
 
 def tails_context(compile_tails: bool, dense_ranking: bool):
@@ -192,9 +225,9 @@ def network_share(denoiser, sampler, args, device, prompt, prompt_mask) -> tuple
     pick = 1 if device.type == "cpu" else 0
 
     def timed(fn):
-        def call(*inputs):
+        def call(*inputs, **options):
             start = clock(device)
-            out = fn(*inputs)
+            out = fn(*inputs, **options)
             spent[0] += elapsed(start, device)[pick]
             return out
 
@@ -333,9 +366,9 @@ def measure(args, *, log=print) -> dict:
     log(
         "| sampler | family | NFE spent | ms / batch | ms / MDM forward | ratio (wall) |"
         + (" ratio (CPU time) |" if on_cpu else "")
-        + " outside network calls |"
+        + " outside network calls | matmul FLOPs / (NFE × forward) |"
     )
-    log("|---|---|---|---|---|---|---|" + ("---|" if on_cpu else ""))
+    log("|---|---|---|---|---|---|---|---|" + ("---|" if on_cpu else ""))
     rows, lines = {}, []
     limit = (modules["mdm"], bare_inputs("mdm", modules["mdm"], prompt, prompt_mask, args.nfe))
     for name, config, overrides, options in sampler_specs(getattr(args, "compile_tails", False)):
@@ -343,7 +376,7 @@ def measure(args, *, log=print) -> dict:
             continue
         if name in NOT_MEASURED:
             lines.append(f"ratio sampler/(NFE × forward) [{name}]: {NOT_MEASURED[name]}")
-            log(f"| {name} | — | — | — | — | {NOT_MEASURED[name]} |" + (" |" if on_cpu else "") + " |")
+            log(f"| {name} | — | — | — | — | {NOT_MEASURED[name]} |" + (" |" if on_cpu else "") + " | |")
             continue
         sampler = make_sampler(config, overrides)
         free = args.seq_len - args.prompt_len
@@ -357,7 +390,8 @@ def measure(args, *, log=print) -> dict:
         cpu_cell = f" {row['ratio_cpu']:.3f} |" if on_cpu else ""
         log(
             f"| {name} | {sampler.family} | {row['nfe']:g} | {1e3 * row['sample_s']:.2f} | "
-            f"{1e3 * row['forward_s']:.2f} | {row['ratio']:.3f} |{cpu_cell} {100 * row['outside_share']:.1f} % |"
+            f"{1e3 * row['forward_s']:.2f} | {row['ratio']:.3f} |{cpu_cell} {100 * row['outside_share']:.1f} % | "
+            f"{row['flop_ratio']:.3f} |"
         )
         note = f" (wall clock; process CPU time: {row['ratio_cpu']:.3f})" if on_cpu else " (wall clock)"
         lines.append(f"ratio sampler/(NFE × forward) [{name}]: {row['ratio']:.3f}{note}")

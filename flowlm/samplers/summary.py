@@ -128,7 +128,7 @@ def head_expectation(
         total += w.sum(-1)
         if mean is not None:
             with torch.autocast(device_type=rows.device.type, enabled=False):
-                mean.addmm_(w.to(table.dtype), table[start:stop])
+                mean = torch.addmm(mean, w.to(table.dtype), table[start:stop])  # counted by FlopCounterMode
         best = new
     if cap is not None:
         log_max = torch.sigmoid(best * (-2 / cap)) * (-2 * cap) - total.log()  # cap(l_max) − cap − log Σ w
