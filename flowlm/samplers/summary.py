@@ -76,6 +76,7 @@ def head_expectation(
     cap: float | None = None,
     table: Tensor | None = None,
     low_rank: tuple[Tensor, Tensor] | None = None,
+    mean_autocast: bool = False,
     chunk: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """(log max_v p, argmax_v, Σ_v p_v·table_v) per position, p = softmax(g(l)), l = features · Wᵀ + b, g the soft
@@ -87,7 +88,9 @@ def head_expectation(
     Each chunk's weights w_v = exp(g(l_v) − m) fold into Σ w and Σ w·table_v: with the cap, m = c and every w lies in
     (e^{−2c}, 1] (no running maximum); without it, m is the running max logit and both sums are rescaled by
     exp(m_old − m_new) when it grows (the online softmax). The head runs in the caller's autocast (l is rounded as
-    the model's logits are); w·table runs in float32 with autocast off, as the dense lift ``EmbeddingSpace.lift``.
+    the model's logits are); w·table runs in float32 with autocast off, as the dense lift ``EmbeddingSpace.lift``, or
+    with ``mean_autocast`` in the caller's autocast (MLFM's dense q·E; each chunk's product then accumulated in
+    float32).
     Cost: the head's product plus one (B·L) × |V| × d_e product, which δ·E needs by its definition."""
     if cap is not None and cap <= 0:
         raise ValueError(f"the soft cap must be > 0 (or None), got {cap}")
@@ -127,8 +130,11 @@ def head_expectation(
                 mean.mul_(rescale[:, None])
         total += w.sum(-1)
         if mean is not None:
-            with torch.autocast(device_type=rows.device.type, enabled=False):
-                mean = torch.addmm(mean, w.to(table.dtype), table[start:stop])  # counted by FlopCounterMode
+            if mean_autocast:
+                mean = mean + (w @ table[start:stop]).float()
+            else:
+                with torch.autocast(device_type=rows.device.type, enabled=False):
+                    mean = torch.addmm(mean, w.to(table.dtype), table[start:stop])  # counted by FlopCounterMode
         best = new
     if cap is not None:
         log_max = torch.sigmoid(best * (-2 / cap)) * (-2 * cap) - total.log()  # cap(l_max) − cap − log Σ w
