@@ -85,20 +85,31 @@ def capped_head_summary(
     return (shifted_top - total.log()).reshape(lead), index.reshape(lead)
 
 
-def chunked_max_log_prob(logits: Tensor, *, chunk: int | None = None) -> tuple[Tensor, Tensor]:
+def chunked_max_log_prob(
+    logits: Tensor, *, chunk: int | None = None, rows: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """(log max_v softmax(logits), argmax_v) per position in float32 (max logit − logsumexp), read in vocabulary
-    chunks with a running max, argmax and rescaled Σ exp (no (…, |V|) float32 copy); the argmax as ``torch.argmax``."""
+    chunks with a running max, argmax and rescaled Σ exp (no (…, |V|) float32 copy); the argmax as ``torch.argmax``.
+    ``rows``: only these rows of logits viewed as (N, |V|), gathered chunk by chunk (results (n,), no (n, |V|)
+    copy); a non-contiguous ``logits`` (a slice) is read chunk by chunk as it is, not copied whole first."""
     lead, vocab = logits.shape[:-1], logits.shape[-1]
-    rows = logits.reshape(-1, vocab)
-    width = chunk if chunk is not None else chunk_width(rows.shape[0], vocab)
-    best = torch.full((rows.shape[0],), -torch.inf, device=rows.device)
-    index = torch.zeros(rows.shape[0], dtype=torch.long, device=rows.device)
-    total = torch.zeros(rows.shape[0], device=rows.device)  # Σ exp(l − best) so far
+    flat = logits.reshape(-1, vocab) if rows is not None or logits.dim() != 3 else None
+    n = (flat.shape[0] if rows is None else rows.numel()) if flat is not None else lead.numel()
+    width = chunk if chunk is not None else chunk_width(n, vocab)
+    best = torch.full((n,), -torch.inf, device=logits.device)
+    index = torch.zeros(n, dtype=torch.long, device=logits.device)
+    total = torch.zeros(n, device=logits.device)  # Σ exp(l − best) so far
     for start in range(0, vocab, width):
-        z = rows[:, start : start + width].to(torch.float32, copy=True).contiguous()  # a copy: changed in place
+        if flat is None:  # (B, L, |V|), maybe a slice: the chunk's copy is the only one
+            z = logits[..., start : start + width].to(torch.float32, copy=True).reshape(n, -1)
+        elif rows is None:
+            z = flat[:, start : start + width].to(torch.float32, copy=True).contiguous()  # a copy: changed in place
+        else:
+            z = flat[:, start : start + width].index_select(0, rows).to(torch.float32)
         top, arg = row_max(z)
         index = torch.where(top > best, arg + start, index)
         new = torch.maximum(best, top)
         total = total.mul_((best - new).exp_()).add_(z.sub_(new[:, None]).exp_().sum(-1))
         best = new
-    return (-total.log()).reshape(lead), index.reshape(lead)  # log max p = −log Σ exp(l − l_max)
+    out = (-total.log(), index)  # log max p = −log Σ exp(l − l_max)
+    return out if rows is not None else (out[0].reshape(lead), out[1].reshape(lead))
