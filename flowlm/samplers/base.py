@@ -193,10 +193,15 @@ def draw_rows(
     tempered = temperature != 1
     if tempered:
         raw_tops, raw_mass = torch.empty_like(tops), torch.empty_like(mass)
+    buffer = torch.empty(n * min(width, vocab), dtype=torch.float64, device=device)  # one tile buffer, reused
+    picked = None if rows is None else torch.empty(n * min(width, vocab), dtype=logits.dtype, device=device)
     for start in range(0, vocab, width):
-        part = logits[:, start : start + width]
-        part = (part if rows is None else part.index_select(0, rows)).to(torch.float64)
-        first, whole = start // chunk, part.shape[1] // chunk
+        w = min(width, vocab - start)
+        part = logits[:, start : start + w]
+        if rows is not None:
+            part = torch.index_select(part, 0, rows, out=picked[: n * w].view(n, w))
+        part = buffer[: n * w].view(n, w).copy_(part)
+        first, whole = start // chunk, w // chunk
         pieces = [(part[:, : whole * chunk].unflatten(-1, (whole, chunk)), first, first + whole)] if whole else []
         if whole * chunk < part.shape[1]:  # the vocabulary's last, narrower chunk
             pieces.append((part[:, whole * chunk :].unsqueeze(1), first + whole, first + whole + 1))

@@ -99,13 +99,19 @@ def chunked_max_log_prob(
     best = torch.full((n,), -torch.inf, device=logits.device)
     index = torch.zeros(n, dtype=torch.long, device=logits.device)
     total = torch.zeros(n, device=logits.device)  # Σ exp(l − best) so far
+    # One float32 buffer for every chunk (and one for the gathered rows): a fresh (n, chunk) allocation per chunk
+    # costs about 3× its copy on a CPU (page faults; 0.34 vs 0.11 ms at 256 × 2048 bf16 → float32, measured).
+    buffer = torch.empty(n * min(width, vocab), device=logits.device)
+    picked = None if rows is None else torch.empty(n * min(width, vocab), dtype=logits.dtype, device=logits.device)
     for start in range(0, vocab, width):
-        if flat is None:  # (B, L, |V|), maybe a slice: the chunk's copy is the only one
-            z = logits[..., start : start + width].to(torch.float32, copy=True).reshape(n, -1)
+        w = min(width, vocab - start)
+        z = buffer[: n * w].view(n, w)  # contiguous, changed in place
+        if flat is None:  # (B, L, |V|), maybe a slice: read chunk by chunk as it is
+            z.view(*lead, w).copy_(logits[..., start : start + w])
         elif rows is None:
-            z = flat[:, start : start + width].to(torch.float32, copy=True).contiguous()  # a copy: changed in place
+            z.copy_(flat[:, start : start + w])
         else:
-            z = flat[:, start : start + width].index_select(0, rows).to(torch.float32)
+            z.copy_(torch.index_select(flat[:, start : start + w], 0, rows, out=picked[: n * w].view(n, w)))
         top, arg = row_max(z)
         index = torch.where(top > best, arg + start, index)
         new = torch.maximum(best, top)
