@@ -82,16 +82,22 @@ def ancestral_law(temperature: float) -> dict[tuple[int, int], float]:
     return law
 
 
-def empirical(sampler, seed: int) -> dict[tuple[int, int], float]:
+def independent_law(temperature: float) -> dict[tuple[int, int], float]:
+    """nfe = 1: both positions commit at the one step, each drawn given nothing."""
+    p = [probs(logits_given(l, None), temperature) for l in (0, 1)]  # noqa: E741
+    return {(a, b): float(p[0][a] * p[1][b]) for a, b in itertools.product(range(V), repeat=2)}
+
+
+def empirical(sampler, seed: int, nfe: int = 2) -> dict[tuple[int, int], float]:
     prompt = torch.zeros(N, 2, dtype=torch.long)
     out = sampler(
         MaskedDenoiser(fn=toy, mask_id=MASK),
         prompt=prompt,
         prompt_mask=torch.zeros(N, 2, dtype=torch.bool),
-        nfe=2,
+        nfe=nfe,
         generator=torch.Generator().manual_seed(seed),
     )
-    assert out.nfe == 2 and bool((out.tokens < V).all())
+    assert out.nfe == nfe and bool((out.tokens < V).all())
     codes = (out.tokens[:, 0] * V + out.tokens[:, 1]).bincount(minlength=V * V).double() / N
     return {(a, b): codes[a * V + b].item() for a, b in itertools.product(range(V), repeat=2)}
 
@@ -127,6 +133,22 @@ def test_ancestral_sampler_law(draws, temperature):
 def test_semi_ar_sampler_law(draws, score, temperature):
     sampler = SemiARConfidenceSampler(block_length=2, temperature=temperature, score=score, draws=draws)
     tv = total_variation(empirical(sampler, seed=3), semi_ar_law(temperature, score))
+    assert tv <= TOLERANCE, tv
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        ConfidenceSampler(temperature=0.7),
+        SemiARConfidenceSampler(block_length=2, temperature=0.7, score="max_prob"),
+        SemiARConfidenceSampler(block_length=2, temperature=0.7),
+    ],
+    ids=["confidence", "semi_ar-max_prob", "semi_ar-sampled"],
+)
+def test_every_committing_position_is_drawn(sampler):
+    """nfe = 1 commits both positions in one step: each must be drawn (not left at its argmax), so the law is the
+    product of the marginals at T."""
+    tv = total_variation(empirical(sampler, seed=4, nfe=1), independent_law(0.7))
     assert tv <= TOLERANCE, tv
 
 
