@@ -91,11 +91,14 @@ def chunked_max_log_prob(
     """(log max_v softmax(logits), argmax_v) per position in float32 (max logit − logsumexp), read in vocabulary
     chunks with a running max, argmax and rescaled Σ exp (no (…, |V|) float32 copy); the argmax as ``torch.argmax``.
     ``rows``: only these rows of logits viewed as (N, |V|), gathered chunk by chunk (results (n,), no (n, |V|)
-    copy); a non-contiguous ``logits`` (a slice) is read chunk by chunk as it is, not copied whole first."""
+    copy, each row's values those of the call over all rows); a non-contiguous ``logits`` (a slice) is read chunk by
+    chunk as it is, not copied whole first."""
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     flat = logits.reshape(-1, vocab) if rows is not None or logits.dim() != 3 else None
     n = (flat.shape[0] if rows is None else rows.numel()) if flat is not None else lead.numel()
-    width = chunk if chunk is not None else chunk_width(n, vocab)
+    # The default chunk is the whole tensor's, also for ``rows``: the same chunk boundaries, so each row's result is
+    # the one the call over all rows gives, bit for bit (a sampler restricted to some rows ranks them as before).
+    width = chunk if chunk is not None else chunk_width(lead.numel(), vocab)
     best = torch.full((n,), -torch.inf, device=logits.device)
     index = torch.zeros(n, dtype=torch.long, device=logits.device)
     total = torch.zeros(n, device=logits.device)  # Σ exp(l − best) so far
