@@ -161,7 +161,8 @@ def test_semi_ar_law_tells_the_scores_apart():
 def test_semi_ar_greedy_paths_agree_on_ragged_blocks():
     """At T = 0 (the default) the block-rows float32 path commits the same tokens with the same confidences, in the
     same NFE (blocks × K), as the whole-tensor float64 one, for both scores, on a random network over a 50-token
-    vocabulary whose rows have prompts of different lengths (so a block covers different columns per row)."""
+    vocabulary whose rows have prompts of different lengths (so a block covers different columns per row); the
+    confidence sampler's masked rows too."""
     gen = torch.Generator().manual_seed(13)
     v, length = 50, 26
     table = torch.randn(v + 1, length, v, generator=gen) * 3
@@ -183,6 +184,11 @@ def test_semi_ar_greedy_paths_agree_on_ragged_blocks():
         assert torch.allclose(a.confidence, b.confidence, rtol=1e-5)
         assert a.nfe == b.nfe == 5 * 2  # ⌈24 / 5⌉ = 5 blocks × 10 // 5 steps
         assert bool((a.tokens < v).all()) and torch.equal(a.tokens[mask], prompt[mask])
+    a, b = (  # the confidence sampler's masked slots on the same ragged rows
+        ConfidenceSampler(draws=d)(model, prompt=prompt, prompt_mask=mask, nfe=5, generator=torch.Generator())
+        for d in ("committed", "full")
+    )
+    assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.confidence, b.confidence, rtol=1e-5)
     with pytest.raises(ValueError, match="draws"):
         SemiARConfidenceSampler(block_length=2, draws="some")
 
