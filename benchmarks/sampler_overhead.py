@@ -69,6 +69,7 @@ VARIANTS = [
     ("flow_map_onehot", "flow_map", {}, {"space": "onehot"}),
     ("confidence_full", "confidence", {"draws": "full"}, {}),
     ("ancestral_full", "ancestral", {"draws": "full"}, {}),
+    ("semi_ar_full", "semi_ar", {"draws": "full"}, {}),
     # greedy drafts read off the full (B, L, |V|) log δ (the path before the chunked summary); the confidence
     # sampler's ranking over the whole float32 logits at once
     ("pr_dense", "pr", {}, {"summary": "dense"}),
@@ -206,7 +207,7 @@ def tails_context(compile_tails: bool, dense_ranking: bool):
     def context():
         chunked = mdm_confidence.max_log_prob
         if dense_ranking:
-            mdm_confidence.max_log_prob = mdm_confidence.fused_max_log_prob.eager
+            mdm_confidence.max_log_prob = dense_max_log_prob
         try:
             with compiled_tails(compile_tails):
                 yield
@@ -214,6 +215,14 @@ def tails_context(compile_tails: bool, dense_ranking: bool):
             mdm_confidence.max_log_prob = chunked
 
     return context
+
+
+def dense_max_log_prob(logits: torch.Tensor, *, rows: torch.Tensor | None = None):
+    """``max_log_prob`` over the whole float32 logits (of the selected rows) at once, eagerly."""
+    from flowlm.samplers import mdm_confidence
+
+    picked = logits if rows is None else logits.reshape(-1, logits.shape[-1])[rows]
+    return mdm_confidence.fused_max_log_prob.eager(picked)
 
 
 def network_share(denoiser, sampler, args, device, prompt, prompt_mask) -> tuple[float, float]:

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from flowlm.samplers import AncestralSampler, ConfidenceSampler, MaskedDenoiser
+from flowlm.samplers import AncestralSampler, ConfidenceSampler, MaskedDenoiser, SemiARConfidenceSampler, base
 
 V, MASK, N = 3, 3, 60_000
 BASE = torch.tensor([[1.2, 0.1, -0.5], [0.0, 0.4, 0.9]])  # logits of positions 0, 1 when the other is masked
@@ -49,6 +49,24 @@ def confidence_law(temperature: float) -> dict[tuple[int, int], float]:
     return law
 
 
+def semi_ar_law(temperature: float, score: str) -> dict[tuple[int, int], float]:
+    """One block of both positions, nfe = 2: the first step commits one position, the one whose candidate scores
+    higher ("max_prob": max p given nothing, as the confidence sampler; "sampled": both candidates drawn at T, ranked
+    by their untempered p), then the other given it."""
+    if score == "max_prob":
+        return confidence_law(temperature)
+    marginal = [probs(logits_given(l, None), temperature) for l in (0, 1)]  # noqa: E741
+    untempered = [probs(logits_given(l, None), 1.0) for l in (0, 1)]  # noqa: E741
+    law = dict.fromkeys(itertools.product(range(V), repeat=2), 0.0)
+    for a, b in itertools.product(range(V), repeat=2):  # the two candidates
+        first, kept = (0, a) if untempered[0][a] > untempered[1][b] else (1, b)
+        p_pair = float(marginal[0][a] * marginal[1][b])
+        for c in range(V):  # the other position, drawn given the committed token
+            tok = (kept, c) if first == 0 else (c, kept)
+            law[tok] += p_pair * float(probs(logits_given(1 - first, kept), temperature)[c])
+    return law
+
+
 def ancestral_law(temperature: float) -> dict[tuple[int, int], float]:
     """nfe = 2 (t: 1 → ½ → 0): each position unmasks at the first step with probability ½ (drawn given nothing
     decoded), the rest at the second, given the first step's tokens."""
@@ -64,16 +82,22 @@ def ancestral_law(temperature: float) -> dict[tuple[int, int], float]:
     return law
 
 
-def empirical(sampler, seed: int) -> dict[tuple[int, int], float]:
+def independent_law(temperature: float) -> dict[tuple[int, int], float]:
+    """nfe = 1: both positions commit at the one step, each drawn given nothing."""
+    p = [probs(logits_given(l, None), temperature) for l in (0, 1)]  # noqa: E741
+    return {(a, b): float(p[0][a] * p[1][b]) for a, b in itertools.product(range(V), repeat=2)}
+
+
+def empirical(sampler, seed: int, nfe: int = 2) -> dict[tuple[int, int], float]:
     prompt = torch.zeros(N, 2, dtype=torch.long)
     out = sampler(
         MaskedDenoiser(fn=toy, mask_id=MASK),
         prompt=prompt,
         prompt_mask=torch.zeros(N, 2, dtype=torch.bool),
-        nfe=2,
+        nfe=nfe,
         generator=torch.Generator().manual_seed(seed),
     )
-    assert out.nfe == 2 and bool((out.tokens < V).all())
+    assert out.nfe == nfe and bool((out.tokens < V).all())
     codes = (out.tokens[:, 0] * V + out.tokens[:, 1]).bincount(minlength=V * V).double() / N
     return {(a, b): codes[a * V + b].item() for a, b in itertools.product(range(V), repeat=2)}
 
@@ -101,6 +125,117 @@ def test_ancestral_sampler_law(draws, temperature):
     sampler = AncestralSampler(temperature=temperature, draws=draws, cache=False)
     tv = total_variation(empirical(sampler, seed=2), ancestral_law(temperature))
     assert tv <= TOLERANCE, tv
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("score", ["sampled", "max_prob"])
+@pytest.mark.parametrize("draws", ["committed", "full"])
+def test_semi_ar_sampler_law(draws, score, temperature):
+    sampler = SemiARConfidenceSampler(block_length=2, temperature=temperature, score=score, draws=draws)
+    tv = total_variation(empirical(sampler, seed=3), semi_ar_law(temperature, score))
+    assert tv <= TOLERANCE, tv
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        ConfidenceSampler(temperature=0.7),
+        SemiARConfidenceSampler(block_length=2, temperature=0.7, score="max_prob"),
+        SemiARConfidenceSampler(block_length=2, temperature=0.7),
+    ],
+    ids=["confidence", "semi_ar-max_prob", "semi_ar-sampled"],
+)
+def test_every_committing_position_is_drawn(sampler):
+    """nfe = 1 commits both positions in one step: each must be drawn (not left at its argmax), so the law is the
+    product of the marginals at T."""
+    tv = total_variation(empirical(sampler, seed=4, nfe=1), independent_law(0.7))
+    assert tv <= TOLERANCE, tv
+
+
+def test_semi_ar_law_tells_the_scores_apart():
+    """The two scores' laws differ by more than the tolerance (so the test above can see a swapped score)."""
+    assert total_variation(semi_ar_law(1.0, "sampled"), semi_ar_law(1.0, "max_prob")) > 3 * TOLERANCE
+    assert math.isclose(sum(semi_ar_law(0.7, "sampled").values()), 1.0)
+
+
+def test_semi_ar_greedy_paths_agree_on_ragged_blocks():
+    """At T = 0 (the default) the block-rows float32 path commits the same tokens with the same confidences, in the
+    same NFE (blocks × K), as the whole-tensor float64 one, for both scores, on a random network over a 50-token
+    vocabulary whose rows have prompts of different lengths (so a block covers different columns per row); the
+    confidence sampler's masked rows too."""
+    gen = torch.Generator().manual_seed(13)
+    v, length = 50, 26
+    table = torch.randn(v + 1, length, v, generator=gen) * 3
+
+    def net(x, t):
+        return table[x, torch.arange(length)] + x.float().mean(-1, keepdim=True)[..., None] / 10
+
+    prompt = torch.randint(0, v, (16, length), generator=gen)
+    mask = torch.arange(length) < torch.randint(2, 9, (16, 1), generator=gen)  # prompts of 2..8 tokens
+    model = MaskedDenoiser(fn=net, mask_id=v)
+    for score in ("sampled", "max_prob"):
+        a, b = (
+            SemiARConfidenceSampler(block_length=5, score=score, draws=d)(
+                model, prompt=prompt, prompt_mask=mask, nfe=10, generator=torch.Generator().manual_seed(4)
+            )
+            for d in ("committed", "full")
+        )
+        assert torch.equal(a.tokens, b.tokens), score
+        assert torch.allclose(a.confidence, b.confidence, rtol=1e-5)
+        assert a.nfe == b.nfe == 5 * 2  # ⌈24 / 5⌉ = 5 blocks × 10 // 5 steps
+        assert bool((a.tokens < v).all()) and torch.equal(a.tokens[mask], prompt[mask])
+    a, b = (  # the confidence sampler's masked slots on the same ragged rows
+        ConfidenceSampler(draws=d)(model, prompt=prompt, prompt_mask=mask, nfe=5, generator=torch.Generator())
+        for d in ("committed", "full")
+    )
+    assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.confidence, b.confidence, rtol=1e-5)
+    with pytest.raises(ValueError, match="draws"):
+        SemiARConfidenceSampler(block_length=2, draws="some")
+
+
+def one_level_draw(logits: torch.Tensor, temperature: float, u: torch.Tensor) -> torch.Tensor:
+    """The one-level inverse CDF (the earlier ``sample_categorical``): first v with CDF(v) > u, in float64."""
+    cdf = torch.softmax(logits.double() / temperature, -1).cumsum(-1)
+    return torch.searchsorted(cdf, u * cdf[..., -1:], right=True).squeeze(-1).clamp_max(logits.shape[-1] - 1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_two_level_draw_law_and_log_prob(monkeypatch, temperature):
+    """``draw_rows`` with chunks of 4 columns over 11 tokens (a whole chunk, 4–7, and the last token at probability
+    0; a narrower last chunk; rows drawn through ``rows``, one chunk per tile at this many rows): the frequencies of
+    each selected row's law lie within 4.5 standard errors of softmax(logits / T), a zero-probability token is never
+    drawn, and the log-probability returned is the untempered log-softmax at the token."""
+    monkeypatch.setattr(base, "CDF_CHUNK", 4)
+    logits = torch.tensor(
+        [
+            [0.3, -1.0, 2.0, 0.0, *[float("-inf")] * 4, 1.1, -0.4, float("-inf")],
+            [-2.0, 0.5, 0.1, 1.5, 0.2, -0.3, 0.9, 0.0, -1.5, 2.2, 0.4],
+        ]
+    )
+    n = 100_000
+    rows = torch.arange(2 * n) % 2
+    drawn, log_p = base.draw_rows(logits, temperature, torch.Generator().manual_seed(8), rows=rows)
+    for r in (0, 1):
+        freq = drawn[rows == r].bincount(minlength=11).double() / n
+        p = torch.softmax(logits[r].double() / temperature, -1)
+        se = (p * (1 - p) / n).sqrt()
+        assert bool(((freq - p).abs() <= 4.5 * se + 1e-12).all()), (r, freq, p)
+    assert not bool(torch.isinf(logits[rows, drawn]).any())
+    want = torch.log_softmax(logits.double(), -1)[rows, drawn]
+    torch.testing.assert_close(log_p, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_two_level_draw_picks_the_one_level_token(temperature):
+    """With the same uniform per row the two-level inversion picks the token the one-level one picks (the random
+    stream of the earlier ``sample_categorical`` kept), over a vocabulary of 50 258 in bf16, in one tile and in
+    several."""
+    logits = (2 * torch.randn(40, 50_258, generator=torch.Generator().manual_seed(9))).bfloat16()
+    u = torch.rand((40, 1), generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+    want = one_level_draw(logits, temperature, u)
+    drawn, _ = base.draw_rows(logits, temperature, torch.Generator().manual_seed(10))
+    assert torch.equal(drawn, want)
+    assert torch.equal(base.sample_categorical(logits, temperature, torch.Generator().manual_seed(10)), want)
 
 
 def test_greedy_paths_agree_and_draws_are_checked():

@@ -121,6 +121,20 @@ def test_chunked_max_log_prob_equals_dense(autocast):
         assert torch.allclose(got_max, want_max, atol=2e-5, rtol=1e-5)
     assert torch.equal(logits, before)
     assert torch.equal(max_log_prob(logits)[1], want_arg)
+    # some rows only (the samplers' masked or block rows), and a slice: each row's values bit for bit, with chunks
+    # of 512 columns for all 15 rows (the default width follows the whole tensor) in blocks of 4 rows
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(summary_module, "CHUNK_BYTES", 4 * 15 * 512)
+        mp.setattr(summary_module, "ROW_BLOCK_BYTES", 4 * 4 * 512)
+        rows = torch.tensor([14, 0, 7, 3, 9, 11])
+        whole = chunked_max_log_prob(logits)
+        for got, want in zip(chunked_max_log_prob(logits, rows=rows), whole, strict=True):
+            assert torch.equal(got, want.reshape(-1)[rows])
+        assert torch.equal(whole[1], want_arg)
+        torch.testing.assert_close(whole[0], want_max, atol=2e-5, rtol=1e-5)
+    sliced = chunked_max_log_prob(logits[:, 1:4], chunk=1000)
+    for got, want in zip(sliced, chunked_max_log_prob(logits, chunk=1000), strict=True):
+        torch.testing.assert_close(got, want[:, 1:4], rtol=0, atol=0)
 
 
 def test_model_summary_is_its_log_delta():

@@ -17,6 +17,7 @@ from flowlm.samplers import (
     ConfidenceSampler,
     FlowMapSampler,
     PosteriorRefinementSampler,
+    SemiARConfidenceSampler,
 )
 from flowlm.samplers.mlfm import MLFMSampler
 from lightning_modules.fmlm_plus import FMLMPlusModule
@@ -170,6 +171,10 @@ def test_host_counted_average_matches_torchs_averaged_model_and_survives_a_load(
         ("flow", PosteriorRefinementSampler(confidence="a_priori"), 0),
         ("flow", BlockFlowSampler(block_size=3), 1),  # the plan: the longest response
         ("mdm", ConfidenceSampler(), 1),  # the loop length: the most masked row
+        ("mdm", ConfidenceSampler(temperature=1.0), 1),  # the committing draw's size is tracked on the host
+        ("mdm", SemiARConfidenceSampler(block_length=4), 1),  # the plan: the longest response
+        ("mdm", SemiARConfidenceSampler(block_length=4, temperature=1.0), 1),
+        ("mdm", SemiARConfidenceSampler(block_length=4, temperature=1.0, score="max_prob"), 1),
         ("mdm", AncestralSampler(), 1 + 8),  # and one per step: how many positions unmask
         ("mlfm", MLFMSampler(guidance=1.0, otp_eps=0.05), 1),  # CCFG: does the batch have a prompt to corrupt
         ("mlfm", MLFMSampler(guidance=1.0, otp_eps=0.05, check_context=False), 0),

@@ -11,9 +11,9 @@ from flowlm.samplers.base import (
     Sampler,
     check_draws,
     check_temperature,
+    draw_rows,
     masked_start,
     pick_tokens,
-    sample_categorical,
 )
 
 
@@ -25,7 +25,8 @@ class AncestralSampler(Sampler):
     leaves the input unchanged, so a time-agnostic network's output is reused at no NFE (``ddpm_cache``).
     Each step reads one number back from the device, how many tokens unmask: it decides whether the next step
     spends an NFE (the cache, and the early exit once nothing is masked). The float64 draw is made at the unmasking
-    positions only (``draws``, see ``check_draws``).
+    positions only (``draws``, see ``check_draws``), by the two-level inverse CDF of ``draw_rows``, which also gives the
+    drawn token's log-probability from the same normaliser.
     """
 
     family = "mdm"
@@ -80,10 +81,15 @@ class AncestralSampler(Sampler):
                         log_p, self.temperature, generator, uniforms=None if uniforms is None else uniforms[rows]
                     )
                     p_draw = log_p.gather(-1, draw[:, None]).squeeze(-1).exp().float()
-                else:
+                elif self.temperature == 0:
                     picked = logits[rows].float()
-                    draw = sample_categorical(picked, self.temperature, generator)
+                    draw = picked.argmax(-1)
                     p_draw = (picked.gather(-1, draw[:, None]).squeeze(-1) - picked.logsumexp(-1)).exp()
+                else:  # read in column tiles from the logits themselves: no (n, |V|) gather, cast or second pass
+                    flat = rows[0] * x.shape[1] + rows[1]  # the rows of logits viewed as (B·L, |V|)
+                    by_row = logits.reshape(-1, logits.shape[-1])
+                    draw, log_p = draw_rows(by_row, self.temperature, generator, rows=flat)
+                    p_draw = log_p.exp().float()
                 x = x.index_put(rows, draw.to(x.dtype))
                 confidence = confidence.index_put(rows, p_draw)
             masked = masked & ~unmask

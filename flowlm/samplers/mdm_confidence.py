@@ -13,9 +13,9 @@ from flowlm.samplers.base import (
     check_draws,
     check_score,
     check_temperature,
+    draw_rows,
     masked_start,
     pick_tokens,
-    sample_categorical,
 )
 from flowlm.samplers.summary import chunked_max_log_prob
 
@@ -29,10 +29,12 @@ class ConfidenceSampler(Sampler):
     of a committed token is p_θ(token). The network sees the fraction of still-masked non-prompt tokens as its
     time, if it is time-conditioned.
 
-    Cost beyond the network: the ranking reads the logits once in float32 (log max p = max logit − logsumexp);
-    with "max_prob" the ranking does not depend on the draw, so the float64 draw is made at the committing positions
-    only (``draws="committed"``): at most ⌈#masked / steps_left⌉ rows per sequence, whose number is known on the
-    host, so the step reads nothing back. "sampled" ranks by the draw itself and draws at every masked position.
+    Cost beyond the network: the ranking reads the logits of the still-masked positions once in float32 (log max p =
+    max logit − logsumexp; the masked ones of a row are among its first ``most_masked`` slots, a number tracked on
+    the host, ``slots``); with "max_prob" the ranking does not depend on the draw, so the float64 draw is made at the
+    committing positions only (``draws="committed"``): at most ⌈#masked / steps_left⌉ rows per sequence, by the
+    two-level inverse CDF of ``draw_rows``, so the step reads nothing back. "sampled" ranks by the draw itself and
+    draws at every masked position (the full path).
     """
 
     family = "mdm"
@@ -71,34 +73,63 @@ class ConfidenceSampler(Sampler):
                 candidate = pick_tokens(log_p, self.temperature, generator)
                 p_candidate = log_p.gather(-1, candidate[..., None]).squeeze(-1)
                 score = log_p.amax(-1) if self.score == "max_prob" else p_candidate  # log-probabilities: same order
-            else:
-                score, argmax = max_log_prob(logits)
-                candidate, p_candidate = argmax, score
-            score = torch.where(masked, score, -torch.inf)
-            order = score.argsort(dim=-1, descending=True)
-            rank = torch.empty_like(order).scatter_(-1, order, positions.expand_as(order))
-            commit = masked & (rank < n_commit[:, None])
-            if not full and self.temperature > 0:  # the draw, at the (at most) k_max committing positions
-                k_max = -(-most_masked // (nfe - k))  # the most-masked row commits the most (⌈n/m⌉ is monotone)
-                idx = order[:, :k_max]  # every committing position of a row is among its first k_max
-                rows = logits.gather(1, idx[..., None].expand(-1, -1, logits.shape[-1])).float()
-                drawn = sample_categorical(rows, self.temperature, generator)
-                log_p = (rows.gather(-1, drawn[..., None]).squeeze(-1) - rows.logsumexp(-1)).float()
-                candidate = x.scatter(1, idx, drawn)
-                p_candidate = score.scatter(1, idx, log_p)
+                score = torch.where(masked, score, -torch.inf)
+                order = score.argsort(dim=-1, descending=True)
+                rank = torch.empty_like(order).scatter_(-1, order, positions.expand_as(order))
+                commit = masked & (rank < n_commit[:, None])
+                x = torch.where(commit, candidate, x)
+                confidence = torch.where(commit, p_candidate.exp().float(), confidence)
+            else:  # rank the masked positions only: every row's are among its first ``most_masked`` slots
+                slot, live = slots(masked, most_masked)
+                # the slots' rows of logits viewed as (B·L, |V|)
+                flat = slot + torch.arange(x.shape[0], device=x.device)[:, None] * x.shape[1]
+                score, candidate = (t.view(slot.shape) for t in max_log_prob(logits, rows=flat.reshape(-1)))
+                score = torch.where(live, score, -torch.inf)
+                order = score.argsort(dim=-1, descending=True)
+                rank = torch.empty_like(order).scatter_(-1, order, positions[: order.shape[1]].expand_as(order))
+                commit = live & (rank < n_commit[:, None])
+                p_candidate = score
+                if self.temperature > 0:  # the draw, at the (at most) k_max committing positions
+                    k_max = -(-most_masked // (nfe - k))  # the most-masked row commits the most (⌈n/m⌉ is monotone)
+                    top = order[:, :k_max]  # every committing slot of a row is among its first k_max
+                    by_row = logits.reshape(-1, logits.shape[-1])
+                    drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=flat.gather(1, top).view(-1))
+                    candidate = candidate.scatter(1, top, drawn.view(top.shape))
+                    p_candidate = score.scatter(1, top, log_p.float().view(top.shape))
+                x, confidence = commit_slots(x, confidence, slot, commit, candidate, p_candidate)
             most_masked -= -(-most_masked // (nfe - k))
-            x = torch.where(commit, candidate, x)
-            confidence = torch.where(commit, p_candidate.exp().float(), confidence)
         return SampleOutput(tokens=x, confidence=confidence, nfe=calls)
 
 
-def max_log_prob(logits: Tensor) -> tuple[Tensor, Tensor]:
+def slots(flag: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """(B, width) distinct positions per row, those where ``flag`` holds first (in position order, all of them when a
+    row has at most ``width``), and whether each slot is flagged: a fixed-size view of a ragged set, with no host
+    read."""
+    length = flag.shape[-1]
+    positions = torch.arange(length, device=flag.device)
+    key = torch.where(flag, positions, positions + length)  # flagged first; distinct keys
+    slot = key.topk(min(width, length), dim=-1, largest=False, sorted=True).indices
+    return slot, flag.gather(1, slot)
+
+
+def commit_slots(
+    x: Tensor, confidence: Tensor, slot: Tensor, commit: Tensor, candidate: Tensor, log_p: Tensor
+) -> tuple[Tensor, Tensor]:
+    """x and confidence with the committing slots (``commit``, over the distinct positions ``slot``, (B, W)) set to
+    their candidate token and p = exp(log_p); the other slots keep what they hold."""
+    tokens = torch.where(commit, candidate, x.gather(1, slot))
+    p = torch.where(commit, log_p.exp().float(), confidence.gather(1, slot))
+    return x.scatter(1, slot, tokens), confidence.scatter(1, slot, p)
+
+
+def max_log_prob(logits: Tensor, *, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(log max_v p(v), argmax) per position from logits, in float32: max logit − logsumexp. Eagerly in vocabulary
     chunks without a (B, L, |V|) float32 copy (``chunked_max_log_prob``: 218 → 90 ms at (4, 128, 50 258) bf16 on one
-    CPU thread, measured); with ``compiled_tails`` one fused pass."""
+    CPU thread, measured); with ``compiled_tails`` one fused pass. ``rows``: only these rows of logits viewed as
+    (B·L, |V|), results (n,)."""
     if tails_enabled():
-        return fused_max_log_prob(logits)
-    return chunked_max_log_prob(logits)
+        return fused_max_log_prob(logits if rows is None else logits.reshape(-1, logits.shape[-1])[rows])
+    return chunked_max_log_prob(logits, rows=rows)
 
 
 @compilable

@@ -12,11 +12,14 @@ from flowlm.samplers.base import (
     MaskedDenoiser,
     SampleOutput,
     Sampler,
+    check_draws,
     check_score,
     check_temperature,
+    draw_rows,
     masked_start,
     pick_tokens,
 )
+from flowlm.samplers.mdm_confidence import commit_slots, max_log_prob, slots
 
 
 class SemiARConfidenceSampler(Sampler):
@@ -26,17 +29,27 @@ class SemiARConfidenceSampler(Sampler):
     seen by the network. Candidates: argmax at T = 0, else a float64 Gumbel draw from softmax(logits / T);
     ``score`` "sampled" ranks by p_θ(candidate) (LLaDA's low_confidence remasking), "max_prob" by max_v p_θ(v).
     NFE = blocks × K.
+
+    Cost beyond the network (``draws="committed"``, the default): only the current block's positions are ever
+    eligible, so only their ≤ ``block_length`` rows of the logits are read (``slots``): at T = 0 (the default) the
+    argmax and log max p in float32 (``max_log_prob``), the two scores' common value; at T > 0 with "max_prob" the
+    same ranking, then the float64 draw at the committing positions only (the ranking does not depend on it); with
+    "sampled" the draw at every block position first (``draw_rows``, two-level inverse CDF), ranked by its log p.
+    ``draws="full"``: the earlier stream, a float64 log-softmax and Gumbel draw over the whole (B, L, |V|).
     """
 
     family = "mdm"
     confidence_kind = "a-priori"
 
-    def __init__(self, *, block_length: int, temperature: float = 0.0, score: str = "sampled") -> None:
+    def __init__(
+        self, *, block_length: int, temperature: float = 0.0, score: str = "sampled", draws: str = "committed"
+    ) -> None:
         if block_length < 1:
             raise ValueError(f"block_length must be ≥ 1, got {block_length}")
         self.block_length = block_length
         self.temperature = check_temperature(temperature)
         self.score = check_score(score)
+        self.draws = check_draws(draws)
 
     def plan(self, nfe: int, free_positions: int) -> tuple[int, int]:
         """(blocks, steps per block) for a budget, or a clear error before any compute."""
@@ -63,29 +76,63 @@ class SemiARConfidenceSampler(Sampler):
     ) -> SampleOutput:
         """Sample with blocks × K network calls."""
         free = ~prompt_mask
-        n_blocks, steps = self.plan(nfe, int(free.sum(-1).max()) if free.numel() else 0)
+        most_free = int(free.sum(-1).max()) if free.numel() else 0  # the call's one host read
+        n_blocks, steps = self.plan(nfe, most_free)
         block_id = torch.where(free, (free.cumsum(-1) - 1) // self.block_length, -1)
         x, confidence = masked_start(prompt, prompt_mask, model.mask_id)
         n_free = free.sum(-1).clamp_min(1)
         positions = torch.arange(x.shape[1], device=x.device)
+        first_row = torch.arange(x.shape[0], device=x.device)[:, None] * x.shape[1]  # row offsets in (B·L, |V|)
+        full = self.draws == "full"
+        draw_all = self.temperature > 0 and self.score == "sampled"  # the ranking reads the draw: draw every slot
         calls = 0
         for b in range(n_blocks):
             in_block = block_id == b
+            if not full:  # the block's positions (only they are ever eligible) as slots; the fullest row's count
+                slot, _ = slots(in_block, self.block_length)
+                block_rows = slot + first_row
+                flat = block_rows.reshape(-1)
+                most = min(self.block_length, max(most_free - b * self.block_length, 0))
             for k in range(steps):
                 masked = x == model.mask_id
                 eligible = masked & in_block
                 logits = model.fn(x, masked.sum(-1) / n_free)
                 calls += 1
-                log_p = torch.log_softmax(logits.double(), -1)
-                candidate = pick_tokens(log_p, self.temperature, generator)
-                p_candidate = log_p.gather(-1, candidate[..., None]).squeeze(-1)
-                score = p_candidate if self.score == "sampled" else log_p.amax(-1)
-                score = torch.where(eligible, score, -torch.inf)
                 left = steps - k
                 n_commit = torch.div(eligible.sum(-1) + left - 1, left, rounding_mode="floor")  # ⌈masked / left⌉
-                order = score.argsort(dim=-1, descending=True)
-                rank = torch.empty_like(order).scatter_(-1, order, positions.expand_as(order))
-                commit = eligible & (rank < n_commit[:, None])
-                x = torch.where(commit, candidate, x)
-                confidence = torch.where(commit, p_candidate.exp().float(), confidence)
+                if full:
+                    x, confidence = self._full_step(logits, x, confidence, eligible, n_commit, positions, generator)
+                    continue
+                by_row = logits.reshape(-1, logits.shape[-1])
+                live = eligible.gather(1, slot)
+                if draw_all:
+                    drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=flat)
+                    candidate, score = drawn.view(slot.shape), log_p.view(slot.shape)
+                else:  # argmax and log max p (the score at T = 0, where "sampled" and "max_prob" coincide)
+                    score, candidate = (t.view(slot.shape) for t in max_log_prob(logits, rows=flat))
+                order = torch.where(live, score, -torch.inf).argsort(dim=-1, descending=True)
+                rank = torch.empty_like(order).scatter_(-1, order, positions[: order.shape[1]].expand_as(order))
+                commit = live & (rank < n_commit[:, None])
+                p_candidate = score
+                if self.temperature > 0 and not draw_all:  # "max_prob": the draw at the committing slots only
+                    top = order[:, : -(-most // left)]  # every committing slot of a row is among its first ⌈most/left⌉
+                    committing = block_rows.gather(1, top).view(-1)
+                    drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=committing)
+                    candidate = candidate.scatter(1, top, drawn.view(top.shape))
+                    p_candidate = score.scatter(1, top, log_p.float().view(top.shape))
+                x, confidence = commit_slots(x, confidence, slot, commit, candidate, p_candidate)
+                most -= -(-most // left)
         return SampleOutput(tokens=x, confidence=confidence, nfe=calls)
+
+    def _full_step(self, logits, x, confidence, eligible, n_commit, positions, generator) -> tuple[Tensor, Tensor]:
+        """``draws="full"``, the earlier stream: a float64 log-softmax over the whole (B, L, |V|), a Gumbel draw at
+        every position, the ranking over all positions."""
+        log_p = torch.log_softmax(logits.double(), -1)
+        candidate = pick_tokens(log_p, self.temperature, generator)
+        p_candidate = log_p.gather(-1, candidate[..., None]).squeeze(-1)
+        score = p_candidate if self.score == "sampled" else log_p.amax(-1)
+        score = torch.where(eligible, score, -torch.inf)
+        order = score.argsort(dim=-1, descending=True)
+        rank = torch.empty_like(order).scatter_(-1, order, positions.expand_as(order))
+        commit = eligible & (rank < n_commit[:, None])
+        return torch.where(commit, candidate, x), torch.where(commit, p_candidate.exp().float(), confidence)

@@ -26,6 +26,7 @@ from torch import Tensor
 CHUNK_BYTES = 4 << 20
 MIN_CHUNK = 256  # narrower chunks make the head's matrix product inefficient
 BLOCK = 64  # row_max's block: chunks are multiples of it
+ROW_BLOCK_BYTES = 1 << 20  # chunked_max_log_prob: float32 bytes of one block of rows × one chunk
 
 
 def dense_summary(log_probs: Tensor) -> tuple[Tensor, Tensor]:
@@ -145,20 +146,46 @@ def head_expectation(
     return log_max.reshape(lead), index.reshape(lead), mean
 
 
-def chunked_max_log_prob(logits: Tensor, *, chunk: int | None = None) -> tuple[Tensor, Tensor]:
+def chunked_max_log_prob(
+    logits: Tensor, *, chunk: int | None = None, rows: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """(log max_v softmax(logits), argmax_v) per position in float32 (max logit − logsumexp), read in vocabulary
-    chunks with a running max, argmax and rescaled Σ exp (no (…, |V|) float32 copy); the argmax as ``torch.argmax``."""
+    chunks with a running max, argmax and rescaled Σ exp (no (…, |V|) float32 copy); the argmax as ``torch.argmax``.
+    ``rows``: only these rows of logits viewed as (N, |V|), gathered chunk by chunk (results (n,), no (n, |V|)
+    copy, each row's values those of the call over all rows).
+
+    The rows go through in blocks of about ``ROW_BLOCK_BYTES`` of float32 per chunk, so that a chunk's five passes
+    (copy, max, subtract, exp, sum) stay in cache: 38 → 32 ms at (4, 128, 50 258) bf16 on one CPU thread (blocks of
+    128 rows, measured); every operation is row-wise, so the values do not depend on the blocks."""
     lead, vocab = logits.shape[:-1], logits.shape[-1]
-    rows = logits.reshape(-1, vocab)
-    width = chunk if chunk is not None else chunk_width(rows.shape[0], vocab)
-    best = torch.full((rows.shape[0],), -torch.inf, device=rows.device)
-    index = torch.zeros(rows.shape[0], dtype=torch.long, device=rows.device)
-    total = torch.zeros(rows.shape[0], device=rows.device)  # Σ exp(l − best) so far
-    for start in range(0, vocab, width):
-        z = rows[:, start : start + width].to(torch.float32, copy=True).contiguous()  # a copy: changed in place
-        top, arg = row_max(z)
-        index = torch.where(top > best, arg + start, index)
-        new = torch.maximum(best, top)
-        total = total.mul_((best - new).exp_()).add_(z.sub_(new[:, None]).exp_().sum(-1))
-        best = new
-    return (-total.log()).reshape(lead), index.reshape(lead)  # log max p = −log Σ exp(l − l_max)
+    flat = logits.reshape(-1, vocab)
+    n = flat.shape[0] if rows is None else rows.numel()
+    # The default chunk is the whole tensor's, also for ``rows``: the same chunk boundaries, so each row's result is
+    # the one the call over all rows gives, bit for bit (a sampler restricted to some rows ranks them as before).
+    width = min(vocab, chunk if chunk is not None else chunk_width(flat.shape[0], vocab))
+    block = max(1, ROW_BLOCK_BYTES // (4 * width))
+    best = torch.full((n,), -torch.inf, device=logits.device)
+    index = torch.zeros(n, dtype=torch.long, device=logits.device)
+    total = torch.zeros(n, device=logits.device)  # Σ exp(l − best) so far
+    # One float32 buffer for every chunk (and one for the gathered rows): a fresh (n, chunk) allocation per chunk
+    # costs about 3× its copy on a CPU (page faults; 0.34 vs 0.11 ms at 256 × 2048 bf16 → float32, measured).
+    buffer = torch.empty(min(block, n) * width, device=logits.device)
+    picked = None if rows is None else torch.empty(min(block, n) * width, dtype=logits.dtype, device=logits.device)
+    for first in range(0, n, block):
+        last = min(n, first + block)
+        k, chosen = last - first, None if rows is None else rows[first:last]
+        top_so_far, arg_so_far, sum_so_far = best[first:last], index[first:last], total[first:last]  # views
+        for start in range(0, vocab, width):
+            w = min(width, vocab - start)
+            z = buffer[: k * w].view(k, w)  # contiguous, changed in place
+            if chosen is None:
+                z.copy_(flat[first:last, start : start + w])
+            else:
+                z.copy_(torch.index_select(flat[:, start : start + w], 0, chosen, out=picked[: k * w].view(k, w)))
+            top, arg = row_max(z)
+            arg_so_far.copy_(torch.where(top > top_so_far, arg + start, arg_so_far))
+            new = torch.maximum(top_so_far, top)
+            sum_so_far.mul_((top_so_far - new).exp_()).add_(z.sub_(new[:, None]).exp_().sum(-1))
+            top_so_far.copy_(new)
+    out = (-total.log(), index)  # log max p = −log Σ exp(l − l_max)
+    return out if rows is not None else (out[0].reshape(lead), out[1].reshape(lead))
