@@ -90,6 +90,10 @@ def test_head_expectation_equals_dense(cap, autocast):
                 (got_mean - want_mean).abs().max(),
             )
         assert head_expectation(features, weight, bias, cap=cap)[2] is None  # no table: the summary alone
+        # Σ p·E in the caller's autocast (MLFM, as its dense q·E): bf16 products, accumulated in float32
+        got_mean = head_expectation(features, weight, bias, cap=cap, table=table, mean_autocast=True, chunk=500)[2]
+        assert got_mean.dtype == torch.float32
+        assert torch.allclose(got_mean, want_mean, atol=2e-2 if autocast else 1e-5, rtol=1e-2 if autocast else 1e-4)
     with pytest.raises(ValueError, match="table has"):
         head_expectation(features, weight, bias, table=table[:10])
 
