@@ -271,7 +271,7 @@ def test_pad_row_for_the_suites_gpt2_data(tmp_path):
     ref = mdlm_reference(state, x)
     torch.testing.assert_close(out[..., :DATA], ref[..., :DATA], atol=ATOL, rtol=0)
     torch.testing.assert_close(out[..., DATA + 1], ref[..., DATA], atol=ATOL, rtol=0)
-    assert torch.equal(out[..., DATA], torch.full_like(out[..., DATA], PAD_LOGIT))
+    assert torch.equal(out[..., DATA], torch.full_like(out[..., DATA], -100.0))
     # log-softmax over the other tokens is unchanged by the PAD row (exp(−100) vanishes next to these logits), up to
     # float32 summation order
     assert out.softmax(-1)[..., DATA].max() < 1e-30
@@ -450,3 +450,42 @@ def test_flowlm_eval_scores_an_mdlm_folder_on_the_suites_text_data(tmp_path, run
     out = evaluate(compose_config("eval", overrides=overrides))
     assert out["rows"] and all(row["nfe"] <= 4 and row[out["metric"]] > 1 for row in out["rows"])
     assert {row["run"] for row in out["rows"]} == {"checkpoint"}
+
+
+def test_the_shipped_tiny_mdlm_folder_is_current_and_reads_as_at_paper_scale():
+    """tests/fixtures/tiny_mdlm (scale=cpu of owt_fmlm_plus_init_mdlm / owt_mlfm_mdlm) is what its make.py writes; it
+    resolves and loads through the suite's reader for the run's data (the tiny tokenizer's 512 ids + the [PAD] the
+    suite adds = 513 data tokens, MDLM's 512 + [MASK]): the PAD row is inserted as for GPT-2 data and MDLM-OWT, the
+    logits are MDLM's forward's, and the configured CPU-scale backbone is the one the reader builds."""
+    from conftest import compose_config
+    from fixtures.tiny_mdlm.make import CONFIG, CONFIG_FILE, FOLDER, WEIGHTS, build
+    from safetensors.torch import load_file
+
+    from datamodules.sources import load_tokenizer
+
+    shipped, fresh = load_file(str(WEIGHTS)), build()
+    assert shipped.keys() == fresh.keys(), "stale tests/fixtures/tiny_mdlm: run its make.py"
+    assert all(torch.equal(shipped[k], fresh[k]) for k in fresh), "stale tests/fixtures/tiny_mdlm: run its make.py"
+    assert json.loads(CONFIG_FILE.read_text()) == CONFIG, "stale tests/fixtures/tiny_mdlm: run its make.py"
+    assert (CONFIG["hidden_dim"], CONFIG["n_heads"], CONFIG["n_blocks"]) == (D, HEADS, BLOCKS)  # mdlm_reference's
+    tokenizer = load_tokenizer("tests/fixtures/tiny_tokenizer")
+    data = len(tokenizer)  # the run's data vocabulary: [PAD] added at 512, MDLM's [MASK] id
+    assert data == CONFIG["vocab_size"] == 513 and tokenizer.pad_token_id == 512
+    assert resolve_source(str(FOLDER)) == FOLDER
+    ckpt = read_checkpoint(FOLDER, data_vocab_size=data)
+    assert "pad_row" in ckpt["flowlm"]["source"] and ckpt["flowlm"]["data_vocab_size"] == data
+    for experiment in ("owt_fmlm_plus_init_mdlm", "owt_mlfm_mdlm"):
+        cfg = compose_config(overrides=[f"experiment={experiment}", "scale=cpu"])
+        assert resolve_source(cfg.method.init_from).resolve() == FOLDER.resolve()
+        assert OmegaConf.to_container(cfg.backbone) == ckpt["hyper_parameters"]["backbone"], experiment
+    module = load_module(FOLDER, data_vocab_size=data).eval()
+    assert module.mask_id == data
+    state = {k.removeprefix("backbone."): v for k, v in shipped.items() if not k.endswith("inv_freq")}
+    x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    x[:, ::3] = 512  # MDLM's [MASK]
+    with torch.no_grad():
+        out = module(torch.where(x == 512, data, x), torch.zeros(2))  # the run's [MASK] is one up
+    ref = mdlm_reference(state, x)
+    torch.testing.assert_close(out[..., :512], ref[..., :512], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[..., data], ref[..., 512], atol=ATOL, rtol=0)
+    assert torch.equal(out[..., 512], torch.full_like(out[..., 512], PAD_LOGIT))

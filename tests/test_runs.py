@@ -9,6 +9,7 @@ from conftest import FAST, SHORT, compose_config, isolate_runs
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from flowlm.pretrained.hub import parse_hub_name
 from runners.common import RunExistsError
 from runners.evaluate import evaluate
 from runners.paths import CONF_DIR
@@ -59,6 +60,11 @@ def fast_text(cfg) -> list[str]:
         over += [f"backbone.{k}={v}" for k, v in TINY_SMDM.items()] + ["method.adapter.cond_dim=32"]
         if "strategy" in cfg.trainer:  # the paper scale's FSDP2: not in one pytest process (tests/test_fsdp.py)
             over += ["trainer.strategy=auto"]
+    init_from = OmegaConf.select(cfg, "method.init_from", default=None, throw_on_missing=False)
+    if isinstance(init_from, str) and parse_hub_name(init_from) and not Path(init_from).exists():
+        # a pretrained DiT by hub name (MDLM-OWT at paper scale), unreachable offline: its tiny CPU-scale folder
+        over += [f"backbone.{k}={v}" for k, v in TINY_MDLM["backbone"].items()]
+        over += [f"method.init_from={TINY_MDLM['method']['init_from']}"]
     return over + ["data.tokenizer=tests/fixtures/tiny_tokenizer"]
 
 
@@ -70,6 +76,8 @@ TINY_SMDM = {
     "config": "{n_layer:2,n_head:4,n_embd:32,intermediate_size:64,n_query_groups:2,vocab_size:512,"
     "padding_multiple:64,block_size:1024}",
 }
+# conf/scale/owt_mdlm/cpu.yaml's backbone sizes and init_from (the shipped tests/fixtures/tiny_mdlm folder)
+TINY_MDLM = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "scale" / "owt_mdlm" / "cpu.yaml"))
 
 
 @pytest.mark.parametrize("scale", SCALES)
