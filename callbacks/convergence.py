@@ -75,8 +75,13 @@ def source_steps(path: str | None) -> int:
         return int(json.loads(record.read_text())["budget_steps"])
     if ckpt.is_file():
         return int(torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True).get("global_step", 0))
-    if ckpt.is_dir():  # a sharded checkpoint folder without its run's record: the budget cannot be told
-        warnings.warn(f"no {CONVERGENCE_FILE} beside {ckpt}: its steps are not counted", RuntimeWarning, stacklevel=2)
+    if ckpt.is_dir():  # a sharded or exported checkpoint, or a pretrained model's folder: the budget cannot be told
+        warnings.warn(
+            f"no {CONVERGENCE_FILE} beside {ckpt} (a sharded checkpoint without its run's record, or a pretrained "
+            "model's folder trained outside the suite): its steps are not counted in budget_steps",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return 0
     # Not a local file or folder: a pretrained source by hub name (docs/pretrained.md), trained outside the suite
     warnings.warn(
