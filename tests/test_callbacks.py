@@ -109,3 +109,41 @@ def test_calibration_buffer_keeps_the_first_scored_tokens_and_saves_them(tmp_pat
         assert data["correct"].dtype == bool and len(data["correct"]) == 8
     with pytest.raises(ValueError, match="calibration_tokens"):
         SamplingEvaluation(samplers=samplers, nfe=[4], metric=SudokuMetric, calibration_tokens=-1)
+
+
+@pytest.mark.parametrize(("max_steps", "sampled"), [(6, [4, 6]), (5, [4, 5])])
+def test_sampling_every_n_steps_and_always_the_final_weights(runs_env, monkeypatch, max_steps, sampled):
+    """With validation every 2 steps and eval.every_n_steps=4, sampling happens at step 4 during fit and at the last
+    step (6, 5) in the runner's final validation of the last weights; the validation loss is computed at every
+    validation and the results' step is the last one."""
+    from callbacks.sampling_eval import SamplingEvaluation
+    from runners.train import train
+    from tests.conftest import FAST, compose_config
+
+    steps, losses = [], []
+    sample_batch = SamplingEvaluation._sample_batch
+
+    def recorded(self, trainer, *args):
+        if not steps or steps[-1] != trainer.global_step:
+            steps.append(trainer.global_step)
+        return sample_batch(self, trainer, *args)
+
+    monkeypatch.setattr(SamplingEvaluation, "_sample_batch", recorded)
+    overrides = ["experiment=sudoku_mdm_easy", "scale=cpu", *FAST, "logger=none", "eval.nfe=[2]"]
+    overrides += [f"trainer.max_steps={max_steps}", "eval.every_n_steps=4"]
+    cfg = compose_config(overrides=overrides)
+    from callbacks.convergence import Convergence
+
+    on_val_end = Convergence.on_validation_end
+
+    def record_loss(self, trainer, pl_module):
+        losses.append(trainer.global_step)
+        return on_val_end(self, trainer, pl_module)
+
+    monkeypatch.setattr(Convergence, "on_validation_end", record_loss)
+    result = train(cfg)
+    assert steps == sampled
+    assert {row["step"] for row in result["rows"]} == {sampled[-1]}
+    assert {2, 4} <= set(losses)  # the validation loss at every validation, also where it did not sample
+    with pytest.raises(ValueError, match="every_n_steps must be"):
+        SamplingEvaluation(samplers={"x": object()}, nfe=[1], metric=None, every_n_steps=0)
