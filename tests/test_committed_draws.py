@@ -158,6 +158,17 @@ def test_semi_ar_law_tells_the_scores_apart():
     assert math.isclose(sum(semi_ar_law(0.7, "sampled").values()), 1.0)
 
 
+def random_network(v: int, length: int, gen: torch.Generator):
+    """A random MDM stand-in over ``v`` tokens ([MASK] = v): logits from a per-(token, position) table plus a term
+    that depends on the whole input, so a commit changes the other positions' logits."""
+    table = torch.randn(v + 1, length, v, generator=gen) * 3
+
+    def net(x, t):
+        return table[x, torch.arange(length)] + x.float().mean(-1, keepdim=True)[..., None] / 10
+
+    return net
+
+
 def test_semi_ar_greedy_paths_agree_on_ragged_blocks():
     """At T = 0 (the default) the block-rows float32 path commits the same tokens with the same confidences, in the
     same NFE (blocks × K), as the whole-tensor float64 one, for both scores, on a random network over a 50-token
@@ -165,10 +176,7 @@ def test_semi_ar_greedy_paths_agree_on_ragged_blocks():
     confidence sampler's masked rows too."""
     gen = torch.Generator().manual_seed(13)
     v, length = 50, 26
-    table = torch.randn(v + 1, length, v, generator=gen) * 3
-
-    def net(x, t):
-        return table[x, torch.arange(length)] + x.float().mean(-1, keepdim=True)[..., None] / 10
+    net = random_network(v, length, gen)
 
     prompt = torch.randint(0, v, (16, length), generator=gen)
     mask = torch.arange(length) < torch.randint(2, 9, (16, 1), generator=gen)  # prompts of 2..8 tokens
@@ -243,10 +251,7 @@ def test_greedy_paths_agree_and_draws_are_checked():
     random network over a 50-token vocabulary and 4 steps; an unknown ``draws`` is refused."""
     gen = torch.Generator().manual_seed(3)
     v, length = 50, 24
-    table = torch.randn(v + 1, length, v, generator=gen) * 3
-
-    def net(x, t):
-        return table[x, torch.arange(length)] + x.float().mean(-1, keepdim=True)[..., None] / 10
+    net = random_network(v, length, gen)
 
     prompt = torch.randint(0, v, (32, length), generator=gen)
     mask = torch.zeros(32, length, dtype=torch.bool)
