@@ -221,3 +221,38 @@ def require_device(script: str, device: str) -> None:
 
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"{script}: --device cuda but no CUDA device is available")
+
+
+def peak_memory(call, device) -> float:
+    """Bytes a call adds at its peak over what the process held before it: CUDA's peak allocated memory, or on a
+    CPU the process's peak resident set (VmHWM, reset first through /proc/self/clear_refs)."""
+    import gc
+    from pathlib import Path
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        call()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+
+    def status(key: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"{key} not in /proc/self/status")
+
+    try:  # hand freed heap memory back first, so the call's allocations show as growth
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
+    before = status("VmRSS")
+    call()
+    return status("VmHWM") - before

@@ -35,6 +35,7 @@ from common import (
     elapsed,
     load_group_config,
     median,
+    peak_memory,
     require_device,
     synthetic_batch,
 )
@@ -300,7 +301,36 @@ def measure(args, *, log=print) -> dict:
         if "mdm" in modules and flow in modules:
             key = "fmlm_vs_mdm" if flow == "fmlm_plus" else f"{flow}_vs_mdm"
             result[key] = fmlm_cost_report(args, modules, batches, result, device, log, flow=flow)
+    if getattr(args, "memory", False):
+        result["peak_memory"] = step_memory(modules, losses, batches, args, device, log)
     return result
+
+
+def step_memory(modules: dict, losses: dict, batches: dict, args, device, log) -> dict[str, float]:
+    """Peak memory one bare training step (loss, backward, clipping, AdamW) adds to the process (``peak_memory``:
+    CUDA's peak allocated, or the CPU process's peak RSS), after one untimed step (optimizer states exist);
+    printed as MiB and over MDM's."""
+    out = {}
+    for method, module in modules.items():
+        module.train()
+        opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
+        params = [p for group in opt.param_groups for p in group["params"]]
+
+        def step(module=module, method=method, opt=opt, params=params) -> None:
+            opt.zero_grad(set_to_none=True)
+            with autocast(args.precision, device):
+                value = losses[method](batches[method][0], 0)
+            value.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+
+        step()
+        out[method] = min(peak_memory(step, device) for _ in range(2))
+    base = out.get("mdm")
+    for method, value in out.items():
+        over = f", {value / base:.3f}× MDM's" if base else ""
+        log(f"peak memory of one training step [{method}]: {value / 2**20:.1f} MiB{over}")
+    return out
 
 
 def backbone_of(module):
@@ -375,6 +405,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=20, help="optimiser steps per run")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each run")
     ap.add_argument("--compile", action="store_true", help="torch.compile the module's network in both loops")
+    ap.add_argument("--memory", action="store_true", help="also the peak memory of one training step per method")
     return ap
 
 

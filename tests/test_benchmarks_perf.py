@@ -13,7 +13,7 @@ RATIO = r"\d+\.\d{3}"
 COMMANDS = {
     "throughput": [
         "benchmarks/throughput.py",
-        *("--batch 2 --seq-len 8 --vocab 200 --steps 3 --warmup 1 --reps 1".split()),
+        *("--batch 2 --seq-len 8 --vocab 200 --steps 3 --warmup 1 --reps 1 --memory".split()),
     ],
     "sampler_overhead": [
         "benchmarks/sampler_overhead.py",
@@ -49,6 +49,8 @@ def test_throughput_prints_lightning_vs_bare_and_fmlm_cost_ratios(outputs):
             rf"^ratio {flow}/mdm step cost: {RATIO} \(bare loop\), {RATIO} \(Lightning\)", run.stdout, re.M
         )
     assert "theory 1.333" in run.stdout  # batch 2: one diagonal row, one off-diagonal row → 1 + 2·(1/2)/3
+    for method in ("mdm", "fmlm_plus"):  # --memory: one training step's peak
+        assert re.search(rf"^peak memory of one training step \[{method}\]: \d+\.\d MiB", run.stdout, re.M)
 
 
 def test_sampler_overhead_prints_a_ratio_per_sampler(outputs):
@@ -57,9 +59,11 @@ def test_sampler_overhead_prints_a_ratio_per_sampler(outputs):
     names = sorted(p.stem for p in (ROOT / "conf" / "sampler").glob("*.yaml") if p.stem != "ar")
     variants = ["pr_n2", "mlfm_ccfg_otp", "pr_onehot", "a_priori_onehot", "flow_map_onehot", "pr_dense"]
     variants += ["a_priori_dense", "block_dense", "confidence_dense"]  # the full log δ; the dense ranking
+    variants += ["flow_map_dense", "flm_euler_dense", "pr_n2_dense", "mlfm_dense", "mlfm_ccfg_otp_dense"]
     for name in [*names, *variants, "confidence_full", "ancestral_full"]:
         assert re.search(rf"^ratio sampler/\(NFE × forward\) \[{name}\]: {RATIO} ", run.stdout, re.M), run.stdout
     assert re.search(r"^ratio sampler/\(NFE × forward\) \[ar\]: n/a", run.stdout, re.M)
+    assert "matmul FLOPs / (NFE × forward) |" in run.stdout  # the limit where a step needs a |V|×d product
     assert "ms / MDM forward" in run.stdout  # the denominator: the network's own cost, an MDM forward on ids
     assert re.search(rf"^ratio flow forward/MDM forward: {RATIO} \(states over the vocabulary", run.stdout, re.M)
 
