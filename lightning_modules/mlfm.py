@@ -83,17 +83,12 @@ class MLFMModule(FlowLMModule):
     def denoiser(self, *, summary: str = "chunked") -> BridgeDenoiser:
         """This model as the MLFM sampler sees it: logits over the data vocabulary, E's data rows, m = E[MASK]; with
         ``summary="chunked"`` also ``posterior`` (the posterior's mode, its log-probability and x̂₁ = p·E from the
-        head's vocabulary chunks), where the adapter exposes its head (``head_parts``: the DiT adapter, whose
-        [MASK] row is the head's last) and the module is in eval mode; ``"dense"``: logits only (the earlier path)."""
+        head's vocabulary chunks), where the adapter exposes its head (``head_parts``: the DiT and LLaMA-family
+        adapters) and the module is in eval mode; ``"dense"``: logits only (the earlier path)."""
         if summary not in ("chunked", "dense"):
             raise ValueError(f"summary must be one of ('chunked', 'dense'), got {summary!r}")
         emb = self.net.embeddings
-        chunked = (
-            summary == "chunked"
-            and not self.training
-            and getattr(self.net, "head_parts", None) is not None
-            and self.mask_id == self.data_vocab_size
-        )
+        chunked = summary == "chunked" and not self.training and getattr(self.net, "head_parts", None) is not None
         return BridgeDenoiser(
             fn=lambda z, t: drop_mask_logit(self(z, t), self.data_vocab_size, self.mask_id),
             embeddings=emb[: self.data_vocab_size],
@@ -107,14 +102,16 @@ class MLFMModule(FlowLMModule):
         logits, from the head's vocabulary chunks (flowlm/samplers/summary.py): no (B, L, |V|) tensor; x̂₁ is the
         one (B·L) × |V| × d product a bridge step needs by its definition."""
         features, weight, bias, low_rank = self.net.head_parts(z, self.process.condition(t), torch.zeros_like(t))
-        v = self.data_vocab_size  # the head's rows [0, |V|): the [MASK] logit (row |V|) dropped, SUBS
+        v = self.data_vocab_size  # the head's rows [0, |V|), as drop_mask_logit: a DiT's [MASK] row |V| dropped,
+        bias = None if bias is None else bias[:v]
+        if self.mask_id < v:  # a [MASK] inside the vocabulary (LLaDA, Dream): its logit −∞ through the bias
+            bias = weight.new_zeros(v) if bias is None else bias
+            bias = bias.index_fill(0, torch.tensor([self.mask_id], device=bias.device), -torch.inf)
         if low_rank is not None:
             low_rank = (low_rank[0], low_rank[1][:v])
         table = self.net.embeddings[:v] if mean else None
         # x̂₁ in the caller's autocast, as the dense path's q·E (under bf16: 1.5× faster than float32 here)
-        return head_expectation(
-            features, weight[:v], None if bias is None else bias[:v], table=table, low_rank=low_rank, mean_autocast=True
-        )
+        return head_expectation(features, weight[:v], bias, table=table, low_rank=low_rank, mean_autocast=True)
 
     # --------------------------------------------------------------------------------------------- MDM source
     def validate_inputs(self) -> None:

@@ -156,3 +156,63 @@ def test_a_draw_reads_the_whole_posterior():
             view = module.denoiser(summary=summary)
             outs.append(sampler(view, prompt=prompt, prompt_mask=prompt_mask, nfe=4, generator=torch.manual_seed(7)))
     assert torch.equal(outs[0].tokens, outs[1].tokens) and torch.equal(outs[0].confidence, outs[1].confidence)
+
+
+LLAMA_LAYOUTS = {
+    "smdm": {"arch": "llama", "embed_rows": 9, "head_rows": 8, "mask_id": 8},  # [MASK] the extra embedding row
+    "dream": {"arch": "qwen2", "embed_rows": 8, "head_rows": 8, "mask_id": 5, "shift_logits": True},  # inside
+}
+
+
+def llama_mlfm(layout: dict) -> MLFMModule:
+    """An MLFM on a tiny random LLaMA-family MDM (LoRA on every projection and the head), every weight random."""
+    from tests.test_llama_modules import tiny_llama
+
+    torch.manual_seed(0)
+    module = MLFMModule(
+        data_vocab_size=8, seq_len=10, backbone=tiny_llama(**layout), optim={}, init_from="(not read here)"
+    )
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.normal_(0, 0.5 if "lm_head" in name else 0.1)
+    return module.eval()
+
+
+@pytest.mark.parametrize("layout", LLAMA_LAYOUTS, ids=list(LLAMA_LAYOUTS))
+def test_llama_family_mlfm_same_both_ways(layout):
+    """On the LLaMA family (SMDM's [MASK] as the extra embedding row; Dream's inside the vocabulary, shifted
+    logits): the head read in parts computes the adapter's logits, the posterior never puts mass on [MASK], and
+    the sampler sees the same states and gives the same tokens both ways, with and without CCFG + OTP."""
+    module = llama_mlfm(LLAMA_LAYOUTS[layout])
+    gen = torch.Generator().manual_seed(1)
+    z, t = torch.randn(3, 10, 32, generator=gen) * 0.1, torch.rand(3, generator=gen)
+    time = module.process.condition(t)
+    with torch.no_grad():
+        features, weight, bias, low_rank = module.net.head_parts(z, time)
+        got = F.linear(features, weight, bias) + F.linear(*low_rank)
+        assert torch.allclose(got, module.net(z, time), atol=1e-5, rtol=1e-5)
+        view = module.denoiser()
+        p = F.softmax(view.fn(z, t).float(), -1)
+        log_max, mode, mean = view.posterior_fn(z, t)
+    assert torch.equal(mode, p.argmax(-1)) and torch.allclose(log_max, p.amax(-1).log(), atol=2e-5, rtol=1e-5)
+    assert torch.allclose(mean, p @ view.embeddings.float(), atol=1e-5, rtol=1e-4)
+    data_ids = torch.tensor([i for i in range(8) if i != module.mask_id])
+    prompt = data_ids[torch.randint(0, len(data_ids), (3, 10), generator=gen)]
+    prompt_mask = torch.zeros(3, 10, dtype=torch.bool)
+    prompt_mask[:2, :3] = True
+    for options, nfe in (({}, 4), ({"guidance": 1.5, "otp_eps": 0.4}, 5)):
+        outs, states = [], []
+        for summary in ("chunked", "dense"):
+            seen = []
+            with torch.no_grad():
+                view = recorded(module.denoiser(summary=summary), seen)
+                sampler = MLFMSampler(**options)
+                outs.append(
+                    sampler(view, prompt=prompt, prompt_mask=prompt_mask, nfe=nfe, generator=torch.manual_seed(2))
+                )
+            states.append(seen)
+        for got_z, want_z in zip(*states, strict=True):
+            assert torch.allclose(got_z, want_z, atol=1e-5, rtol=1e-4)
+        assert torch.equal(outs[0].tokens, outs[1].tokens) and outs[0].nfe == outs[1].nfe
+        assert not (outs[0].tokens[~prompt_mask] == module.mask_id).any()
+        assert torch.allclose(outs[0].confidence, outs[1].confidence, atol=1e-5, rtol=1e-4)

@@ -98,22 +98,28 @@ class MLFMAdapter(nn.Module):
         if self.training:
             raise RuntimeError("head_parts is for evaluation (LoRA dropout is active in training mode)")
         features = self.base.head_features(z, base_time, extra=self._modulation(time))
-        head = self.base.final.linear
-        if type(head) is nn.Linear:
-            return features, head.weight, head.bias, None
-        base_layer = head.get_base_layer()
-        adapters = [name for name in head.active_adapters if name in head.lora_A]
-        if head.merged or head.disable_adapters or not adapters:  # the base layer alone computes the head
-            return features, base_layer.weight, base_layer.bias, None
-        if len(adapters) > 1 or adapters[0] in head.lora_variant or head.lora_B[adapters[0]].bias is not None:
-            raise TypeError("head_parts supports one plain LoRA adapter on the head (no DoRA, no LoRA bias)")
-        name = adapters[0]
-        u = head.lora_A[name](features.to(head.lora_A[name].weight.dtype)) * head.scaling[name]
-        return features, base_layer.weight, base_layer.bias, (u, head.lora_B[name].weight)
+        return (features, *linear_head_parts(self.base.final.linear, features))
 
     def base_state_names(self) -> dict[str, str]:
         """This adapter's base parameter names → the plain DiT's names (PEFT inserts ``.base_layer``)."""
         return {name: name.replace(".base_layer", "") for name in self.base.state_dict() if ".lora_" not in name}
+
+
+def linear_head_parts(head: nn.Module, features: Tensor) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
+    """An output head (a Linear, or a PEFT LoRA Linear around one) as (W, b, low-rank part): head(features) =
+    features·Wᵀ + b + u·Bᵀ with u = scaling · A(features) (None without an active adapter), so that a caller can
+    apply it in vocabulary chunks. One plain LoRA adapter only (no DoRA, no LoRA bias); dropout must be off (eval)."""
+    if type(head) is nn.Linear:
+        return head.weight, head.bias, None
+    base_layer = head.get_base_layer()
+    adapters = [name for name in head.active_adapters if name in head.lora_A]
+    if head.merged or head.disable_adapters or not adapters:  # the base layer alone computes the head
+        return base_layer.weight, base_layer.bias, None
+    if len(adapters) > 1 or adapters[0] in head.lora_variant or head.lora_B[adapters[0]].bias is not None:
+        raise TypeError("the chunked head supports one plain LoRA adapter (no DoRA, no LoRA bias)")
+    name = adapters[0]
+    u = head.lora_A[name](features.to(head.lora_A[name].weight.dtype)) * head.scaling[name]
+    return base_layer.weight, base_layer.bias, (u, head.lora_B[name].weight)
 
 
 def lora_module_names(base: DiT, targets: Sequence[str], head: bool) -> list[str]:

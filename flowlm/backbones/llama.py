@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaModel, Qwen2Config, Qwen2Model
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
+from flowlm.backbones.adapters import linear_head_parts
 from flowlm.samplers.base import MaskedDenoiser
 
 # arch → (config class, decoder class, rotary class). Qwen2 has q/k/v biases (Dream); Llama has none (SMDM, LLaDA).
@@ -152,10 +153,15 @@ class BidirectionalLM(nn.Module):
 
     def forward_embeddings(self, h: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
         """Logits for inputs given as embeddings h (B, L, d), with the source's shift convention applied."""
+        return self.lm_head(self.head_features(h, attention_mask=attention_mask))
+
+    def head_features(self, h: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
+        """``forward_embeddings`` up to the head's input (B, L, d), shifted as the logits are (the head is per
+        position, so shifting its input shifts its output): the logits are ``lm_head`` of it."""
         if h.shape[1] > self.spec["max_positions"]:
             raise ValueError(f"sequence length {h.shape[1]} exceeds max_positions={self.spec['max_positions']}")
         out = self.model(inputs_embeds=h, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        return shift_logits(self.lm_head(out)) if self.shift_logits else self.lm_head(out)
+        return shift_logits(out) if self.shift_logits else out
 
     def token_logits(self, x: Tensor) -> Tensor:
         """Logits over the head's tokens with the [MASK] logit (when the head has one) at −∞: a sampler never
@@ -317,10 +323,14 @@ class LlamaAdaLNAdapter(nn.Module):
 
     def forward_embeddings(self, h: Tensor, s: Tensor, t: Tensor | None = None) -> Tensor:
         """Logits for embeddings h (B, L, d) at times s [, t] (per sequence (B,) or per token (B, L))."""
+        return self.base.lm_head(self.head_features(h, s, t))
+
+    def head_features(self, h: Tensor, s: Tensor, t: Tensor | None = None) -> Tensor:
+        """``forward_embeddings`` up to the head's input (B, L, d): the logits are ``base.lm_head`` of it."""
         c = self.condition(s, t)  # in the adapter's dtype; the chunks in the (frozen) base's
         self._mods = [mod(c).to(h.dtype).chunk(6, dim=-1) for mod in self.layer_mods]
         try:
-            return self.base.forward_embeddings(h)
+            return self.base.head_features(h)
         finally:
             self._mods = None
 
@@ -340,6 +350,15 @@ class LlamaMLFMAdapter(LlamaAdaLNAdapter):
     def forward(self, z: Tensor, time: Tensor, base_time: Tensor | None = None) -> Tensor:  # type: ignore[override]
         """Logits for embeddings z (B, L, d) at time feature ``time`` (B,)."""
         return self.forward_embeddings(z, time)
+
+    def head_parts(
+        self, z: Tensor, time: Tensor, base_time: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
+        """``forward``'s logits as (features, W, b, low-rank part), as ``MLFMAdapter.head_parts`` (eval mode)."""
+        if self.training:
+            raise RuntimeError("head_parts is for evaluation (LoRA dropout is active in training mode)")
+        features = self.head_features(z, time)
+        return (features, *linear_head_parts(self.base.lm_head, features))
 
     def base_state_names(self) -> dict[str, str]:
         """This adapter's base parameter names → the plain backbone's (PEFT inserts ``.base_layer``)."""

@@ -131,8 +131,8 @@ def head_expectation(
                 mean.mul_(rescale[:, None])
         total += w.sum(-1)
         if mean is not None:
-            if mean_autocast:
-                mean = mean + (w @ table[start:stop]).float()
+            if mean_autocast:  # as the dense `probs @ E.float()`: bf16 under autocast, float32 without
+                mean = mean + (w @ table[start:stop].float()).float()
             else:
                 with torch.autocast(device_type=rows.device.type, enabled=False):
                     mean = torch.addmm(mean, w.to(table.dtype), table[start:stop])  # counted by FlopCounterMode
