@@ -68,6 +68,11 @@ class BackboneKind(ABC):
     def record(self, cfg: dict, net: nn.Module) -> dict:
         """The backbone config a checkpoint saves: rebuilding from it gives a network of the same function."""
 
+    def unpredicted_prefix(self, net: nn.Module) -> int:
+        """How many leading positions ``net`` predicts nothing at (0; Dream's shifted logits: 1, position 0 has no
+        preceding output): the losses keep them clean and unscored, as the prompt."""
+        return 0
+
 
 class DiTKind(BackboneKind):
     """The suite's DiT (a config without ``_target_``: size + options); [MASK] = the extra last row, id |V|."""
@@ -97,6 +102,9 @@ class TargetKind(BackboneKind):
     inside the vocabulary, never predicted)."""
 
     time_agnostic = True
+
+    def unpredicted_prefix(self, net: nn.Module) -> int:  # noqa: D102
+        return 1 if net.shift_logits else 0
 
     @staticmethod
     def matches(cfg: dict) -> bool:  # noqa: D102
@@ -185,7 +193,16 @@ class FlowLMModule(L.LightningModule):
             self.backbone_cfg, data_vocab_size=self.data_vocab_size, vocab_size=vocab_size, **extra
         )
         self._backbone_record = self.backbone_kind.record(self.backbone_cfg, net)
+        self._unpredicted = self.backbone_kind.unpredicted_prefix(net)
         return net
+
+    def pin_unpredicted(self, prompt_mask: Tensor) -> Tensor:
+        """``prompt_mask`` with the positions the backbone predicts nothing at (``unpredicted_prefix``) added: a
+        loss keeps them clean and never scores them (Dream: position 0, its BOS in the released training)."""
+        k = getattr(self, "_unpredicted", 0)
+        if k == 0:
+            return prompt_mask
+        return prompt_mask | (torch.arange(prompt_mask.shape[-1], device=prompt_mask.device) < k)
 
     def backbone_mask_id(self, net: nn.Module) -> int:
         """The [MASK] input id of a network built by ``build_backbone`` (DiT: |V|; LLaMA family: its own)."""

@@ -61,7 +61,7 @@ class MDMModule(FlowLMModule):
         self, batch: dict, t: Tensor, generator: torch.Generator | None, *, u: Tensor | None = None
     ) -> LossOutput:
         """ELBO on one batch at times t (B,); masks from ``u`` (B, L) when given, else drawn with ``generator``."""
-        tokens, prompt_mask = batch["tokens"], batch["prompt_mask"]
+        tokens, prompt_mask = batch["tokens"], self.pin_unpredicted(batch["prompt_mask"])
         noised = self.process.noise(tokens, t, prompt_mask, generator=generator, draws=u)
         logits = self(noised.state, t)
         weight = self.process.schedule.loss_weight(t)  # −α'_t/(1−α_t) = 1/t

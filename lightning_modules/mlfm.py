@@ -166,7 +166,7 @@ class MLFMModule(FlowLMModule):
     def mlfm_loss(self, batch: dict, gen_cpu: torch.Generator, gen: torch.Generator | None) -> LossOutput:
         """Mask with s from the cosine schedule (``bridge.mask_schedule``), the whole response with probability
         ``full_response_mask_prob``; bridge at t from the training distribution; CE (+ MSE)."""
-        tokens, prompt = batch["tokens"], batch["prompt_mask"]
+        tokens, prompt = batch["tokens"], self.pin_unpredicted(batch["prompt_mask"])
         b, length = tokens.shape
         s = self.process.mask_prob(b, generator=gen_cpu, device=tokens.device)
         if self.full_response_mask_prob > 0:  # the released SFT's sft_full_response_mask_prob: s = 1 for the row

@@ -220,6 +220,7 @@ def test_mlfm_reads_mask_and_data_rows_from_the_backbone(monkeypatch):
     out = module.mlfm_loss(batch, torch.Generator().manual_seed(0), torch.Generator().manual_seed(1))
     ((m, t, noised, z),) = seen
     assert torch.equal(m, emb[5])
+    assert not noised[:, 0].any() and noised.any()  # shifted logits: position 0 has no prediction, never masked
     # CE (§6): per-sequence mean of −log p(y | z_t) over masked positions, p([MASK]) = 0
     with torch.no_grad():
         logits = module(z, t).float()
@@ -227,3 +228,20 @@ def test_mlfm_reads_mask_and_data_rows_from_the_backbone(monkeypatch):
     nll = -torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
     expected = ((nll * noised).sum(-1) / noised.sum(-1)).mean()
     torch.testing.assert_close(out.loss.detach(), expected)
+
+
+@pytest.mark.parametrize(("layout", "scored_at_0"), [("smdm", True), ("dream", False)])
+def test_mdm_loss_never_masks_what_a_shifted_model_cannot_predict(layout, scored_at_0):
+    """Dream's shifted logits predict nothing at position 0: the MDM loss keeps it clean and unscored, as the prompt
+    (its BOS in the released training); an unshifted backbone masks and scores it."""
+    layouts = {
+        "smdm": {"arch": "llama", "embed_rows": 9, "head_rows": 8, "mask_id": 8},
+        "dream": {"arch": "qwen2", "embed_rows": 8, "head_rows": 8, "mask_id": 5, "shift_logits": True},
+    }
+    torch.manual_seed(0)
+    module = MDMModule(data_vocab_size=8, seq_len=6, backbone=tiny_llama(**layouts[layout]), optim={})
+    tokens = torch.tensor([[0, 1, 2, 3, 4, 6], [7, 6, 4, 3, 2, 1]])
+    batch = {"tokens": tokens, "prompt_mask": torch.zeros_like(tokens, dtype=torch.bool)}
+    out = module.mdm_loss(batch, torch.tensor([0.9, 0.9]), None, u=torch.zeros(2, 6))  # u < t: every free position
+    assert bool((out.per_token[:, 0] != 0).all()) == scored_at_0
+    assert (out.per_token[:, 1:] != 0).all()
