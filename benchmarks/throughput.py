@@ -41,16 +41,18 @@ from common import (
 )
 from torch import Tensor
 
-METHODS = ("mdm", "fmlm_plus", "mlfm", "fmlm_plus_onehot", "fmlm_plus_compiled")
+METHODS = ("mdm", "fmlm_plus", "mlfm", "fmlm_plus_onehot", "fmlm_plus_compiled", "fmlm_plus_fused")
 # Variants of a method: (its conf/method file, overrides). fmlm_plus_onehot: the flow states over the vocabulary
 # (ε and x·E of size |V|), which ``state_space: auto`` replaces by h = x·E when |V| > d; fmlm_plus_compiled: the
 # loss's soft-capped log-softmax compiled (``method.compile_tails``; not in the default --methods: compiling takes
-# a while on a CPU).
+# a while on a CPU); fmlm_plus_fused: the student's soft-capped CE from the head's vocabulary chunks, forward and
+# backward fused (``method.fused_loss``, flowlm/objectives/fused_ce.py; not in the default --methods).
 VARIANTS = {
     "fmlm_plus_onehot": ("fmlm_plus", {"state_space": "onehot"}),
     "fmlm_plus_compiled": ("fmlm_plus", {"compile_tails": True}),
+    "fmlm_plus_fused": ("fmlm_plus", {"fused_loss": True}),
 }
-FLOWS = ("fmlm_plus", "fmlm_plus_onehot", "fmlm_plus_compiled")
+FLOWS = ("fmlm_plus", "fmlm_plus_onehot", "fmlm_plus_compiled", "fmlm_plus_fused")
 
 
 def loss_function(method: str, module) -> Callable[[dict, int], Tensor]:

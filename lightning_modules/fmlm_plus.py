@@ -73,6 +73,7 @@ class FMLMPlusModule(FlowLMModule):
         antithetic: bool = True,
         state_space: str = "auto",
         compile_tails: bool = False,
+        fused_loss: bool = False,
         seed: int = 0,
     ) -> None:
         super().__init__(data_vocab_size=data_vocab_size, seq_len=seq_len, backbone=backbone, optim=optim, seed=seed)
@@ -90,6 +91,7 @@ class FMLMPlusModule(FlowLMModule):
             raise ValueError(f"state_space must be one of {STATE_SPACES}, got {state_space!r}")
         self.state_space = state_space
         self.compile_tails = compile_tails  # the loss's soft-capped log-softmax compiled (forward and backward)
+        self.fused_loss = fused_loss  # the student's loss from the head's chunks (flowlm/objectives/fused_ce.py)
         self.process = GaussianFlowProcess(vocab_size=data_vocab_size)
         self.net = self.build_backbone(data_vocab_size, two_times=True)
         self._space_cache: tuple | None = None  # (key of the embedding's storage and version, its state space)
@@ -135,15 +137,26 @@ class FMLMPlusModule(FlowLMModule):
         rounding, without a (B, L, |V|) tensor; the product with E is the one δ·E needs by its definition."""
         return self._head_pass(x, s, t, pinned, embedded=embedded, mean=True)[2]
 
+    def head_input(
+        self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor | None = None, *, embedded: bool = False
+    ) -> Tensor:
+        """``forward``'s network up to its output head's input (B, L, d): log δ = log_softmax(g(head(·)))."""
+        h = x if embedded else self.net.input_embeddings(x)
+        return self.net.head_features(h, s, t, pinned=pinned)
+
+    def plain_head(self) -> torch.nn.Linear:
+        """The output head, refused unless a plain Linear (an adapter's weight is not the whole head)."""
+        head = self.net.final.linear
+        if type(head) is not torch.nn.Linear:
+            raise TypeError(f"the chunked head pass needs a plain Linear output head, got {type(head).__name__}")
+        return head
+
     def _head_pass(
         self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor | None, *, embedded: bool, mean: bool
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """``head_expectation`` of this network's soft-capped head at (x, s, t), with E as its table if ``mean``."""
-        h = x if embedded else self.net.input_embeddings(x)
-        head = self.net.final.linear
-        if type(head) is not torch.nn.Linear:  # e.g. an adapter on the head: its weight is not the whole head
-            raise TypeError(f"the chunked head pass needs a plain Linear output head, got {type(head).__name__}")
-        features = self.net.head_features(h, s, t, pinned=pinned)
+        head = self.plain_head()
+        features = self.head_input(x, s, t, pinned, embedded=embedded)
         table = self.net.embed.weight if mean else None
         return head_expectation(features, head.weight, head.bias, cap=SOFT_CAP, table=table)
 
@@ -225,7 +238,8 @@ class FMLMPlusModule(FlowLMModule):
         """The FMLM+ loss (flowlm/objectives/fmlm_plus.py) of one batch for given pair kinds (on the host: they
         pick the rows of the teacher passes without a device read), per-sequence times (B,) and context rates f (B,)
         (drawn from ``gen`` when not given); the context set and the noise are drawn here from ``gen``. With
-        ``parts`` also each kind's mean per-token loss."""
+        ``parts`` also each kind's mean per-token loss. With ``fused_loss`` the student pass stops at the head's input
+        and the loss runs the head in vocabulary chunks (``fmlm_plus_loss``'s ``head``); the teachers are unchanged."""
         tokens, prompt = batch["tokens"], batch["prompt_mask"]
         b, length = tokens.shape
         if self.context:  # context set: each non-prompt token is clean with probability f ~ U(0, 1)
@@ -237,6 +251,11 @@ class FMLMPlusModule(FlowLMModule):
         noise = torch.randn(process.draw_shape(tokens), generator=gen, device=tokens.device)
         # log δ_{s,t}(x) at per-sequence times, the pinned tokens at s = t = 1 (two adaLN rows per sequence)
         student = functools.partial(self, embedded=True) if process.embedded else self
+        head = None
+        if self.fused_loss:
+            linear = self.plain_head()
+            student = functools.partial(self.head_input, embedded=process.embedded)
+            head = (linear.weight, linear.bias)
         with compiled_tails() if self.compile_tails else contextlib.nullcontext():  # log δ fused (flowlm/compiled.py)
             return fmlm_plus_loss(
                 student,
@@ -251,6 +270,7 @@ class FMLMPlusModule(FlowLMModule):
                 **self.teachers(embedded=process.embedded),
                 loss_mask=batch.get("loss_mask"),  # text data may leave PAD out of the loss
                 parts=parts,
+                head=head,
             )
 
     def training_process(self) -> GaussianFlowProcess:

@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flowlm.objectives.base import LossOutput
+from flowlm.objectives.flow import SOFT_CAP
+from flowlm.objectives.fused_ce import fused_capped_ce
 from flowlm.processes.gaussian_flow import DIAGONAL, DISTILL, KIND_NAMES, GaussianFlowProcess
 
 # student(x (B, L, |V|), s (B,), t (B,), pinned (B, L)) → log δ_{s,t}(x) (B, L, |V|): per-sequence times, the
@@ -143,6 +145,7 @@ def fmlm_plus_loss(
     mask_id: int | None = None,
     loss_mask: Tensor | None = None,
     parts: bool = False,
+    head: tuple[Tensor, Tensor | None] | None = None,
 ) -> LossOutput:
     """The soft CE of δ_{s,t}(x_s) against each row's target, on the active tokens (see the module docstring).
 
@@ -151,14 +154,19 @@ def fmlm_plus_loss(
     ``process``'s noisy state (``process.draw_shape``: ε (B, L, |V|), or z (B, L, d) in the embedding space).
     ``teacher`` runs the semigroup passes (default: the student; the caller may wrap it, e.g. to switch dropout);
     ``loss_mask`` (B, L) leaves tokens out of the loss (text PAD). With ``parts``, each kind's mean per-token loss
-    (one host read; a kind whose rows score no token is left out).
+    (one host read; a kind whose rows score no token is left out). With ``head`` = (W (|V|, d), b) of the output
+    Linear, the student returns the head's input features (B, L, d) instead of log δ, and the per-token loss is the
+    fused chunked cross-entropy of its soft-capped logits (flowlm/objectives/fused_ce.py: no (B, L, |V|) tensor;
+    the same values to float rounding); the ``teacher`` (required then) still returns log δ.
     """
+    if head is not None and teacher is None:
+        raise ValueError("with a fused head the student returns features: the semigroup passes need a teacher")
     active = ~prompt & ~context
     s_tok = torch.where(active, s[:, None], 1.0)  # prompt and context pinned at s = t = 1
     t_tok = torch.where(active, t[:, None], 1.0)
     noised = process.noise(tokens, s_tok, ~active, draws=noise)  # x_s = (1 − s)·ε + s·onehot(y) on the active tokens
     x_s = noised.state
-    log_d = student(x_s, s, t, ~active)  # log δ_{s,t}(x_s), the student pass (before the teacher passes)
+    out = student(x_s, s, t, ~active)  # log δ_{s,t}(x_s) (its head's input with ``head``), before the teachers
 
     soft = soft_targets(
         kinds,
@@ -175,10 +183,15 @@ def fmlm_plus_loss(
     )
     scored = active if loss_mask is None else active & loss_mask
     # −Σ_v target_v · log δ_v: a gather where the target is one-hot (diagonal rows), the full sum on the soft rows
-    per_token = -log_d.gather(-1, tokens[..., None]).squeeze(-1)
-    if soft is not None:
-        rows, values = soft
-        per_token = per_token.index_copy(0, rows, -(values.to(log_d.dtype) * log_d[rows]).sum(-1))
+    if head is not None:  # the same from the head's chunks (the soft rows' values as float32, as below)
+        soft32 = None if soft is None else (soft[0], soft[1].float())
+        per_token = fused_capped_ce(out, head[0], head[1], tokens, soft32, cap=SOFT_CAP)
+    else:
+        log_d = out
+        per_token = -log_d.gather(-1, tokens[..., None]).squeeze(-1)
+        if soft is not None:
+            rows, values = soft
+            per_token = per_token.index_copy(0, rows, -(values.to(log_d.dtype) * log_d[rows]).sum(-1))
     per_token = torch.where(scored, per_token, torch.zeros_like(per_token))
     loss = per_token.sum() / scored.sum().clamp_min(1)
     by_kind = {}

@@ -1,0 +1,265 @@
+"""The fused chunked soft-capped cross-entropy (flowlm/objectives/fused_ce.py) against the dense log δ path.
+
+per_token = −Σ_v q_v log δ_v with log δ = log_delta(features·Wᵀ + b) (flowlm/objectives/flow.py), q one-hot by the
+tokens except on the soft rows; its gradients w.r.t. the features, W and b, for an upstream gradient that is zero on
+some tokens (the caller's mask). Chunk widths: one column, an odd width that does not divide |V|, the whole
+vocabulary; float32, and bf16 autocast (both paths round the logits to bf16 as the model's head does).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flowlm.objectives.flow import SOFT_CAP, log_delta
+from flowlm.objectives.fused_ce import fused_capped_ce
+
+B, L, D, V = 4, 6, 12, 53
+
+
+def _case(seed: int = 0, dtype=torch.float32):
+    """Features, a head with logits spread over ±3·cap (the cap's curved part and its flat tails), tokens, two soft
+    rows of target distributions (rows 2 and 0: not sorted) and an upstream gradient with zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    features = torch.randn(B, L, D, generator=gen, dtype=dtype)
+    weight = torch.randn(V, D, generator=gen, dtype=dtype) * 12
+    bias = torch.randn(V, generator=gen, dtype=dtype) * 5
+    tokens = torch.randint(0, V, (B, L), generator=gen)
+    rows = torch.tensor([2, 0])
+    values = F.softmax(torch.randn(2, L, V, generator=gen, dtype=dtype) * 3, -1)
+    upstream = torch.randn(B, L, generator=gen, dtype=dtype)
+    upstream[1, 2:] = 0  # masked tokens, a one-hot row
+    upstream[2, 0] = 0  # and a soft row
+    return features, weight, bias, tokens, (rows, values), upstream
+
+
+def _dense(features, weight, bias, tokens, soft):
+    """fmlm_plus_loss's dense per-token loss: a gather on one-hot rows, the full sum on the soft rows."""
+    log_d = log_delta(F.linear(features, weight, bias))
+    per_token = -log_d.gather(-1, tokens[..., None]).squeeze(-1)
+    if soft is not None:
+        rows, values = soft
+        per_token = per_token.index_copy(0, rows, -(values.to(log_d.dtype) * log_d[rows]).sum(-1))
+    return per_token
+
+
+def _loss_and_grads(fn, features, weight, bias, upstream, *, autocast: bool = False):
+    leaves = [None if x is None else x.detach().clone().requires_grad_() for x in (features, weight, bias)]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        per_token = fn(*leaves)
+    grads = torch.autograd.grad((per_token * upstream).sum(), [x for x in leaves if x is not None])
+    return per_token.detach(), grads
+
+
+@pytest.mark.parametrize("chunk", [1, 7, V])
+@pytest.mark.parametrize("with_soft", [True, False])
+def test_fused_equals_dense_float32(chunk, with_soft):
+    """float32: per_token to 2e-5 (its scale: up to 2·cap), the gradients to 1e-5 of their largest entry (measured:
+    ≤ 2e-7)."""
+    features, weight, bias, tokens, soft, upstream = _case(1)
+    soft = soft if with_soft else None
+    dense = _loss_and_grads(lambda f, w, b: _dense(f, w, b, tokens, soft), features, weight, bias, upstream)
+    fused = _loss_and_grads(
+        lambda f, w, b: fused_capped_ce(f, w, b, tokens, soft, cap=SOFT_CAP, chunk=chunk),
+        features,
+        weight,
+        bias,
+        upstream,
+    )
+    assert torch.allclose(fused[0], dense[0], rtol=2e-5, atol=2e-5), (fused[0] - dense[0]).abs().max()
+    for name, got, want in zip(("features", "weight", "bias"), fused[1], dense[1], strict=True):
+        assert got.dtype == want.dtype
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), name
+
+
+@pytest.mark.parametrize("chunk", [1, 7, V])
+def test_fused_equals_dense_under_bf16_autocast(chunk):
+    """bf16 autocast: the head's chunks are rounded to bf16 as the dense head's logits are, so per_token agrees to
+    float32 rounding of the same bf16 logits (1e-4); the gradients to 1 % of their largest entry (measured: ≤ 0.5 %;
+    the dense backward rounds dL/dl and the whole products to bf16, the fused one each chunk's product); grads in
+    the parameters' dtype (float32)."""
+    features, weight, bias, tokens, soft, upstream = _case(2)
+    dense = _loss_and_grads(
+        lambda f, w, b: _dense(f, w, b, tokens, soft), features, weight, bias, upstream, autocast=True
+    )
+    fused = _loss_and_grads(
+        lambda f, w, b: fused_capped_ce(f, w, b, tokens, soft, cap=SOFT_CAP, chunk=chunk),
+        features,
+        weight,
+        bias,
+        upstream,
+        autocast=True,
+    )
+    assert fused[0].dtype == torch.float32
+    assert torch.allclose(fused[0], dense[0], rtol=1e-4, atol=1e-4), (fused[0] - dense[0]).abs().max()
+    for name, got, want in zip(("features", "weight", "bias"), fused[1], dense[1], strict=True):
+        assert got.dtype == torch.float32
+        assert (got - want).abs().max() <= 1e-2 * want.abs().max(), name
+
+
+def test_zero_upstream_gives_zero_gradient():
+    """A token with zero upstream gradient contributes nothing: all-zero upstream → all-zero gradients."""
+    features, weight, bias, tokens, soft, upstream = _case(3)
+    fn = lambda f, w, b: fused_capped_ce(f, w, b, tokens, soft, cap=SOFT_CAP, chunk=7)  # noqa: E731
+    _, grads = _loss_and_grads(fn, features, weight, bias, torch.zeros_like(upstream))
+    assert all(not g.any() for g in grads)
+
+
+def test_gradcheck_float64():
+    """torch.autograd.gradcheck in float64 on a tiny case: soft and one-hot rows, a chunk that does not divide |V|;
+    the soft values are not normalised (the function is m·lse − Σ q·g with m = Σ q), so the check also covers m."""
+    gen = torch.Generator().manual_seed(4)
+    b, length, d, vocab = 3, 4, 5, 11
+    features = torch.randn(b, length, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = (torch.randn(vocab, d, generator=gen, dtype=torch.float64) * 8).requires_grad_()
+    bias = torch.randn(vocab, generator=gen, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, vocab, (b, length), generator=gen)
+    values = torch.rand(1, length, vocab, generator=gen, dtype=torch.float64)
+    soft = (torch.tensor([1]), values)
+    fn = lambda f, w, bb: fused_capped_ce(f, w, bb, tokens, soft, cap=SOFT_CAP, chunk=4)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (features, weight, bias))
+
+
+def test_without_bias_and_errors():
+    """A head without bias equals the dense path; a non-positive cap, mismatched shapes and chunk 0 are refused."""
+    features, weight, _, tokens, soft, upstream = _case(5)
+    dense = _loss_and_grads(lambda f, w, b: _dense(f, w, b, tokens, soft), features, weight, None, upstream)
+    fused = _loss_and_grads(
+        lambda f, w, b: fused_capped_ce(f, w, b, tokens, soft, cap=SOFT_CAP, chunk=7), features, weight, None, upstream
+    )
+    assert torch.allclose(fused[0], dense[0], rtol=2e-5, atol=2e-5)
+    for got, want in zip(fused[1], dense[1], strict=True):
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    with pytest.raises(ValueError, match="soft cap"):
+        fused_capped_ce(features, weight, None, tokens, cap=0.0)
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_capped_ce(features, weight[:, :-1], None, tokens, cap=SOFT_CAP)
+    with pytest.raises(ValueError, match="do not match"):
+        fused_capped_ce(features, weight, None, tokens, (soft[0], soft[1][:, :, :-1]), cap=SOFT_CAP)
+    with pytest.raises(ValueError, match="chunk"):
+        fused_capped_ce(features, weight, None, tokens, cap=SOFT_CAP, chunk=0)
+
+
+# ------------------------------------------------------------------------------------------- the FMLM+ module
+VM, DM, LM, BM = 2003, 16, 8, 6  # |V| a few thousand, odd (the default chunk leaves a short last chunk)
+
+
+def _module(state_space: str, fused: bool):
+    from lightning_modules.fmlm_plus import FMLMPlusModule
+
+    torch.manual_seed(7)
+    backbone = {"d_model": DM, "n_layers": 1, "n_heads": 2, "cond_dim": 16}
+    module = FMLMPlusModule(
+        data_vocab_size=VM,
+        seq_len=LM,
+        backbone=backbone,
+        optim={"lr": 1e-3},
+        state_space=state_space,
+        fused_loss=fused,
+        teacher_train_mode=False,  # dropout off: the teachers' passes are deterministic
+    ).train()
+    with torch.no_grad():
+        for p in module.parameters():
+            if not p.any():
+                p.normal_(0, 0.5)
+    return module
+
+
+@pytest.mark.parametrize("state_space", ["onehot", "embedding"])
+def test_module_fused_loss_matches_dense(state_space, monkeypatch):
+    """``method.fused_loss``: on one batch of diagonal, boundary and off-diagonal rows, with a PAD loss mask, the
+    FMLM+ loss, its parts and every parameter's gradient equal the dense path's to float rounding; the student
+    pass never calls log_delta with the fused loss (the teachers still do)."""
+    import lightning_modules.fmlm_plus as fmlm_plus
+    from flowlm.processes.gaussian_flow import batch_kinds_and_times
+
+    calls, original = [], fmlm_plus.log_delta
+    monkeypatch.setattr(fmlm_plus, "log_delta", lambda x: calls.append(torch.is_grad_enabled()) or original(x))
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VM, (BM, LM), generator=gen)
+    batch = {"tokens": tokens, "prompt_mask": torch.zeros(BM, LM, dtype=torch.bool)}
+    batch["prompt_mask"][:, :2] = True
+    batch["loss_mask"] = torch.ones(BM, LM, dtype=torch.bool)
+    batch["loss_mask"][0, -2:] = False
+    kinds, s, t = batch_kinds_and_times(BM, offset=0, count=BM, generator=gen, diagonal=0.5, boundary=1 / 6)
+    assert len(set(kinds.tolist())) == 3
+    results = []
+    for fused in (False, True):
+        module = _module(state_space, fused)
+        calls.clear()
+        out = module.flow_loss(batch, kinds, s, t, torch.Generator().manual_seed(1), parts=True)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+        results.append((out, grads, list(calls)))
+    (dense, dense_grads, dense_calls), (fused, fused_grads, fused_calls) = results
+    assert dense_calls == [True] and fused_calls == []  # the student's log δ; teachers run log_delta_ (no grad)
+    assert torch.allclose(dense.loss, fused.loss, rtol=1e-5, atol=1e-6), (dense.loss, fused.loss)
+    assert torch.allclose(dense.per_token, fused.per_token, rtol=1e-5, atol=1e-5)
+    assert dense.parts.keys() == fused.parts.keys() and len(dense.parts) == 3
+    for name in dense.parts:
+        assert abs(dense.parts[name] - fused.parts[name]) <= 1e-5 * abs(dense.parts[name]), name
+    assert dense_grads.keys() == fused_grads.keys() and len(dense_grads) > 10
+    for name, grad in dense_grads.items():
+        assert (grad - fused_grads[name]).abs().max() <= 1e-4 * grad.abs().max() + 1e-7, name
+
+
+def test_module_fused_loss_refuses_an_adapted_head():
+    """A head that is not a plain Linear (an adapter's subclass) is refused with a clear error."""
+
+    class Adapted(torch.nn.Linear):
+        pass
+
+    module = _module("onehot", True)
+    old = module.net.final.linear
+    module.net.final.linear = Adapted(old.in_features, old.out_features)
+    batch = {"tokens": torch.zeros(2, LM, dtype=torch.long), "prompt_mask": torch.zeros(2, LM, dtype=torch.bool)}
+    with pytest.raises(TypeError, match="plain Linear"):
+        module.flow_loss(batch, torch.zeros(2, dtype=torch.long), torch.rand(2), torch.rand(2), None)
+
+
+def test_objective_fused_head_matches_dense_with_distill_rows():
+    """``fmlm_plus_loss(head=...)`` with every pair kind, distill rows included (an MDM teacher's softmax targets,
+    here a fixed random linear map of the ids): the loss and its gradients equal the dense student's; a fused head
+    without a separate teacher is refused (the student then returns features, not log δ)."""
+    from flowlm.objectives.fmlm_plus import fmlm_plus_loss
+    from flowlm.processes.gaussian_flow import BOUNDARY, DIAGONAL, DISTILL, OFF_DIAGONAL
+
+    module = _module("onehot", False)
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VM, (BM, LM), generator=gen)
+    prompt = torch.zeros(BM, LM, dtype=torch.bool)
+    prompt[:, 0] = True
+    kinds = torch.tensor([DIAGONAL, DISTILL, OFF_DIAGONAL, BOUNDARY, DISTILL, DIAGONAL])
+    s = torch.tensor([0.3, 0.0, 0.2, 0.0, 0.0, 0.7])
+    t = torch.tensor([0.3, 0.0, 0.6, 1.0, 0.0, 0.7])
+    table = torch.randn(VM + 1, VM, generator=gen)  # ids ([MASK] = VM) → teacher logits
+    args = dict(
+        context=torch.rand(BM, LM, generator=gen) < 0.3,
+        noise=torch.randn(BM, LM, VM, generator=gen),
+        process=module.process,
+        teacher=module.teacher_pass,
+        mdm_teacher=lambda ids, rate: table[ids],
+        mask_id=VM,
+        parts=True,
+    )
+    head = module.net.final.linear
+    results = []
+    for fused in (False, True):
+        module.zero_grad(set_to_none=True)
+        student, extra = (module.head_input, {"head": (head.weight, head.bias)}) if fused else (module, {})
+        out = fmlm_plus_loss(student, tokens, prompt, kinds, s, t, **args, **extra)
+        out.loss.backward()
+        results.append((out, {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}))
+    (dense, dense_grads), (fused, fused_grads) = results
+    assert set(dense.parts) == {"diagonal", "boundary", "off_diagonal", "distill"}
+    assert torch.allclose(dense.loss, fused.loss, rtol=1e-5, atol=1e-6), (dense.loss, fused.loss)
+    for name in dense.parts:
+        assert abs(dense.parts[name] - fused.parts[name]) <= 1e-5 * abs(dense.parts[name]), name
+    assert dense_grads.keys() == fused_grads.keys()
+    for name, grad in dense_grads.items():
+        assert (grad - fused_grads[name]).abs().max() <= 1e-4 * grad.abs().max() + 1e-7, name
+    with pytest.raises(ValueError, match="teacher"):
+        fmlm_plus_loss(
+            module.head_input, tokens, prompt, kinds, s, t, **{**args, "teacher": None}, head=(head.weight, None)
+        )
