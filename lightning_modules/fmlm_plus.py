@@ -254,6 +254,8 @@ class FMLMPlusModule(FlowLMModule):
         head = None
         if self.fused_loss:
             linear = self.plain_head()
+            if type(linear.weight.data) is not torch.Tensor:  # a DTensor shard outside the network's forward
+                raise ValueError("method.fused_loss needs the full head weight: not with a sharded (FSDP) DiT")
             student = functools.partial(self.head_input, embedded=process.embedded)
             head = (linear.weight, linear.bias)
         with compiled_tails() if self.compile_tails else contextlib.nullcontext():  # log δ fused (flowlm/compiled.py)
