@@ -41,18 +41,21 @@ from common import (
 )
 from torch import Tensor
 
-METHODS = ("mdm", "fmlm_plus", "mlfm", "fmlm_plus_onehot", "fmlm_plus_compiled", "fmlm_plus_fused")
-# Variants of a method: (its conf/method file, overrides). fmlm_plus_onehot: the flow states over the vocabulary
+METHODS = ("mdm", "fmlm_plus", "mlfm", "fmlm_plus_dense", "fmlm_plus_onehot", "fmlm_plus_compiled", "fmlm_plus_fused")
+# Variants of a method: (its conf/method file, overrides). fmlm_plus is the default (``fused_loss: auto``: the
+# student's loss fused from the head's chunks when |V| > d); fmlm_plus_dense: the dense student log δ (fused_loss
+# false, the earlier path); fmlm_plus_onehot: the flow states over the vocabulary
 # (ε and x·E of size |V|), which ``state_space: auto`` replaces by h = x·E when |V| > d; fmlm_plus_compiled: the
 # loss's soft-capped log-softmax compiled (``method.compile_tails``; not in the default --methods: compiling takes
 # a while on a CPU); fmlm_plus_fused: the student's soft-capped CE from the head's vocabulary chunks, forward and
 # backward fused (``method.fused_loss``, flowlm/objectives/fused_ce.py; not in the default --methods).
 VARIANTS = {
-    "fmlm_plus_onehot": ("fmlm_plus", {"state_space": "onehot"}),
+    "fmlm_plus_dense": ("fmlm_plus", {"fused_loss": False}),
+    "fmlm_plus_onehot": ("fmlm_plus", {"state_space": "onehot", "fused_loss": False}),
     "fmlm_plus_compiled": ("fmlm_plus", {"compile_tails": True}),
     "fmlm_plus_fused": ("fmlm_plus", {"fused_loss": True}),
 }
-FLOWS = ("fmlm_plus", "fmlm_plus_onehot", "fmlm_plus_compiled", "fmlm_plus_fused")
+FLOWS = ("fmlm_plus", "fmlm_plus_dense", "fmlm_plus_onehot", "fmlm_plus_compiled", "fmlm_plus_fused")
 
 
 def loss_function(method: str, module) -> Callable[[dict, int], Tensor]:
@@ -403,7 +406,7 @@ def parser() -> argparse.ArgumentParser:
     """Command-line options (shared with gpu_check.py)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap, batch=256)  # the demo's training batch
-    ap.add_argument("--methods", nargs="+", default=list(METHODS[:4]), choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS[:5]), choices=METHODS)
     ap.add_argument("--steps", type=int, default=20, help="optimiser steps per run")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each run")
     ap.add_argument("--compile", action="store_true", help="torch.compile the module's network in both loops")

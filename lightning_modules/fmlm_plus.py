@@ -50,6 +50,7 @@ from lightning_modules.checkpoints import (
 )
 
 SUMMARIES = ("chunked", "dense")  # how greedy drafts read the model: FMLMPlusModule.denoiser
+FUSED_LOSSES = ("auto", True, False)  # FMLMPlusModule.fused_head: auto = by shape, where the head allows it
 
 
 class FMLMPlusModule(FlowLMModule):
@@ -73,7 +74,7 @@ class FMLMPlusModule(FlowLMModule):
         antithetic: bool = True,
         state_space: str = "auto",
         compile_tails: bool = False,
-        fused_loss: bool = False,
+        fused_loss: str | bool = "auto",
         seed: int = 0,
     ) -> None:
         super().__init__(data_vocab_size=data_vocab_size, seq_len=seq_len, backbone=backbone, optim=optim, seed=seed)
@@ -91,6 +92,8 @@ class FMLMPlusModule(FlowLMModule):
             raise ValueError(f"state_space must be one of {STATE_SPACES}, got {state_space!r}")
         self.state_space = state_space
         self.compile_tails = compile_tails  # the loss's soft-capped log-softmax compiled (forward and backward)
+        if fused_loss not in FUSED_LOSSES:
+            raise ValueError(f"fused_loss must be one of {FUSED_LOSSES}, got {fused_loss!r}")
         self.fused_loss = fused_loss  # the student's loss from the head's chunks (flowlm/objectives/fused_ce.py)
         self.process = GaussianFlowProcess(vocab_size=data_vocab_size)
         self.net = self.build_backbone(data_vocab_size, two_times=True)
@@ -251,13 +254,9 @@ class FMLMPlusModule(FlowLMModule):
         noise = torch.randn(process.draw_shape(tokens), generator=gen, device=tokens.device)
         # log δ_{s,t}(x) at per-sequence times, the pinned tokens at s = t = 1 (two adaLN rows per sequence)
         student = functools.partial(self, embedded=True) if process.embedded else self
-        head = None
-        if self.fused_loss:
-            linear = self.plain_head()
-            if type(linear.weight.data) is not torch.Tensor:  # a DTensor shard outside the network's forward
-                raise ValueError("method.fused_loss needs the full head weight: not with a sharded (FSDP) DiT")
+        head = self.fused_head()
+        if head is not None:
             student = functools.partial(self.head_input, embedded=process.embedded)
-            head = (linear.weight, linear.bias)
         with compiled_tails() if self.compile_tails else contextlib.nullcontext():  # log δ fused (flowlm/compiled.py)
             return fmlm_plus_loss(
                 student,
@@ -274,6 +273,24 @@ class FMLMPlusModule(FlowLMModule):
                 parts=parts,
                 head=head,
             )
+
+    def fused_head(self) -> tuple[Tensor, Tensor | None] | None:
+        """(W, b) of the output head when this step's student loss runs fused from the head's chunks, else None: the
+        one place it is chosen. ``fused_loss`` true: required (a head that is not a plain Linear, or a sharded head
+        weight, is refused); false: never; auto: where the vocabulary is larger than the width (text, where the
+        (B, L, |V|) log δ is the cost; Sudoku keeps the dense path), the head is a plain, unsharded Linear and
+        ``compile_tails`` does not ask for the compiled dense log-softmax."""
+        if self.fused_loss is False:
+            return None
+        linear = self.net.final.linear
+        plain = type(linear) is torch.nn.Linear and type(linear.weight.data) is torch.Tensor  # not a DTensor shard
+        if self.fused_loss == "auto":  # compile_tails asks for the compiled dense log-softmax instead
+            wide = linear.out_features > linear.in_features
+            return (linear.weight, linear.bias) if plain and wide and not self.compile_tails else None
+        linear = self.plain_head()
+        if type(linear.weight.data) is not torch.Tensor:  # a DTensor shard outside the network's forward
+            raise ValueError("method.fused_loss needs the full head weight: not with a sharded (FSDP) DiT")
+        return linear.weight, linear.bias
 
     def training_process(self) -> GaussianFlowProcess:
         """The process of this step's states: over the vocabulary, or, when ``state_space`` chooses the embedding

@@ -14,7 +14,7 @@ COMMANDS = {
     "throughput": [
         "benchmarks/throughput.py",
         *("--batch 2 --seq-len 8 --vocab 200 --steps 3 --warmup 1 --reps 1 --memory".split()),
-        *("--methods mdm fmlm_plus mlfm fmlm_plus_onehot fmlm_plus_fused".split()),
+        *("--methods mdm fmlm_plus mlfm fmlm_plus_dense fmlm_plus_onehot fmlm_plus_fused".split()),
     ],
     "sampler_overhead": [
         "benchmarks/sampler_overhead.py",
@@ -45,7 +45,7 @@ def test_throughput_prints_lightning_vs_bare_and_fmlm_cost_ratios(outputs):
     assert run.returncode == 0, run.stderr[-3000:]
     for method in ("mdm", "fmlm_plus", "mlfm"):
         assert re.search(rf"^ratio lightning/bare \[{method}\]: {RATIO} ", run.stdout, re.M), run.stdout
-    for flow in ("fmlm_plus", "fmlm_plus_onehot", "fmlm_plus_fused"):  # by shape, over the vocabulary, fused loss
+    for flow in ("fmlm_plus", "fmlm_plus_dense", "fmlm_plus_onehot", "fmlm_plus_fused"):  # defaults; earlier paths
         assert re.search(
             rf"^ratio {flow}/mdm step cost: {RATIO} \(bare loop\), {RATIO} \(Lightning\)", run.stdout, re.M
         )

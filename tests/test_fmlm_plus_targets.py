@@ -394,18 +394,18 @@ def test_teacher_passes_run_in_the_chosen_mode_and_restore_it(teacher_train_mode
 def test_teacher_mode_and_t_embedding_defaults_agree_between_module_and_config():
     """The configs that build FMLM+ (fmlm_plus, and fmlm_plus_init inheriting it) state the same defaults as the
     module's signature, so a run and a module built in code behave alike, and those defaults are the released
-    code's: train-mode teachers, emb_t left random (zero_t_embedding=False), antithetic draws, the dense loss
-    (fused_loss=False)."""
+    code's: train-mode teachers, emb_t left random (zero_t_embedding=False), antithetic draws; the student's loss
+    fused by shape (fused_loss=auto: the released loss to float rounding)."""
     from tests.conftest import compose_config
 
     signature = inspect.signature(FMLMPlusModule.__init__).parameters
     for name in ("fmlm_plus", "fmlm_plus_init", "fmlm_plus_distill"):  # as train.yaml composes them (their family)
         cfg = compose_config(overrides=[f"method={name}"]).method
         for key in ("zero_t_embedding", "teacher_train_mode", "antithetic", "fused_loss"):
-            assert cfg[key] is signature[key].default, (name, key, cfg[key], signature[key].default)
+            assert cfg[key] == signature[key].default, (name, key, cfg[key], signature[key].default)
     assert signature["teacher_train_mode"].default is True  # methods.md §9: the released FMLM+ behaviour
     assert signature["zero_t_embedding"].default is False and signature["antithetic"].default is True
-    assert signature["fused_loss"].default is False
+    assert signature["fused_loss"].default == "auto"
 
 
 # ------------------------------------------------------------------------------------------ zero_t_embedding

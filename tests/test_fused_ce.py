@@ -263,3 +263,26 @@ def test_objective_fused_head_matches_dense_with_distill_rows():
         fmlm_plus_loss(
             module.head_input, tokens, prompt, kinds, s, t, **{**args, "teacher": None}, head=(head.weight, None)
         )
+
+
+def test_fused_loss_auto_chooses_by_shape():
+    """``fused_loss=auto`` (the default): fused where |V| > d and the head is a plain Linear (text), dense at a
+    Sudoku vocabulary and for an adapted head; false never; an unknown value is refused."""
+    from lightning_modules.fmlm_plus import FMLMPlusModule
+
+    assert _module("embedding", "auto").fused_head() is not None  # |V| = VM > d = DM
+    assert _module("embedding", False).fused_head() is None
+    small = FMLMPlusModule(
+        data_vocab_size=6, seq_len=LM, backbone={"d_model": DM, "n_layers": 1, "n_heads": 2, "cond_dim": 16}, optim={}
+    )
+    assert small.fused_loss == "auto" and small.fused_head() is None  # |V| ≤ d: the dense path
+    module = _module("onehot", "auto")
+    old = module.net.final.linear
+
+    class Adapted(torch.nn.Linear):
+        pass
+
+    module.net.final.linear = Adapted(old.in_features, old.out_features)
+    assert module.fused_head() is None  # auto falls back; true refuses (test above)
+    with pytest.raises(ValueError, match="fused_loss must be one of"):
+        _module("onehot", "fast")
