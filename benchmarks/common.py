@@ -210,9 +210,22 @@ def add_model_args(ap, *, batch: int) -> None:
     ap.add_argument("--vocab", type=int, default=6, help="data vocabulary (MDM/MLFM add [MASK])")
     ap.add_argument("--prompt-len", type=int, default=0, help="leading prompt positions (never noised)")
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (medians are compared)")
-    ap.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
+    ap.add_argument(
+        "--precision", default="auto", choices=("auto", *PRECISIONS), help="auto: the trainer's (resolve_precision)"
+    )
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     ap.add_argument("--seed", type=int, default=0)
+
+
+def resolve_precision(args) -> None:
+    """``--precision auto`` → what the trainer would run: bf16-mixed on a GPU; on a CPU ``cpu_precision`` (bf16-mixed
+    only where the CPU has bf16 kernels; emulated bf16 would time the emulation, not the model)."""
+    import torch
+
+    from runners.paths import cpu_precision
+
+    if args.precision == "auto":
+        args.precision = "bf16-mixed" if torch.device(args.device).type == "cuda" else cpu_precision()
 
 
 def require_device(script: str, device: str) -> None:

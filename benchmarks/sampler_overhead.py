@@ -49,6 +49,7 @@ from common import (
     peak_memory,
     randomise_zero_init,
     require_device,
+    resolve_precision,
 )
 
 from flowlm.compiled import compiled_tails
@@ -493,6 +494,7 @@ def main() -> None:
     """Parse, check the device, measure."""
     args = parser().parse_args()
     require_device("sampler_overhead.py", args.device)
+    resolve_precision(args)
     measure(args)
 
 

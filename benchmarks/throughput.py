@@ -37,6 +37,7 @@ from common import (
     median,
     peak_memory,
     require_device,
+    resolve_precision,
     synthetic_batch,
 )
 from torch import Tensor
@@ -418,6 +419,7 @@ def main() -> None:
     """Parse, check the device, measure."""
     args = parser().parse_args()
     require_device("throughput.py", args.device)
+    resolve_precision(args)
     if args.steps < 2:
         raise SystemExit("throughput.py: --steps must be ≥ 2 (at least one timed step after the first)")
     quiet_lightning()
