@@ -34,7 +34,7 @@ def cpu_precision() -> str:
     """The CPU trainer's precision (conf/trainer/cpu.yaml): ``bf16-mixed`` where the CPU computes bf16 natively
     (oneDNN's bf16 kernels: AVX-512 or AMX; bf16 autocast then runs ≈ 2× faster than float32), else ``32-true``.
     On an AVX2-only CPU torch emulates bf16 matrix products, measured 28× slower than float32 (512 × 512 products,
-    AMD EPYC with AVX2) and ≈ 25× for a whole Sudoku training step: docs/performance.md#cpu-precision."""
+    AMD EPYC with AVX2) and 7–10× for a whole Sudoku training step: docs/performance.md#cpu-precision."""
     import torch  # here, not at the top: this leaf module is read by processes that need no torch
 
     try:

@@ -1,5 +1,5 @@
 """The CPU trainer's precision follows the hardware: bf16 autocast only where the CPU has bf16 kernels (emulated bf16
-is ≈ 25× slower than float32 on an AVX2-only CPU), an explicit ``trainer.precision`` still wins."""
+is 7–10× slower per training step on an AVX2-only CPU), an explicit ``trainer.precision`` still wins."""
 
 import pytest
 import torch
