@@ -26,6 +26,26 @@ def test_a_plateau_converges_and_an_improving_loss_does_not():
     assert check_convergence(improving, rel_tol=0.03).converged
 
 
+def test_a_loss_decaying_to_zero_converges_on_its_share_of_the_descent():
+    # Window {500}: best before 0.1, in it 0.095: a relative gain of 5 % (≥ 1 %, the relative rule says "improving"),
+    # but 0.005 of a descent of 2.0 − 0.095 = 1.905 since the first validation: 0.26 % < 1 % → converged.
+    history = [(100, 2.0), (200, 0.5), (300, 0.2), (400, 0.1), (500, 0.095)]
+    verdict = check_convergence(history)
+    assert verdict.converged
+    assert verdict.gain == pytest.approx(0.05) and verdict.progress == pytest.approx(0.005 / 1.905)
+    assert not check_convergence(history, progress_tol=None).converged  # the relative rule alone
+    assert not check_convergence([*history[:4], (500, 0.07)]).converged  # 0.03 / 1.93 = 1.55 % ≥ 1 %
+    # Geometric decay towards 0 (Sudoku's losses): the relative gain per window never falls under 1 %, the share of
+    # the descent does.
+    decay = [(100 * k, 0.9**k) for k in range(1, 201)]
+    assert not any(check_convergence(decay[:k], progress_tol=None).converged for k in range(3, 201))
+    first = next(k for k in range(3, 201) if check_convergence(decay[:k]).converged)
+    verdict = check_convergence(decay[:first])
+    assert verdict.gain > 0.01 and verdict.progress < 0.01
+    with pytest.raises(ValueError, match="progress_tol"):
+        check_convergence([], progress_tol=0.0)
+
+
 def test_the_window_is_the_last_fifth_of_the_steps_and_compares_bests():
     # At step 1000 the window is steps > 800: {900, 1000}. The best before it (step 800) is 1.0; the window's best
     # is 0.995 (a bump at 1000 does not hide the gain at 900): 0.5 % < 1 % → converged.

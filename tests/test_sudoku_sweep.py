@@ -53,7 +53,7 @@ def check_job(name: str, job, experiments: list[str], i: int, nfe_of) -> None:
     samplers = {"mdm": {"ancestral", "confidence"}, "fmlm": {"pr", "a_priori"}}
     samplers["mlfm"] = {"mlfm", "mlfm_ccfg", "mlfm_ccfg_otp"}
     OmegaConf.resolve(job)
-    assert job.trainer.max_steps == 600 and job.callbacks.convergence.stop is True, name
+    assert job.trainer.max_steps == 6000 and job.callbacks.convergence.stop is True, name
     assert job.callbacks.results_csv.dir.endswith("sudoku") and job.sweep.run_dirs == "experiment", name
     assert (job.data.box_rows, job.data.box_cols) == (2, 3), name
     assert set(job.eval.samplers) == samplers[_family(name)], name
