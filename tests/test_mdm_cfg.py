@@ -89,6 +89,17 @@ def test_guided_logits_are_the_formula_and_the_branches_see_what_they_should():
     assert torch.equal(guided[3], cond[3])  # a row without a prompt: the conditional logits exactly
 
 
+def test_guidance_is_computed_in_float32_from_low_precision_logits():
+    net = PromptAwareNet()
+    prompt, prompt_mask = _prompt()
+    x = torch.where(prompt_mask, prompt, MASK)
+    half = MaskedDenoiser(fn=lambda x, t: net(x, t).bfloat16(), mask_id=MASK)
+    guided = guided_denoiser(half, prompt_mask, 6.0).fn(x, torch.ones(B))
+    cond, un = (net(y, None).bfloat16().float() for y in (x, torch.where(prompt_mask, MASK, x)))
+    assert guided.dtype == torch.float32
+    torch.testing.assert_close(guided, un + 7.0 * (cond - un), rtol=0, atol=1e-5)  # bf16 arithmetic: off by ≈ 0.1
+
+
 @pytest.mark.parametrize("name", SAMPLERS)
 def test_guided_sampler_reads_the_guided_logits_and_spends_two_nfe_per_step(name):
     """With the same generator, the guided sampler = the unguided sampler on the formula's model with half the budget:

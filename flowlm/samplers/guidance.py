@@ -64,11 +64,10 @@ def guided_denoiser(model: MaskedDenoiser, prompt_mask: Tensor, cfg_scale: float
     """``model`` with unsupervised CFG at scale w (the module docstring): the same ``MaskedDenoiser`` whose fn returns
     un + (w + 1)(cond − un), float32 at least, from one call of ``model.fn`` over [x; x with the prompt masked].
     w = 0: ``model`` itself (the unguided path, one call per step, the same random stream). A row without a prompt
-    has un = cond, so it takes cond exactly."""
+    has un = cond (the same input), so it takes cond: un + (w + 1)·0."""
     w = check_cfg_scale(cfg_scale)
     if w == 0:
         return model
-    has_prompt = prompt_mask.any(-1)[:, None, None]  # (B, 1, 1)
 
     def fn(x: Tensor, t: Tensor) -> Tensor:
         b = x.shape[0]
@@ -79,6 +78,6 @@ def guided_denoiser(model: MaskedDenoiser, prompt_mask: Tensor, cfg_scale: float
         cond, un = both[:b].to(dtype), both[b:].to(dtype)
         guided = un + (w + 1) * (cond - un)  # SMDM / LLaDA: un_logits + (cfg + 1)(logits − un_logits)
         excluded = (cond == -torch.inf) | (un == -torch.inf)  # [MASK] inside the head: −∞ in both, not NaN
-        return torch.where(excluded, -torch.inf, torch.where(has_prompt, guided, cond))
+        return guided.masked_fill(excluded, -torch.inf)
 
     return MaskedDenoiser(fn=fn, mask_id=model.mask_id, time_conditioned=model.time_conditioned)
