@@ -230,3 +230,28 @@ def test_the_entry_points_run_the_check_before_compute(monkeypatch, tmp_path, sm
     with pytest.raises(ValueError, match="checked"):
         runners.train.train(compose_config(overrides=["experiment=sudoku_mdm_easy", "scale=cpu", *FAST, *llama]))
     assert len(seen) == 1 and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("name", ["llada_tok", "dream_tok"])
+def test_a_head_padded_beyond_the_tokenizer_serves_mask_inside_data(request, tmp_path, name):
+    """LLaDA / Dream: more head (and embedding) rows than tokenizer ids, [MASK] among the data ids: accepted; the
+    logits are cut to the data's ids, [MASK]'s −∞, and the ELBO on GSM8K rows padded with EOS is finite."""
+    dm = gsm_dm(tmp_path, request.getfixturevalue(name))
+    v, rows = dm.vocab_size, dm.vocab_size + 8
+    module = _module(dm, embed_rows=rows, head_rows=rows, mask_id=dm.mask_id)
+    check_data_tokens(dm, module)
+    dm.prepare_data()
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    logits = module.denoiser().fn(batch["tokens"], torch.ones(batch["tokens"].shape[0]))
+    assert logits.shape[-1] == v and (logits[..., dm.mask_id] == -torch.inf).all()
+    assert torch.isfinite(logits[..., : dm.mask_id]).all()
+    loss = module.mdm_loss(batch, torch.full((batch["tokens"].shape[0],), 0.5), torch.Generator().manual_seed(0))
+    assert torch.isfinite(loss.loss)
+
+
+def test_a_padded_head_without_mask_among_the_data_is_refused(tmp_path, smdm_tok):
+    dm = gsm_dm(tmp_path, smdm_tok)  # SMDM's layout ([MASK] = the head's size) with a head larger than the data
+    v = dm.vocab_size
+    with pytest.raises(ValueError, match=f"vocabulary of {v} tokens but backbone .* predicts {v + 4}"):
+        _module(dm, embed_rows=v + 5, head_rows=v + 4, mask_id=v + 4)
