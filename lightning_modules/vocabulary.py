@@ -3,10 +3,10 @@
 SMDM's tokenizer (TinyLlama) has no mask token: its [MASK] is the extra id |V| = 32 000 (the embedding row the head
 does not predict). LLaDA (``<|mdm_mask|>`` 126 336, EOS = PAD 126 081) and Dream (``<|mask|>`` 151 666, EOS = PAD
 151 643) keep [MASK] inside the vocabulary, as a special token of their tokenizers, and a checkpoint's head may have
-more rows than its tokenizer has ids (Dream: Qwen2.5's padded 152 064). ``TargetKind.build`` (lightning_modules/base.py) refuses a data vocabulary the head
-does not cover (``head_covers_data``: no data id reaches a row the head lacks, a padded head only with [MASK] among
-the data ids); what it cannot see, the tokenizer, is checked here (``check_data_tokens``), by the entry points,
-before any compute.
+more rows than its tokenizer has ids (Dream: Qwen2.5's padded 152 064). ``TargetKind.build``
+(lightning_modules/base.py) refuses a data vocabulary the head does not cover (``head_covers_data``: no data id
+reaches a row the head lacks, a padded head only with [MASK] among the data ids); what it cannot see, the tokenizer,
+is checked here (``check_data_tokens``), by the entry points, before any compute.
 """
 
 from __future__ import annotations
