@@ -32,8 +32,10 @@ def load_tokenizer(name_or_path: str | os.PathLike, pad_token: str = PAD_ADD):
 
     ``add`` (default): PAD is added as ``[PAD]`` (a new id at the end) when the tokenizer has none or shares it with
     BOS/EOS, so that padding is never mistaken for text and never equals the models' [MASK] id (= the data
-    vocabulary size). ``eos``: PAD = EOS, no new id (SMDM's SFT convention, docs/pretrained.md). Any other string:
-    PAD = that token, which must already be in the vocabulary (no new id).
+    vocabulary size). ``eos``: PAD = EOS, no new id (SMDM's SFT convention, and LLaDA's / Dream's: their
+    ``pad_token_id`` is their EOS; docs/pretrained.md, "Tokenizer conventions"). Any other string: PAD = that token,
+    which must already be in the vocabulary (no new id). PAD is never the tokenizer's own mask token (LLaDA's
+    ``<|mdm_mask|>``, Dream's ``<|mask|>``), which is the model's [MASK].
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -53,6 +55,7 @@ def load_tokenizer(name_or_path: str | os.PathLike, pad_token: str = PAD_ADD):
             f"`huggingface-cli download {spec}`, which fills the HF cache that HF_HUB_OFFLINE=1 then reads) and set "
             "data.tokenizer=DIR"
         ) from e
+    _register_mask_token(tokenizer)
     if pad_token == PAD_ADD:
         special = {tokenizer.bos_token_id, tokenizer.eos_token_id} - {None}
         if tokenizer.pad_token_id is None or tokenizer.pad_token_id in special:
@@ -67,11 +70,35 @@ def load_tokenizer(name_or_path: str | os.PathLike, pad_token: str = PAD_ADD):
             f"data.pad_token={pad_token!r} is not a token of tokenizer {spec!r}; give 'add' (a new [PAD] id), 'eos' "
             "or an existing token"
         )
+    if pad_token == tokenizer.mask_token:
+        raise ValueError(
+            f"data.pad_token={pad_token!r} is tokenizer {spec!r}'s mask token, the model's [MASK]: padding would read "
+            "as noise to denoise; pad with 'eos' or another token"
+        )
     size = len(tokenizer)
     tokenizer.pad_token = pad_token  # an existing token: no new id
     if len(tokenizer) != size:  # transformers added it after all: the vocabulary would no longer match the model
         raise ValueError(f"data.pad_token={pad_token!r} grew tokenizer {spec!r} from {size} to {len(tokenizer)} ids")
     return tokenizer
+
+
+# The masked-diffusion LMs' own mask tokens, inside their vocabularies: LLaDA (126 336), Dream (151 666).
+MASK_TOKENS = ("<|mdm_mask|>", "<|mask|>")
+
+
+def _register_mask_token(tokenizer) -> None:
+    """Make a known MDM mask token of the vocabulary (``MASK_TOKENS``) the tokenizer's ``mask_token`` when its config
+    names none (no new id): the data then know the model's [MASK] (``TokenCacheDataModule.mask_id``)."""
+    if tokenizer.mask_token is not None:
+        return
+    vocab = tokenizer.get_vocab()
+    for name in MASK_TOKENS:
+        if name in vocab:
+            size = len(tokenizer)
+            tokenizer.mask_token = name
+            if len(tokenizer) != size:
+                raise ValueError(f"setting the mask token {name!r} grew the tokenizer from {size} to {len(tokenizer)}")
+            return
 
 
 def tokenizer_digest(tokenizer) -> str:

@@ -106,9 +106,17 @@ class TokenCacheDataModule(GlobalBatchDataModule, ABC):
         return int(self.tokenizer.pad_token_id)
 
     @property
+    def mask_token_id(self) -> int | None:
+        """The tokenizer's own mask token (LLaDA's ``<|mdm_mask|>``, Dream's ``<|mask|>``: inside the vocabulary), or
+        None (GPT-2, Llama-2/TinyLlama: the model's [MASK] is then an extra id)."""
+        return self.tokenizer.mask_token_id
+
+    @property
     def mask_id(self) -> int:
-        """The id MDM-family models give [MASK] (= vocab_size); not a tokenizer id."""
-        return self.vocab_size
+        """The id MDM-family models give [MASK] on these data: the tokenizer's own mask token when it has one (the
+        model's ``mask_id`` for LLaDA / Dream), else vocab_size (an extra id, not a tokenizer id: the DiT's, SMDM's).
+        A DiT always puts its [MASK] at vocab_size; the tokenizer's mask token is then an unused data id."""
+        return self.vocab_size if self.mask_token_id is None else int(self.mask_token_id)
 
     @property
     def seq_len(self) -> int:

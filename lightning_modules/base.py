@@ -15,6 +15,7 @@ from flowlm.backbones.adapters import MLFMAdapter
 from flowlm.backbones.dit import RELEASED_OPTIONS, build_dit
 from flowlm.backbones.llama import BidirectionalLM, LlamaMLFMAdapter
 from lightning_modules.sharding import checkpoint_activations, compile_blocks, shard
+from lightning_modules.vocabulary import head_covers_data
 from runners.paths import git_commit
 
 # The commit of the code this process runs, read once (two git calls) and recorded in every checkpoint it writes.
@@ -121,7 +122,7 @@ class TargetKind(BackboneKind):
         net = instantiate(cfg)
         if not isinstance(net, BidirectionalLM):
             raise ValueError(f"backbone {cfg['_target_']} built a {type(net).__name__}, not a BidirectionalLM")
-        if net.head_rows != data_vocab_size:
+        if not head_covers_data(net.head_rows, net.mask_id, data_vocab_size):
             raise ValueError(
                 f"the data have a vocabulary of {data_vocab_size} tokens but backbone {cfg['_target_']} predicts "
                 f"{net.head_rows} (head rows; [MASK] = id {net.mask_id}): use the backbone's tokenizer, or for a "

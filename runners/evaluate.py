@@ -10,6 +10,7 @@ from omegaconf.errors import ConfigKeyError
 from callbacks.progress import progress_callbacks
 from callbacks.sampling_eval import SamplingEvaluation
 from lightning_modules.checkpoints import import_class, load_module, read_checkpoint_meta
+from lightning_modules.vocabulary import check_data_tokens
 from runners.common import build, check_arguments, pivot_table, resolve_paths
 from runners.mlflow_run import make_logger, record_error
 from runners.paths import CONF_DIR
@@ -42,6 +43,7 @@ def evaluate(cfg: DictConfig) -> dict:
     L.seed_everything(cfg.seed, verbose=False)
     # a file, a sharded folder consolidated here, an export folder, or a foreign MDM (path or hub name)
     module = load_module(cfg.ckpt_path, map_location="cpu", data_vocab_size=datamodule.vocab_size)
+    check_data_tokens(datamodule, module)
     check_arguments(cfg.trainer, "trainer")
     progress = progress_callbacks(cfg.trainer.get("enable_progress_bar", True), cfg.get("progress_every_s", 30))
     trainer: L.Trainer = build(cfg.trainer, callbacks=[evaluation, *progress], logger=False)

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from callbacks.checkpoint import check_folder
 from callbacks.progress import progress_callbacks
 from callbacks.sampling_eval import SamplingEvaluation
+from lightning_modules.vocabulary import check_data_tokens
 from runners.common import (
     build,
     check_arguments,
@@ -40,6 +41,7 @@ def train(cfg: DictConfig) -> dict:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = build(cfg.data)
     module = build(cfg.method, data_vocab_size=datamodule.vocab_size, seq_len=datamodule.seq_len)
+    check_data_tokens(datamodule, module)
     module.run_config = OmegaConf.to_container(cfg, resolve=True)
     module.validate_inputs()
     evaluation: SamplingEvaluation = build(cfg.eval)

@@ -245,3 +245,20 @@ def test_mdm_loss_never_masks_what_a_shifted_model_cannot_predict(layout, scored
     out = module.mdm_loss(batch, torch.tensor([0.9, 0.9]), None, u=torch.zeros(2, 6))  # u < t: every free position
     assert bool((out.per_token[:, 0] != 0).all()) == scored_at_0
     assert (out.per_token[:, 1:] != 0).all()
+
+
+def test_flowlm_eval_checks_the_data_tokens_before_compute(mdm_run, monkeypatch):
+    """flowlm-eval runs lightning_modules.vocabulary.check_data_tokens on the loaded module before any sampling."""
+    import runners.evaluate
+
+    _, ckpt = mdm_run
+    seen = []
+
+    def refuse(datamodule, module):
+        seen.append(module)
+        raise ValueError("checked")
+
+    monkeypatch.setattr(runners.evaluate, "check_data_tokens", refuse)
+    with pytest.raises(ValueError, match="checked"):
+        evaluate(compose_config("eval", overrides=[f"ckpt_path={ckpt}", "eval.nfe=[2]", "logger=none"]))
+    assert len(seen) == 1 and isinstance(seen[0], MDMModule)

@@ -1,7 +1,9 @@
 """The contract every sampler signs, checked for every conf/sampler/*.yaml on a tiny random model of its family:
-NFE spent ≤ budget and equal to the network calls made, prompt kept verbatim, every output token a data token,
-confidence in [0, 1] and 1 on the prompt, a declared confidence kind, and a budget it cannot honour refused with a
-clear error before any network call. A new sampler is one file and one YAML; this file picks the YAML up itself."""
+NFE spent ≤ budget and equal to the network evaluations made (a call over the batch's rows is one; unsupervised
+CFG's two branches batched as one call over twice the rows are two, flowlm/samplers/guidance.py), prompt kept
+verbatim, every output token a data token, confidence in [0, 1] and 1 on the prompt, a declared confidence kind, and
+a budget it cannot honour refused with a clear error before any network call. A new sampler is one file and one YAML;
+this file picks the YAML up itself."""
 
 from __future__ import annotations
 
@@ -36,7 +38,14 @@ VARIANTS = [
     ("block", {"block_size": 5}, {1, 2}),  # 3 blocks
     ("mlfm", {"guidance": 2.0, "otp_eps": 0.3}, {1}),  # CCFG: 2 NFE per step
     ("mlfm", {"otp_eps": 0.3, "otp_mode": "rounds", "rounds": 3}, {1, 2}),
-    ("ar", {"kv_cache": False}, {1, 2, 3, 5}),  # one call per generated token: the budget covers all 12
+    ("ar", {"kv_cache": False}, {1, 2, 3, 5}),
+    ("ancestral", {"cfg_scale": 1.0}, {1}),  # unsupervised CFG: 2 NFE per step
+    ("semi_ar", {"cfg_scale": 1.0, "block_length": 5}, {1, 2, 3, 5}),  # 3 blocks × 2 NFE per step
+    (
+        "confidence_cfg",
+        {"cfg_scale": 0.0},
+        set(),
+    ),  # w = 0: the unguided sampler, 1 NFE per step  # one call per generated token: the budget covers all 12
 ]
 # The kind each sampler's confidence was recorded with before samplers declared it (calibration data stay comparable).
 KINDS_BEFORE_DECLARATION = {
@@ -99,7 +108,8 @@ def _module(family: str):
 
 
 class Counted:
-    """A family's model view whose every network call is counted."""
+    """A family's model view whose every network evaluation is counted: a call over at most the batch's rows is one,
+    a call over k times the batch's rows (CFG's conditional and unconditional branches in one call) is k."""
 
     def __init__(self, family: str) -> None:
         self.calls = 0
@@ -107,7 +117,7 @@ class Counted:
 
         def counted(fn):
             def call(*args, **kwargs):
-                self.calls += 1
+                self.calls += -(-args[0].shape[0] // len(PROMPT_LENGTHS))
                 return fn(*args, **kwargs)
 
             return call

@@ -15,6 +15,7 @@ from flowlm.samplers.base import (
     masked_start,
     pick_tokens,
 )
+from flowlm.samplers.guidance import check_cfg_scale, evaluations_per_step, guided_denoiser, guided_steps
 
 
 class AncestralSampler(Sampler):
@@ -27,15 +28,25 @@ class AncestralSampler(Sampler):
     spends an NFE (the cache, and the early exit once nothing is masked). The float64 draw is made at the unmasking
     positions only (``draws``, see ``check_draws``), by the two-level inverse CDF of ``draw_rows``, which also gives the
     drawn token's log-probability from the same normaliser.
+
+    ``cfg_scale`` w > 0: SMDM's unsupervised CFG (``flowlm.samplers.guidance``); each step spends 2 network
+    evaluations, so the grid has ⌊nfe / 2⌋ steps (a cached step spends none).
     """
 
     family = "mdm"
     confidence_kind = "a-priori"  # p_θ(token) when it unmasks, before the masked rest is drawn
 
-    def __init__(self, *, temperature: float = 1.0, cache: bool = True, draws: str = "committed") -> None:
+    def __init__(
+        self, *, temperature: float = 1.0, cache: bool = True, draws: str = "committed", cfg_scale: float = 0.0
+    ) -> None:
         self.temperature = check_temperature(temperature)
         self.cache = cache
         self.draws = check_draws(draws)
+        self.cfg_scale = check_cfg_scale(cfg_scale)
+
+    def check_budget(self, nfe: int, *, free_positions: int | None = None) -> None:  # noqa: D102
+        super().check_budget(nfe)
+        guided_steps(type(self).__name__, nfe, self.cfg_scale)
 
     def __call__(
         self,
@@ -46,8 +57,10 @@ class AncestralSampler(Sampler):
         nfe: int,
         generator: torch.Generator | None = None,
     ) -> SampleOutput:
-        """Sample with at most ``nfe`` network calls."""
+        """Sample with at most ``nfe`` network evaluations."""
         self.check_budget(nfe)
+        steps, cost = guided_steps(type(self).__name__, nfe, self.cfg_scale), evaluations_per_step(self.cfg_scale)
+        model = guided_denoiser(model, prompt_mask, self.cfg_scale)
         x, confidence = masked_start(prompt, prompt_mask, model.mask_id)
         batch = x.shape[0]
         masked = x == model.mask_id
@@ -55,11 +68,11 @@ class AncestralSampler(Sampler):
         cacheable = self.cache and not model.time_conditioned
         logits: Tensor | None = None
         calls = 0
-        for k in range(nfe):
-            t, s = 1.0 - k / nfe, 1.0 - (k + 1) / nfe
+        for k in range(steps):
+            t, s = 1.0 - k / steps, 1.0 - (k + 1) / steps
             if logits is None:
                 logits = model.fn(x, torch.full((batch,), t, device=x.device))
-                calls += 1
+                calls += cost
             # Only the positions that unmask need the categorical draw, so the float64 log-softmax, the Gumbel
             # transform and the argmax run on those rows. ``draws="committed"``: the unmask coins, then the Gumbel
             # uniforms of those rows only; ``"full"`` (the earlier stream): uniforms over the whole (B, L, V) first,

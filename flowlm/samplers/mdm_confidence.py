@@ -17,6 +17,7 @@ from flowlm.samplers.base import (
     masked_start,
     pick_tokens,
 )
+from flowlm.samplers.guidance import check_cfg_scale, evaluations_per_step, guided_denoiser, guided_steps
 from flowlm.samplers.summary import chunked_max_log_prob
 
 
@@ -35,15 +36,26 @@ class ConfidenceSampler(Sampler):
     committing positions only (``draws="committed"``): at most ⌈#masked / steps_left⌉ rows per sequence, by the
     two-level inverse CDF of ``draw_rows``, so the step reads nothing back. "sampled" ranks by the draw itself and
     draws at every masked position (the full path).
+
+    ``cfg_scale`` w > 0: SMDM's unsupervised CFG (``flowlm.samplers.guidance``) on the logits every step reads, so the
+    ranking, the draw and the reported confidence are the guided distribution's; each step spends 2 network
+    evaluations, so the schedule has ⌊nfe / 2⌋ steps.
     """
 
     family = "mdm"
     confidence_kind = "a-priori"  # p_θ(token) when it is committed, before the masked rest is drawn
 
-    def __init__(self, *, temperature: float = 0.0, score: str = "max_prob", draws: str = "committed") -> None:
+    def __init__(
+        self, *, temperature: float = 0.0, score: str = "max_prob", draws: str = "committed", cfg_scale: float = 0.0
+    ) -> None:
         self.temperature = check_temperature(temperature)
         self.score = check_score(score)
         self.draws = check_draws(draws)
+        self.cfg_scale = check_cfg_scale(cfg_scale)
+
+    def check_budget(self, nfe: int, *, free_positions: int | None = None) -> None:  # noqa: D102
+        super().check_budget(nfe)
+        guided_steps(type(self).__name__, nfe, self.cfg_scale)
 
     def __call__(
         self,
@@ -54,20 +66,22 @@ class ConfidenceSampler(Sampler):
         nfe: int,
         generator: torch.Generator | None = None,
     ) -> SampleOutput:
-        """Sample with at most ``nfe`` network calls."""
+        """Sample with at most ``nfe`` network evaluations."""
         self.check_budget(nfe)
+        steps, cost = guided_steps(type(self).__name__, nfe, self.cfg_scale), evaluations_per_step(self.cfg_scale)
+        model = guided_denoiser(model, prompt_mask, self.cfg_scale)
         x, confidence = masked_start(prompt, prompt_mask, model.mask_id)
         n_free = (~prompt_mask).sum(-1).clamp_min(1)
         positions = torch.arange(x.shape[1], device=x.device)
         calls = 0
         most_masked = int((x == model.mask_id).sum(-1).max()) if x.numel() else 0  # the call's one host read
         full = self.draws == "full" or (self.score == "sampled" and self.temperature > 0)
-        for k in range(decode_steps(most_masked, nfe)):
+        for k in range(decode_steps(most_masked, steps)):
             masked = x == model.mask_id
             n_masked = masked.sum(-1)
             logits = model.fn(x, n_masked / n_free)
-            calls += 1
-            n_commit = torch.div(n_masked + (nfe - k) - 1, nfe - k, rounding_mode="floor")  # ⌈masked/left⌉
+            calls += cost
+            n_commit = torch.div(n_masked + (steps - k) - 1, steps - k, rounding_mode="floor")  # ⌈masked/left⌉
             if full:
                 log_p = torch.log_softmax(logits.double(), -1)
                 candidate = pick_tokens(log_p, self.temperature, generator)
@@ -90,14 +104,14 @@ class ConfidenceSampler(Sampler):
                 commit = live & (rank < n_commit[:, None])
                 p_candidate = score
                 if self.temperature > 0:  # the draw, at the (at most) k_max committing positions
-                    k_max = -(-most_masked // (nfe - k))  # the most-masked row commits the most (⌈n/m⌉ is monotone)
+                    k_max = -(-most_masked // (steps - k))  # the most-masked row commits the most (⌈n/m⌉ is monotone)
                     top = order[:, :k_max]  # every committing slot of a row is among its first k_max
                     by_row = logits.reshape(-1, logits.shape[-1])
                     drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=flat.gather(1, top).view(-1))
                     candidate = candidate.scatter(1, top, drawn.view(top.shape))
                     p_candidate = score.scatter(1, top, log_p.float().view(top.shape))
                 x, confidence = commit_slots(x, confidence, slot, commit, candidate, p_candidate)
-            most_masked -= -(-most_masked // (nfe - k))
+            most_masked -= -(-most_masked // (steps - k))
         return SampleOutput(tokens=x, confidence=confidence, nfe=calls)
 
 

@@ -19,6 +19,7 @@ from flowlm.samplers.base import (
     masked_start,
     pick_tokens,
 )
+from flowlm.samplers.guidance import check_cfg_scale, evaluations_per_step, guided_denoiser, guided_steps
 from flowlm.samplers.mdm_confidence import commit_slots, max_log_prob, slots
 
 
@@ -28,7 +29,9 @@ class SemiARConfidenceSampler(Sampler):
     ``get_num_transfer_tokens`` split: the remainder goes to the first steps). Later blocks stay [MASK] and are
     seen by the network. Candidates: argmax at T = 0, else a float64 Gumbel draw from softmax(logits / T);
     ``score`` "sampled" ranks by p_θ(candidate) (LLaDA's low_confidence remasking), "max_prob" by max_v p_θ(v).
-    NFE = blocks × K.
+    NFE = blocks × K. ``cfg_scale`` w > 0: SMDM's unsupervised CFG (``flowlm.samplers.guidance``; LLaDA's ``generate``
+    has the same ``cfg_scale``) on the logits every step reads; a step spends 2 network evaluations, so K =
+    ⌊budget / 2⌋ // blocks and NFE = 2 × blocks × K.
 
     Cost beyond the network (``draws="committed"``, the default): only the current block's positions are ever
     eligible, so only their ≤ ``block_length`` rows of the logits are read (``slots``): at T = 0 (the default) the
@@ -42,7 +45,13 @@ class SemiARConfidenceSampler(Sampler):
     confidence_kind = "a-priori"
 
     def __init__(
-        self, *, block_length: int, temperature: float = 0.0, score: str = "sampled", draws: str = "committed"
+        self,
+        *,
+        block_length: int,
+        temperature: float = 0.0,
+        score: str = "sampled",
+        draws: str = "committed",
+        cfg_scale: float = 0.0,
     ) -> None:
         if block_length < 1:
             raise ValueError(f"block_length must be ≥ 1, got {block_length}")
@@ -50,18 +59,21 @@ class SemiARConfidenceSampler(Sampler):
         self.temperature = check_temperature(temperature)
         self.score = check_score(score)
         self.draws = check_draws(draws)
+        self.cfg_scale = check_cfg_scale(cfg_scale)
 
     def plan(self, nfe: int, free_positions: int) -> tuple[int, int]:
         """(blocks, steps per block) for a budget, or a clear error before any compute."""
         super().check_budget(nfe)
         n_blocks = max(1, math.ceil(free_positions / self.block_length))
-        if nfe < n_blocks:
+        if self.cfg_scale == 0 and nfe < n_blocks:
             raise ValueError(f"{n_blocks} blocks of {self.block_length} need at least {n_blocks} NFE, got {nfe}")
-        return n_blocks, nfe // n_blocks
+        steps = guided_steps(f"{n_blocks} blocks of {self.block_length}", nfe, self.cfg_scale, at_least=n_blocks)
+        return n_blocks, steps // n_blocks
 
     def check_budget(self, nfe: int, *, free_positions: int | None = None) -> None:  # noqa: D102
         if free_positions is None:
             super().check_budget(nfe)
+            guided_steps(type(self).__name__, nfe, self.cfg_scale)
         else:
             self.plan(nfe, free_positions)
 
@@ -74,10 +86,12 @@ class SemiARConfidenceSampler(Sampler):
         nfe: int,
         generator: torch.Generator | None = None,
     ) -> SampleOutput:
-        """Sample with blocks × K network calls."""
+        """Sample with blocks × K steps (network evaluations: × 2 with guidance)."""
         free = ~prompt_mask
         most_free = int(free.sum(-1).max()) if free.numel() else 0  # the call's one host read
         n_blocks, steps = self.plan(nfe, most_free)
+        cost = evaluations_per_step(self.cfg_scale)
+        model = guided_denoiser(model, prompt_mask, self.cfg_scale)
         block_id = torch.where(free, (free.cumsum(-1) - 1) // self.block_length, -1)
         x, confidence = masked_start(prompt, prompt_mask, model.mask_id)
         n_free = free.sum(-1).clamp_min(1)
@@ -97,7 +111,7 @@ class SemiARConfidenceSampler(Sampler):
                 masked = x == model.mask_id
                 eligible = masked & in_block
                 logits = model.fn(x, masked.sum(-1) / n_free)
-                calls += 1
+                calls += cost
                 left = steps - k
                 n_commit = torch.div(eligible.sum(-1) + left - 1, left, rounding_mode="floor")  # ⌈masked / left⌉
                 if full:
