@@ -118,11 +118,21 @@ class FMLMPlusModule(FlowLMModule):
         ``pinned`` (B, L), at per-sequence times (s, t) with the pinned tokens at s = t = 1 (cheaper, see DiT).
         ``embedded``: x is already h = x·E (B, L, d), a state of the embedding space."""
         logits = self.net.forward_embeddings(x, s, t, pinned=pinned) if embedded else self.net(x, s, t, pinned=pinned)
-        if self.mask_id < self.data_vocab_size:  # [MASK] inside the vocabulary: logit −∞, log δ([MASK]) ≤ −2·cap
+        if self.mask_id < self.data_vocab_size:  # [MASK] inside the vocabulary: logit −∞, capped to −cap
             logits = logits.index_fill(-1, torch.tensor([self.mask_id], device=logits.device), -torch.inf)
         if torch.is_grad_enabled() or tails_enabled():  # compiled: one fused pass (flowlm/compiled.py)
             return log_delta(logits)
         return log_delta_(logits)  # in place without autograd
+
+    def never_mask(self, fn, *args: Tensor) -> Tensor:
+        """``fn``'s log δ with a [MASK] inside the vocabulary at exactly −∞, what samplers draw from: a draw (PR at a
+        temperature > 0) never emits it. ``forward`` leaves it at the soft cap's floor, log δ([MASK]) = −cap − lse_v
+        g(l_v), which every training path (dense, fused, the semigroup targets) shares and a −∞ would turn into
+        0 · ∞ = NaN in a soft target's CE; the other columns are not renormalised (the mass moved, e^{−cap − lse} ≤
+        e^{−30 − max g}, is below float32 resolution for any max capped logit above −13). Greedy drafts read the
+        argmax, which never picks [MASK] while any logit is finite."""
+        log_probs = fn(*args)
+        return log_probs.index_fill(-1, torch.tensor([self.mask_id], device=log_probs.device), -torch.inf)
 
     def states(self, kind: str | None = None) -> OneHotSpace | EmbeddingSpace:
         """The flow state space (``state_space``, or ``kind``): chosen by shape with ``auto`` (methods.md §4).
@@ -190,6 +200,8 @@ class FMLMPlusModule(FlowLMModule):
             raise ValueError(f"summary must be one of {SUMMARIES}, got {summary!r}")
         states = self.states(space)
         fn = functools.partial(self, embedded=True) if states.embedded else self
+        if self.mask_id < self.data_vocab_size:  # a [MASK] inside the vocabulary: never drawn (see never_mask)
+            fn = functools.partial(self.never_mask, fn)
         summary_fn = lift_fn = None
         if summary == "chunked":
             summary_fn = functools.partial(self.summary, embedded=True) if states.embedded else self.summary

@@ -10,6 +10,7 @@ accepted and ignored, since these MDMs are time-agnostic.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from contextlib import nullcontext
 
@@ -260,27 +261,25 @@ class LlamaAdaLNAdapter(nn.Module):
             config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=names)
             inject_adapter_in_model(config, base)  # in place; LoRA B = 0, so still the MDM
         self._mods: list[tuple[Tensor, ...]] | None = None  # this call's per-layer chunks, read by the hooks
+        # partials of a bound method, not closures: a deep copy of the adapter rebinds them to the copy (a closure
+        # would keep reading the original's modulation)
         for i, layer in enumerate(base.layers):
-            layer.input_layernorm.register_forward_hook(self._hook(i, "norm", 0))
-            layer.self_attn.register_forward_hook(self._hook(i, "gate", 2))
-            layer.post_attention_layernorm.register_forward_hook(self._hook(i, "norm", 3))
-            layer.mlp.register_forward_hook(self._hook(i, "gate", 5))
+            layer.input_layernorm.register_forward_hook(functools.partial(self._hook, i, "norm", 0))
+            layer.self_attn.register_forward_hook(functools.partial(self._hook, i, "gate", 2))
+            layer.post_attention_layernorm.register_forward_hook(functools.partial(self._hook, i, "norm", 3))
+            layer.mlp.register_forward_hook(functools.partial(self._hook, i, "gate", 5))
         self.set_trainable(train)
 
-    def _hook(self, layer: int, kind: str, slot: int):
-        """A forward hook that modulates a norm's output (shift/scale) or a branch's output ((1 + gate))."""
-
-        def hook(module: nn.Module, args: tuple, output):
-            if self._mods is None:  # the base called on its own: unchanged
-                return output
-            chunks = self._mods[layer]
-            if kind == "norm":
-                return output * (1 + chunks[slot + 1]) + chunks[slot]
-            if isinstance(output, tuple):  # attention returns (output, weights)
-                return (output[0] * (1 + chunks[slot]), *output[1:])
-            return output * (1 + chunks[slot])
-
-        return hook
+    def _hook(self, layer: int, kind: str, slot: int, module: nn.Module, args: tuple, output):
+        """The forward hook that modulates a norm's output (shift/scale) or a branch's output ((1 + gate))."""
+        if self._mods is None:  # the base called on its own: unchanged
+            return output
+        chunks = self._mods[layer]
+        if kind == "norm":
+            return output * (1 + chunks[slot + 1]) + chunks[slot]
+        if isinstance(output, tuple):  # attention returns (output, weights)
+            return (output[0] * (1 + chunks[slot]), *output[1:])
+        return output * (1 + chunks[slot])
 
     def recompute_context(self) -> contextlib.AbstractContextManager:
         """A context that restores this call's modulation (read now) while activation checkpointing recomputes a
