@@ -188,6 +188,12 @@ def test_loss_is_finite_and_trains_the_whole_network(layout):
     assert emb[:9].abs().sum() > 0 and all(torch.isfinite(g).all() for g in grads.values() if g is not None)
     if layout == "smdm":  # the [MASK] row is never read by a flow state
         assert emb[9].abs().sum() == 0
+    # no prompt, no context (rate 0): Dream's position 0, which its shifted logits predict nothing at, stays pinned
+    # and unscored (as the MDM loss keeps it); an unshifted backbone scores it
+    free = {**batch_of(9, flow.mask_id), "prompt_mask": torch.zeros(4, 12, dtype=torch.bool)}
+    with torch.no_grad():
+        out = flow.flow_loss(free, kinds, s, t, torch.Generator().manual_seed(0), rates=torch.zeros(4))
+    assert bool((out.per_token[:, 0] == 0).all()) == (layout == "dream") and (out.per_token[:, 1:] != 0).all()
 
 
 def test_fused_loss_equals_the_dense_one_with_mask_inside_the_vocabulary():
@@ -333,6 +339,17 @@ def test_bad_init_sources_and_options_are_refused_before_compute(runs, tmp_path,
         "another backbone family": fake_checkpoint(tmp_path / "b.ckpt", {"size": "tiny"}, dit.net.state_dict()),
         "'mlfm' checkpoint": fake_checkpoint(tmp_path / "c.ckpt", {}, {}, family="mlfm"),
     }
+    lora = {"train": ["time_adaln", "lora"], "lora_rank": 2}  # PEFT renames the base: the shallow MDM still fails
+    flow = FMLMPlusModule(
+        data_vocab_size=9,
+        seq_len=12,
+        backbone=tiny_llama("smdm", 9),
+        optim={},
+        adapter=lora,
+        init_from=str(cases["another backbone size"]),
+    )
+    with pytest.raises(ValueError, match="another backbone size"):
+        flow.validate_inputs()
     for message, path in cases.items():
         flow = FMLMPlusModule(
             data_vocab_size=9, seq_len=12, backbone=tiny_llama("smdm", 9), optim={}, init_from=str(path)
