@@ -13,7 +13,8 @@ from torch import Tensor, nn
 
 from flowlm.backbones.adapters import MLFMAdapter
 from flowlm.backbones.dit import RELEASED_OPTIONS, build_dit
-from flowlm.backbones.llama import BidirectionalLM, LlamaMLFMAdapter
+from flowlm.backbones.llama import BidirectionalLM, LlamaFlowNet, LlamaMLFMAdapter
+from lightning_modules.checkpoints import copy_backbone
 from lightning_modules.sharding import checkpoint_activations, compile_blocks, shard
 from lightning_modules.vocabulary import head_covers_data
 from runners.paths import git_commit
@@ -22,7 +23,7 @@ from runners.paths import git_commit
 code_commit = functools.cache(git_commit)
 
 # Parameter names that never get weight decay (besides every vector: biases, norm gains).
-NO_DECAY_KEYS = ("norm", "adaLN", "emb_s.", "emb_t.", "time_embed.", "block_mods.", "final_mod.")
+NO_DECAY_KEYS = ("norm", "adaLN", "emb_s.", "emb_t.", "time_embed.", "block_mods.", "final_mod.", "layer_mods.")
 
 
 def plain(obj: Any) -> Any:
@@ -74,6 +75,12 @@ class BackboneKind(ABC):
         preceding output): the losses keep them clean and unscored, as the prompt."""
         return 0
 
+    def copy_into(self, net: nn.Module, state: dict[str, Tensor]) -> dict[str, list[str]]:
+        """Copy a source checkpoint's backbone (``state``: ``net.*`` tensors of an MDM or a flow model) into ``net``
+        built by ``build``, by name and shape; what was copied, sliced ([MASK] rows dropped) and left fresh
+        (``copy_backbone``: another backbone size is a ValueError)."""
+        return copy_backbone(net, state)
+
 
 class DiTKind(BackboneKind):
     """The suite's DiT (a config without ``_target_``: size + options); [MASK] = the extra last row, id |V|."""
@@ -83,6 +90,11 @@ class DiTKind(BackboneKind):
         return "_target_" not in cfg
 
     def build(self, cfg: dict, *, data_vocab_size: int, vocab_size: int, **extra: Any) -> nn.Module:  # noqa: D102
+        if extra.pop("adapter", None):
+            raise ValueError(
+                "method.adapter configures FMLM+'s adaLN on a LLaMA-family backbone; the DiT conditions its own blocks "
+                "(backbone.cond_dim): leave method.adapter null"
+            )
         return build_dit(vocab_size=vocab_size, **{**cfg, **extra})
 
     def mask_id(self, net: nn.Module, data_vocab_size: int) -> int:  # noqa: D102
@@ -100,7 +112,9 @@ class TargetKind(BackboneKind):
     """A ``_target_`` config (conf/backbone/llama/): a ``BidirectionalLM`` built or loaded from a pretrained source
     (``load_smdm``/``load_llada``/``load_dream`` with ``source: <path or hub name>``). The backbone fixes the
     vocabulary: its head predicts the data tokens (SMDM: [MASK] = the extra embedding row; LLaDA/Dream: [MASK]
-    inside the vocabulary, never predicted)."""
+    inside the vocabulary, never predicted). With ``two_times`` (FMLM+) the MDM is wrapped in ``LlamaFlowNet``
+    (zero-initialised per-token (s, t) adaLN, ``adapter`` options): building it from a pretrained source is the MDM
+    initialisation."""
 
     time_agnostic = True
 
@@ -114,10 +128,14 @@ class TargetKind(BackboneKind):
     def build(self, cfg: dict, *, data_vocab_size: int, vocab_size: int, **extra: Any) -> nn.Module:  # noqa: D102
         from hydra.utils import instantiate
 
-        if vocab_size != data_vocab_size + 1 or any(extra.values()):
+        two_times, adapter = bool(extra.pop("two_times", False)), extra.pop("adapter", None)
+        # input rows: an MDM reads ids with [MASK] (|V| + 1 rows), the flow network vectors over the data vocabulary
+        rows = data_vocab_size if two_times else data_vocab_size + 1
+        if vocab_size != rows or any(extra.values()) or (adapter and not two_times):
             raise ValueError(
-                f"backbone {cfg['_target_']} is a bidirectional, time-agnostic MDM: it serves MDM and MLFM, not a "
-                f"network with {extra} over {vocab_size} rows (FMLM+ and AR need a DiT backbone)"
+                f"backbone {cfg['_target_']} is a bidirectional, time-agnostic MDM: it serves MDM, MLFM and FMLM+ "
+                f"(two_times, over the data vocabulary), not a network with {extra} over {vocab_size} rows (a causal "
+                "network, AR, needs a DiT backbone)"
             )
         net = instantiate(cfg)
         if not isinstance(net, BidirectionalLM):
@@ -128,13 +146,27 @@ class TargetKind(BackboneKind):
                 f"{net.head_rows} (head rows; [MASK] = id {net.mask_id}): use the backbone's tokenizer, or for a "
                 f"random backbone set backbone.head_rows={data_vocab_size} (and embed_rows, mask_id to match)"
             )
-        return net
+        return LlamaFlowNet(net, **(adapter or {})) if two_times else net
 
     def mask_id(self, net: nn.Module, data_vocab_size: int) -> int:  # noqa: D102
         return net.mask_id
 
     def mlfm_adapter(self, net: nn.Module, **options: Any) -> nn.Module:  # noqa: D102
         return LlamaMLFMAdapter(net, **options)
+
+    def copy_into(self, net: nn.Module, state: dict[str, Tensor]) -> dict[str, list[str]]:
+        """``copy_backbone`` into the FMLM+ network (``LlamaFlowNet``): an MDM checkpoint's ``net.<name>`` tensors go
+        to ``base.<name>`` (``.base_layer`` inside a LoRA-wrapped Linear), a flow checkpoint of the same network's
+        keep their names; the time embeddings and the adaLN stay fresh (zero adaLN: the network is the MDM). An MDM
+        with tensors this base has no counterpart for, or without some it has (another depth or width), is refused."""
+        if not any(key.startswith("net.base.") for key in state):  # an MDM's BidirectionalLM: its own names
+            own = {plain: name for name, plain in net.base_state_names().items()}
+            state = {f"net.base.{own.get(k[4:], k[4:])}" if k.startswith("net.") else k: v for k, v in state.items()}
+        report = copy_backbone(net, state, partial_modules=bool(net.lora_names))
+        missing = [name for name in report["fresh"] if name.startswith("base.") and ".lora_" not in name]
+        if missing:  # with LoRA, copy_backbone leaves these to the caller
+            raise ValueError(f"the source checkpoint has another backbone size: it lacks {missing[:3]}")
+        return report
 
     def record(self, cfg: dict, net: nn.Module) -> dict:  # noqa: D102
         # the built network's own spec, on the meta device: a checkpoint reloads without its pretrained source and

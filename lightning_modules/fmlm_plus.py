@@ -10,6 +10,11 @@ One code path for every variant:
     MDM-initialised: ``init_from`` copies an MDM checkpoint's DiT (by name and shape, [MASK] rows dropped);
     ``init_from`` an FLM/FMLM checkpoint continues from it (FMLM from FLM, methods.md §3).
   - FLM is the diagonal-only special case (``shares.diagonal=1``, method=flm).
+
+The network is the backbone family's (``BackboneKind.build(two_times=True)``): the suite's DiT, or a LLaMA-family
+MDM inside ``LlamaFlowNet`` (flowlm/backbones/llama.py; ``adapter`` sets its adaLN width, what trains and LoRA), whose
+pretrained ``source`` is then the MDM initialisation (docs/pretrained.md "FMLM+ on the LLaMA family"). A [MASK] inside
+the data vocabulary (LLaDA, Dream) gets logit −∞ before the soft cap, on every path (dense, chunked, fused).
 """
 
 from __future__ import annotations
@@ -40,11 +45,11 @@ from flowlm.processes.gaussian_flow import (
 )
 from flowlm.samplers.base import FlowDenoiser
 from flowlm.samplers.summary import head_expectation
-from lightning_modules.base import FlowLMModule
+from lightning_modules.base import BackboneKind, FlowLMModule, backbone_kind
 from lightning_modules.checkpoints import (
     check_backbone_options,
     check_family,
-    copy_backbone,
+    checkpoint_backbone,
     load_module,
     read_checkpoint,
 )
@@ -75,6 +80,7 @@ class FMLMPlusModule(FlowLMModule):
         state_space: str = "auto",
         compile_tails: bool = False,
         fused_loss: str | bool = "auto",
+        adapter: dict | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__(data_vocab_size=data_vocab_size, seq_len=seq_len, backbone=backbone, optim=optim, seed=seed)
@@ -96,7 +102,10 @@ class FMLMPlusModule(FlowLMModule):
             raise ValueError(f"fused_loss must be one of {FUSED_LOSSES}, got {fused_loss!r}")
         self.fused_loss = fused_loss  # the student's loss from the head's chunks (flowlm/objectives/fused_ce.py)
         self.process = GaussianFlowProcess(vocab_size=data_vocab_size)
-        self.net = self.build_backbone(data_vocab_size, two_times=True)
+        # the DiT, or a LLaMA-family MDM in LlamaFlowNet with the ``adapter`` options (refused on a DiT)
+        self.net = self.build_backbone(data_vocab_size, two_times=True, adapter=adapter)
+        # a [MASK] inside the data vocabulary (LLaDA, Dream) is never predicted; the DiT's (id |V|) lies outside it
+        self.mask_id = self.backbone_mask_id(self.net)
         self._space_cache: tuple | None = None  # (key of the embedding's storage and version, its state space)
         self.init_report: dict[str, list[str]] | None = None
         self._teacher = None  # a frozen MDM, kept out of the state dict
@@ -109,14 +118,26 @@ class FMLMPlusModule(FlowLMModule):
         ``pinned`` (B, L), at per-sequence times (s, t) with the pinned tokens at s = t = 1 (cheaper, see DiT).
         ``embedded``: x is already h = x·E (B, L, d), a state of the embedding space."""
         logits = self.net.forward_embeddings(x, s, t, pinned=pinned) if embedded else self.net(x, s, t, pinned=pinned)
+        if self.mask_id < self.data_vocab_size:  # [MASK] inside the vocabulary: logit −∞, capped to −cap
+            logits = logits.index_fill(-1, torch.tensor([self.mask_id], device=logits.device), -torch.inf)
         if torch.is_grad_enabled() or tails_enabled():  # compiled: one fused pass (flowlm/compiled.py)
             return log_delta(logits)
         return log_delta_(logits)  # in place without autograd
 
+    def never_mask(self, fn, *args: Tensor) -> Tensor:
+        """``fn``'s log δ with a [MASK] inside the vocabulary at exactly −∞, what samplers draw from: a draw (PR at a
+        temperature > 0) never emits it. ``forward`` leaves it at the soft cap's floor, log δ([MASK]) = −cap − lse_v
+        g(l_v), which every training path (dense, fused, the semigroup targets) shares and a −∞ would turn into
+        0 · ∞ = NaN in a soft target's CE; the other columns are not renormalised (the mass moved, e^{−cap − lse} ≤
+        e^{−30 − max g}, is below float32 resolution for any max capped logit above −13). Greedy drafts read the
+        argmax, which never picks [MASK] while any logit is finite."""
+        log_probs = fn(*args)
+        return log_probs.index_fill(-1, torch.tensor([self.mask_id], device=log_probs.device), -torch.inf)
+
     def states(self, kind: str | None = None) -> OneHotSpace | EmbeddingSpace:
         """The flow state space (``state_space``, or ``kind``): chosen by shape with ``auto`` (methods.md §4).
         The embedding space's factor is kept while the embedding's values are unchanged (one per evaluation)."""
-        weight = self.net.embed.weight.detach()
+        weight = self.net.token_embeddings.detach()
         key = (kind or self.state_space, weight.data_ptr(), weight._version, weight.device, weight.dtype)
         if self._space_cache is None or self._space_cache[0] != key:
             with torch.no_grad():
@@ -149,7 +170,7 @@ class FMLMPlusModule(FlowLMModule):
 
     def plain_head(self) -> torch.nn.Linear:
         """The output head, refused unless a plain Linear (an adapter's weight is not the whole head)."""
-        head = self.net.final.linear
+        head = self.net.output_head
         if type(head) is not torch.nn.Linear:
             raise TypeError(f"the chunked head pass needs a plain Linear output head, got {type(head).__name__}")
         return head
@@ -160,8 +181,17 @@ class FMLMPlusModule(FlowLMModule):
         """``head_expectation`` of this network's soft-capped head at (x, s, t), with E as its table if ``mean``."""
         head = self.plain_head()
         features = self.head_input(x, s, t, pinned, embedded=embedded)
-        table = self.net.embed.weight if mean else None
-        return head_expectation(features, head.weight, head.bias, cap=SOFT_CAP, table=table)
+        table = self.net.token_embeddings if mean else None
+        return head_expectation(features, head.weight, self.head_bias(head), cap=SOFT_CAP, table=table)
+
+    def head_bias(self, head: torch.nn.Linear) -> Tensor | None:
+        """The bias the chunked head passes add: the head's own, with a [MASK] inside the data vocabulary (LLaDA,
+        Dream) at −∞ (what ``forward`` does to the logits; computed per call, never a parameter: an optimiser or EMA
+        step on −∞ would give NaN)."""
+        if self.mask_id >= self.data_vocab_size:
+            return head.bias
+        bias = head.weight.new_zeros(head.out_features) if head.bias is None else head.bias
+        return bias.index_fill(0, torch.tensor([self.mask_id], device=bias.device), -torch.inf)
 
     def denoiser(self, space: str | None = None, *, summary: str = "chunked") -> FlowDenoiser:
         """This model as flow samplers see it, reading states of its state space (or of ``space``); greedy drafts
@@ -170,6 +200,8 @@ class FMLMPlusModule(FlowLMModule):
             raise ValueError(f"summary must be one of {SUMMARIES}, got {summary!r}")
         states = self.states(space)
         fn = functools.partial(self, embedded=True) if states.embedded else self
+        if self.mask_id < self.data_vocab_size:  # a [MASK] inside the vocabulary: never drawn (see never_mask)
+            fn = functools.partial(self.never_mask, fn)
         summary_fn = lift_fn = None
         if summary == "chunked":
             summary_fn = functools.partial(self.summary, embedded=True) if states.embedded else self.summary
@@ -188,9 +220,10 @@ class FMLMPlusModule(FlowLMModule):
                 families = ("mdm", "flow") if role == "init_from" else "mdm"  # init: an MDM, or an FLM/FMLM
                 check_family(ckpt["flowlm"], path, family=families, data_vocab_size=self.data_vocab_size, role=role)
                 if role == "init_from":  # a dry run on a copy: another backbone size fails here, not mid-fit
+                    check_same_family(self.backbone_kind, checkpoint_backbone(ckpt), path)
                     timed = ckpt["flowlm"].get("family") == "flow" or ckpt["hyper_parameters"].get("time_conditioning")
                     check_backbone_options(ckpt, self.backbone_cfg, path, role=role, time_conditioned=bool(timed))
-                    copy_backbone(copy.deepcopy(self.net), ckpt["state_dict"])
+                    self.backbone_kind.copy_into(copy.deepcopy(self.net), ckpt["state_dict"])
 
     def on_fit_start(self) -> None:
         """Initialise from the MDM (fresh runs only) and load the frozen teacher."""
@@ -211,14 +244,15 @@ class FMLMPlusModule(FlowLMModule):
             object.__setattr__(self, "_teacher", teacher)  # not a submodule: never saved, never optimised
 
     def initialise_from(self, state: dict[str, Tensor]) -> dict[str, list[str]]:
-        """Copy an MDM's DiT ([MASK] rows dropped; the new t-embedding fresh) or an FLM/FMLM's.
+        """Copy an MDM's DiT ([MASK] rows dropped; the new t-embedding fresh) or an FLM/FMLM's; on the LLaMA family
+        the MDM's decoder and head into the flow network's base (``TargetKind.copy_into``; adaLN and times fresh).
 
         The released code leaves the new emb_t at its random initialisation (``zero_t_embedding=False``, the
         default). With ``zero_t_embedding`` its last layer is zeroed: emb_t ≡ 0, the conditioning equals the MDM's,
         and with every time at 0 the initialised network computes the MDM's logits exactly, up to its input: ε·E for
         a noised token instead of the [MASK] embedding (tested).
         """
-        self.init_report = copy_backbone(self.net, state)
+        self.init_report = self.backbone_kind.copy_into(self.net, state)
         if self.zero_t_embedding and any(name.startswith("emb_t.") for name in self.init_report["fresh"]):
             last = self.net.emb_t.mlp[-1]
             with torch.no_grad():
@@ -243,7 +277,7 @@ class FMLMPlusModule(FlowLMModule):
         (drawn from ``gen`` when not given); the context set and the noise are drawn here from ``gen``. With
         ``parts`` also each kind's mean per-token loss. With ``fused_loss`` the student pass stops at the head's input
         and the loss runs the head in vocabulary chunks (``fmlm_plus_loss``'s ``head``); the teachers are unchanged."""
-        tokens, prompt = batch["tokens"], batch["prompt_mask"]
+        tokens, prompt = batch["tokens"], self.pin_unpredicted(batch["prompt_mask"])  # Dream: position 0 pinned
         b, length = tokens.shape
         if self.context:  # context set: each non-prompt token is clean with probability f ~ U(0, 1)
             f = torch.rand(b, generator=gen, device=tokens.device) if rates is None else rates.to(tokens.device)
@@ -282,15 +316,15 @@ class FMLMPlusModule(FlowLMModule):
         ``compile_tails`` does not ask for the compiled dense log-softmax."""
         if self.fused_loss is False:
             return None
-        linear = self.net.final.linear
+        linear = self.net.output_head
         plain = type(linear) is torch.nn.Linear and type(linear.weight.data) is torch.Tensor  # not a DTensor shard
         if self.fused_loss == "auto":  # compile_tails asks for the compiled dense log-softmax instead
             wide = linear.out_features > linear.in_features
-            return (linear.weight, linear.bias) if plain and wide and not self.compile_tails else None
+            return (linear.weight, self.head_bias(linear)) if plain and wide and not self.compile_tails else None
         linear = self.plain_head()
         if type(linear.weight.data) is not torch.Tensor:  # a DTensor shard outside the network's forward
             raise ValueError("method.fused_loss needs the full head weight: not with a sharded (FSDP) DiT")
-        return linear.weight, linear.bias
+        return linear.weight, self.head_bias(linear)
 
     def training_process(self) -> GaussianFlowProcess:
         """The process of this step's states: over the vocabulary, or, when ``state_space`` chooses the embedding
@@ -299,7 +333,7 @@ class FMLMPlusModule(FlowLMModule):
         a full matrix outside the network's forward: ``auto`` then keeps the one-hot states."""
         if self.state_space == "onehot":
             return self.process
-        weight = self.net.embed.weight
+        weight = self.net.token_embeddings
         full = type(weight.data) is torch.Tensor and tuple(weight.shape) == (self.data_vocab_size, self.net.d_model)
         if not full:
             if self.state_space == "embedding":
@@ -371,3 +405,14 @@ class FMLMPlusModule(FlowLMModule):
         loss = self.flow_loss(batch, kinds, s, s, gen).loss
         self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=b)
         return loss
+
+
+def check_same_family(kind: BackboneKind, source: dict, path: str) -> None:
+    """Refuse an ``init_from`` whose backbone is of another family than this run's (a DiT MDM into a LLaMA-family
+    FMLM+, or the reverse) before any compute: their tensors share no names."""
+    if type(backbone_kind(source)) is not type(kind):
+        there = source.get("_target_", "the suite's DiT")
+        raise ValueError(
+            f"init_from {path} was trained on another backbone family ({there}) than this run's backbone: initialise "
+            "from an MDM of the same backbone (backbone=<its config>)"
+        )

@@ -183,7 +183,7 @@ def test_bad_llama_runs_fail_before_compute(mdm_run, tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()  # nothing written
     with pytest.raises(ValueError, match="time_conditioning=true needs a DiT"):
         train(compose_config(overrides=[*MDM, "method.time_conditioning=true"]))
-    with pytest.raises(ValueError, match="AR need a DiT backbone"):
+    with pytest.raises(ValueError, match="AR, needs a DiT backbone"):
         train(compose_config(overrides=["experiment=sudoku_ar_medium", "scale=cpu", *FAST, *LLAMA, "logger=none"]))
     mlfm = ["experiment=sudoku_mlfm_easy", "scale=cpu", *FAST, *LLAMA, "method=mlfm_llama", f"method.init_from={ckpt}"]
     with pytest.raises(ValueError, match="another backbone size"):

@@ -414,6 +414,16 @@ class DiT(nn.Module):
             c = c + self.emb_t(t)
         return F.silu(c)
 
+    @property
+    def token_embeddings(self) -> Tensor:
+        """E (|V|, d): the rows a continuous input x (…, |V|) is read against, h = x·E (the whole embedding)."""
+        return self.embed.weight
+
+    @property
+    def output_head(self) -> nn.Module:
+        """The output Linear(d, |V|): ``forward``'s logits are it applied to ``head_features``."""
+        return self.final.linear
+
     def input_embeddings(self, x: Tensor) -> Tensor:
         """Token ids → E[x]; vectors over the vocabulary → x·E."""
         if x.dtype in (torch.long, torch.int, torch.int32, torch.int16, torch.uint8):

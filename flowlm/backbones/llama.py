@@ -10,6 +10,7 @@ accepted and ignored, since these MDMs are time-agnostic.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from contextlib import nullcontext
 
@@ -20,6 +21,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
 from flowlm.backbones.adapters import linear_head_parts
+from flowlm.backbones.dit import PinnedCondition, modulation
 from flowlm.samplers.base import MaskedDenoiser
 
 # arch → (config class, decoder class, rotary class). Qwen2 has q/k/v biases (Dream); Llama has none (SMDM, LLaDA).
@@ -200,7 +202,8 @@ LAYER_LINEARS = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
-ADAPTER_PARTS = ("time_adaln", "lora", "embeddings")
+# Parts an adapter can train: its time adaLN, the LoRA factors, the token embedding, the whole base (FMLM+'s default).
+ADAPTER_PARTS = ("time_adaln", "lora", "embeddings", "base")
 
 
 class LlamaAdaLNAdapter(nn.Module):
@@ -258,27 +261,25 @@ class LlamaAdaLNAdapter(nn.Module):
             config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=names)
             inject_adapter_in_model(config, base)  # in place; LoRA B = 0, so still the MDM
         self._mods: list[tuple[Tensor, ...]] | None = None  # this call's per-layer chunks, read by the hooks
+        # partials of a bound method, not closures: a deep copy of the adapter rebinds them to the copy (a closure
+        # would keep reading the original's modulation)
         for i, layer in enumerate(base.layers):
-            layer.input_layernorm.register_forward_hook(self._hook(i, "norm", 0))
-            layer.self_attn.register_forward_hook(self._hook(i, "gate", 2))
-            layer.post_attention_layernorm.register_forward_hook(self._hook(i, "norm", 3))
-            layer.mlp.register_forward_hook(self._hook(i, "gate", 5))
+            layer.input_layernorm.register_forward_hook(functools.partial(self._hook, i, "norm", 0))
+            layer.self_attn.register_forward_hook(functools.partial(self._hook, i, "gate", 2))
+            layer.post_attention_layernorm.register_forward_hook(functools.partial(self._hook, i, "norm", 3))
+            layer.mlp.register_forward_hook(functools.partial(self._hook, i, "gate", 5))
         self.set_trainable(train)
 
-    def _hook(self, layer: int, kind: str, slot: int):
-        """A forward hook that modulates a norm's output (shift/scale) or a branch's output ((1 + gate))."""
-
-        def hook(module: nn.Module, args: tuple, output):
-            if self._mods is None:  # the base called on its own: unchanged
-                return output
-            chunks = self._mods[layer]
-            if kind == "norm":
-                return output * (1 + chunks[slot + 1]) + chunks[slot]
-            if isinstance(output, tuple):  # attention returns (output, weights)
-                return (output[0] * (1 + chunks[slot]), *output[1:])
-            return output * (1 + chunks[slot])
-
-        return hook
+    def _hook(self, layer: int, kind: str, slot: int, module: nn.Module, args: tuple, output):
+        """The forward hook that modulates a norm's output (shift/scale) or a branch's output ((1 + gate))."""
+        if self._mods is None:  # the base called on its own: unchanged
+            return output
+        chunks = self._mods[layer]
+        if kind == "norm":
+            return output * (1 + chunks[slot + 1]) + chunks[slot]
+        if isinstance(output, tuple):  # attention returns (output, weights)
+            return (output[0] * (1 + chunks[slot]), *output[1:])
+        return output * (1 + chunks[slot])
 
     def recompute_context(self) -> contextlib.AbstractContextManager:
         """A context that restores this call's modulation (read now) while activation checkpointing recomputes a
@@ -301,7 +302,10 @@ class LlamaAdaLNAdapter(nn.Module):
                 if module is not None:
                     module.requires_grad_(True)
         for name, param in self.base.named_parameters():
-            if ("lora" in parts and ".lora_" in name) or ("embeddings" in parts and "embed_tokens" in name):
+            lora = ".lora_" in name
+            if ("lora" in parts and lora) or ("embeddings" in parts and "embed_tokens" in name):
+                param.requires_grad_(True)
+            if "base" in parts and not lora:  # the MDM itself fine-tuned (FMLM+, as the released DiT init)
                 param.requires_grad_(True)
 
     @property
@@ -338,6 +342,10 @@ class LlamaAdaLNAdapter(nn.Module):
         """Logits for ids or vectors x (vectors: x·E through the MDM's embedding) at times s [, t]."""
         return self.forward_embeddings(self.base.input_embeddings(x), s, t)
 
+    def base_state_names(self) -> dict[str, str]:
+        """This adapter's base parameter names → the plain backbone's (PEFT inserts ``.base_layer``)."""
+        return {name: name.replace(".base_layer", "") for name in self.base.state_dict() if ".lora_" not in name}
+
 
 class LlamaMLFMAdapter(LlamaAdaLNAdapter):
     """``LlamaAdaLNAdapter`` with MLFM's call contract (flowlm/backbones/adapters.py ``MLFMAdapter``): one bridge
@@ -360,6 +368,139 @@ class LlamaMLFMAdapter(LlamaAdaLNAdapter):
         features = self.head_features(z, time)
         return (features, *linear_head_parts(self.base.lm_head, features))
 
-    def base_state_names(self) -> dict[str, str]:
-        """This adapter's base parameter names → the plain backbone's (PEFT inserts ``.base_layer``)."""
-        return {name: name.replace(".base_layer", "") for name in self.base.state_dict() if ".lora_" not in name}
+
+class LlamaFlowNet(LlamaAdaLNAdapter):
+    """The FMLM+ network on a LLaMA-family MDM (methods.md §4): ``LlamaAdaLNAdapter(two_times=True)`` with the DiT's
+    call contract, ``forward(x, s, t, *, pinned=None) → logits``, ``forward_embeddings``, ``head_features``,
+    ``input_embeddings``, ``token_embeddings``, ``output_head``, ``d_model``, ``emb_t`` (what FMLMPlusModule reads).
+
+    Vocabulary: the flow states are over the data vocabulary, |V| = the head's rows. A continuous input x (…, |V|) is
+    read as h = x·E with E = the embedding's first |V| rows (``token_embeddings``), in float32 as the released DiT's
+    ``input_fp32``. SMDM: [MASK] is the extra last embedding row, never read by a flow state (kept, unused, so the
+    tensors keep the MDM's shapes); LLaDA/Dream: [MASK] is one of the |V| rows and columns, its logit removed by
+    FMLMPlusModule (−∞ before the soft cap, as the MDM module's SUBS). Logits are the base's raw ones.
+
+    Times: s, t per sequence (B,) or per token (B, L); with ``pinned`` (B, L) the times are per sequence and the
+    pinned tokens sit at s = t = 1 (the DiT's ``PinnedCondition``: the adaLN Linears run on B + 1 rows). Shifted logits
+    (Dream): hidden position j predicts token j + 1, so it is conditioned on that token's times (c_j ← c_{j+1}; the
+    last position, which predicts nothing, keeps its own).
+
+    What trains (``train``): the whole network by default, base + time adaLN, as the released FMLM+ initialisation
+    fine-tunes the whole DiT; ``train=[time_adaln, lora]`` with ``lora_rank`` > 0 is the option for large bases
+    (PEFT LoRA on the decoder's projections, the base frozen). LoRA on the head is refused: the chunked head passes
+    (greedy summary, fused loss) read the head as one plain Linear.
+    """
+
+    def __init__(
+        self,
+        base: BidirectionalLM,
+        *,
+        cond_dim: int = 512,
+        train: tuple[str, ...] | list[str] = ("base", "time_adaln"),
+        lora_rank: int = 0,
+        lora_alpha: float = 16.0,
+        lora_dropout: float = 0.0,
+        lora_targets: tuple[str, ...] | list[str] = LAYER_LINEARS,
+        lora_head: bool = False,
+    ) -> None:
+        if lora_head:
+            raise ValueError(
+                "lora_head=true is not supported for FMLM+: the chunked head passes (greedy summary, fused loss) need "
+                "the head as one plain Linear; train it with train=[..., base] instead"
+            )
+        if "lora" in train and lora_rank == 0:
+            raise ValueError("adapter.train includes lora but lora_rank=0: set adapter.lora_rank > 0")
+        super().__init__(
+            base,
+            cond_dim=cond_dim,
+            two_times=True,
+            lora_rank=lora_rank,
+            lora_alpha=lora_alpha,
+            lora_dropout=lora_dropout,
+            lora_targets=lora_targets,
+            lora_head=False,
+            train=train,
+        )
+        self.d_model = base.d_model
+        self.vocab_size = base.head_rows  # the flow's |V|: what continuous inputs (B, L, |V|) are read against
+
+    @property
+    def spec(self) -> dict:
+        """The base's spec (what a checkpoint records of the backbone)."""
+        return self.base.spec
+
+    @property
+    def mask_id(self) -> int:
+        """The base's [MASK] id."""
+        return self.base.mask_id
+
+    @property
+    def shift_logits(self) -> bool:
+        """Whether the base predicts position i at i − 1 (Dream)."""
+        return self.base.shift_logits
+
+    @property
+    def token_embeddings(self) -> Tensor:
+        """E (|V|, d): the embedding's data rows, which a continuous input x (…, |V|) is read against, h = x·E."""
+        return self.base.model.embed_tokens.weight[: self.vocab_size]
+
+    @property
+    def output_head(self) -> nn.Module:
+        """The output Linear(d, |V|): ``forward``'s logits are it applied to ``head_features``."""
+        return self.base.lm_head
+
+    def input_embeddings(self, x: Tensor) -> Tensor:
+        """Token ids → E[x]; vectors over the data vocabulary (B, L, |V|) → x·E_data, computed in float32 (the
+        released DiT's ``input_fp32``) and returned in the embedding's dtype."""
+        if not x.is_floating_point():
+            return self.base.input_embeddings(x)
+        if x.shape[-1] != self.vocab_size:
+            raise ValueError(f"continuous input has last dim {x.shape[-1]}, expected |V| = head_rows={self.vocab_size}")
+        weight = self.token_embeddings
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return (x.float() @ weight.float()).to(weight.dtype)
+
+    def flow_condition(self, s: Tensor, t: Tensor, pinned: Tensor | None, batch: int, length: int):
+        """c = SiLU(emb_s(s) + emb_t(t)): (B, 1, cond) per sequence, (B, L, cond) per token, or with ``pinned`` a
+        ``PinnedCondition`` (free rows at the per-sequence times, one row at s = t = 1); shifted for Dream."""
+        if pinned is None:
+            c = self.condition(s, t)
+        else:
+            if pinned.shape != (batch, length) or s.dim() > 1 or t.dim() > 1:
+                raise ValueError("with `pinned` (B, L), the times are per sequence: (B,)")
+            one = torch.ones(1, device=pinned.device)
+            rows = 2 * torch.arange(batch, device=pinned.device)[:, None] + pinned.long()
+            c = PinnedCondition(self.condition(s, t), self.condition(one, one), rows)
+        if self.base.shift_logits:  # hidden j predicts token j + 1: it reads that token's times
+            if isinstance(c, PinnedCondition):
+                c = c._replace(rows=shift_left(c.rows))
+            elif c.shape[1] > 1:
+                c = shift_left(c)
+        return c
+
+    def head_features(  # type: ignore[override]
+        self, h: Tensor, s: Tensor, t: Tensor, *, pinned: Tensor | None = None
+    ) -> Tensor:
+        """The output head's input (B, L, d) for embeddings h at times (s, t) [pinned]: the logits are
+        ``output_head`` of it."""
+        c = self.flow_condition(s, t, pinned, h.shape[0], h.shape[1])
+        mods = [modulation(mod, c).to(h.dtype).chunk(6, dim=-1) for mod in self.layer_mods]
+        with self._with_mods(mods):
+            return self.base.head_features(h)
+
+    def forward_embeddings(  # type: ignore[override]
+        self, h: Tensor, s: Tensor, t: Tensor, *, pinned: Tensor | None = None
+    ) -> Tensor:
+        """Logits (B, L, |V|) for embeddings h (B, L, d) at times (s, t) [pinned]."""
+        return self.base.lm_head(self.head_features(h, s, t, pinned=pinned))
+
+    def forward(  # type: ignore[override]
+        self, x: Tensor, s: Tensor, t: Tensor, *, pinned: Tensor | None = None
+    ) -> Tensor:
+        """Logits (B, L, |V|) for ids or vectors x (B, L, |V|) at times (s, t) [pinned]."""
+        return self.forward_embeddings(self.input_embeddings(x), s, t, pinned=pinned)
+
+
+def shift_left(c: Tensor) -> Tensor:
+    """c'[:, j] = c[:, j + 1] for j < L − 1, c'[:, L − 1] = c[:, L − 1]: each position takes the next one's value."""
+    return torch.cat([c[:, 1:], c[:, -1:]], dim=1)
