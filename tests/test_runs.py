@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from flowlm.pretrained.hub import parse_hub_name
 from runners.common import RunExistsError
 from runners.evaluate import evaluate
-from runners.paths import CONF_DIR
+from runners.paths import CONF_DIR, cpu_precision
 from runners.train import train
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
@@ -90,6 +90,9 @@ def test_every_experiment_runs_fast_dev_run(experiment, scale, shared_runs):
         nfe = OmegaConf.to_container(base.eval, resolve=False)["nfe"]
         fast = [o for o in fast if not o.startswith("eval.nfe")]
         fast.append(f"eval.nfe={nfe}" if isinstance(nfe, str) else f"eval.nfe=[{','.join(map(str, nfe))}]")
+    # the CPU's own precision at every scale: the paper scale's bf16-mixed is emulated, ≈ 10× slower, on a CPU
+    # without bf16 kernels (docs/performance.md#cpu-precision); the same as before where the CPU has them
+    fast = [*fast, f"trainer.precision={cpu_precision()}"]
     cfg = compose_config(overrides=[*at, *fast, "+trainer.fast_dev_run=true", "logger=none"])
     if cfg.source is not None:  # an MDM-based variant: train that MDM (2 steps, with a checkpoint) first
         if not Path(cfg.source_ckpt).exists():
