@@ -58,7 +58,7 @@ def test_a_token_outside_the_vocabulary_is_refused(llama_tok, bad):
         load_tokenizer(llama_tok, bad)
 
 
-def gsm_dm(tmp_path: Path, tokenizer: Path, pad_token: str) -> GSM8KDataModule:
+def gsm_dm(tmp_path: Path, tokenizer: Path, pad_token: str = "eos") -> GSM8KDataModule:
     """The fixture GSM8K problems, L = 256 (every example fits)."""
     return GSM8KDataModule(
         train_files=str(GSM8K),

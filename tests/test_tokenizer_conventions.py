@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from fixtures.make_fixtures import HERE
+from test_pad_token import gsm_dm  # the fixture GSM8K problems as a datamodule (L = 256)
 
 from datamodules.gsm8k import GSM8KDataModule
 from datamodules.sources import load_tokenizer
@@ -124,20 +125,6 @@ def test_smdm_tokenizer_has_no_mask_token(smdm_tok):
 def test_padding_with_the_mask_token_is_refused(request, name, mask):
     with pytest.raises(ValueError, match="mask token"):
         load_tokenizer(request.getfixturevalue(name), mask)
-
-
-def gsm_dm(tmp_path: Path, tokenizer: Path, pad_token: str = "eos") -> GSM8KDataModule:
-    return GSM8KDataModule(
-        train_files=str(GSM8K),
-        eval_files=str(GSM8K),
-        tokenizer=str(tokenizer),
-        seq_len=256,
-        min_response_tokens=8,
-        cache_dir=tmp_path / "cache",
-        batch_size=4,
-        num_proc=1,
-        pad_token=pad_token,
-    )
 
 
 @pytest.mark.parametrize("name", ["llada_tok", "dream_tok", "smdm_tok"])
