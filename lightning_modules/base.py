@@ -16,7 +16,6 @@ from flowlm.backbones.dit import RELEASED_OPTIONS, build_dit
 from flowlm.backbones.llama import BidirectionalLM, LlamaFlowNet, LlamaMLFMAdapter
 from lightning_modules.checkpoints import copy_backbone
 from lightning_modules.sharding import checkpoint_activations, compile_blocks, shard
-from lightning_modules.vocabulary import head_covers_data
 from runners.paths import git_commit
 
 # The commit of the code this process runs, read once (two git calls) and recorded in every checkpoint it writes.
@@ -140,7 +139,7 @@ class TargetKind(BackboneKind):
         net = instantiate(cfg)
         if not isinstance(net, BidirectionalLM):
             raise ValueError(f"backbone {cfg['_target_']} built a {type(net).__name__}, not a BidirectionalLM")
-        if not head_covers_data(net.head_rows, net.mask_id, data_vocab_size):
+        if not net.covers_data(data_vocab_size):
             raise ValueError(
                 f"the data have a vocabulary of {data_vocab_size} tokens but backbone {cfg['_target_']} predicts "
                 f"{net.head_rows} (head rows; [MASK] = id {net.mask_id}): use the backbone's tokenizer, or for a "

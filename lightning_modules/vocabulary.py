@@ -4,22 +4,14 @@ SMDM's tokenizer (TinyLlama) has no mask token: its [MASK] is the extra id |V| =
 does not predict). LLaDA (``<|mdm_mask|>`` 126 336, EOS = PAD 126 081) and Dream (``<|mask|>`` 151 666, EOS = PAD
 151 643) keep [MASK] inside the vocabulary, as a special token of their tokenizers, and a checkpoint's head may have
 more rows than its tokenizer has ids (Dream: Qwen2.5's padded 152 064). ``TargetKind.build``
-(lightning_modules/base.py) refuses a data vocabulary the head does not cover (``head_covers_data``: no data id
-reaches a row the head lacks, a padded head only with [MASK] among the data ids); what it cannot see, the tokenizer,
-is checked here (``check_data_tokens``), by the entry points, before any compute.
+(lightning_modules/base.py) refuses a data vocabulary the head does not cover (``BidirectionalLM.covers_data``: no
+data id reaches a row the head lacks, a padded head only with [MASK] among the data ids); what it cannot see, the
+tokenizer, is checked here (``check_data_tokens``), by the entry points, before any compute.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-
-def head_covers_data(head_rows: int, mask_id: int, data_vocab_size: int) -> bool:
-    """Whether a LLaMA-family head of ``head_rows`` logits serves data of ``data_vocab_size`` ids: equal sizes, or
-    (LLaDA, Dream: [MASK] inside the data vocabulary) a head padded beyond the tokenizer, whose extra rows no data id
-    reaches (the logits are cut to the data's ids, ``drop_mask_logit``). A larger data vocabulary, or a larger head
-    without [MASK] among the data ids (SMDM's layout, a random backbone, a foreign tokenizer), is not."""
-    return head_rows == data_vocab_size or mask_id < data_vocab_size < head_rows
 
 
 def check_data_tokens(datamodule: Any, module: Any) -> None:

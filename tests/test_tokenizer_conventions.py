@@ -237,8 +237,11 @@ def test_a_head_padded_beyond_the_tokenizer_serves_mask_inside_data(request, tmp
     assert torch.isfinite(loss.loss)
 
 
-def test_a_padded_head_without_mask_among_the_data_is_refused(tmp_path, smdm_tok):
-    dm = gsm_dm(tmp_path, smdm_tok)  # SMDM's layout ([MASK] = the head's size) with a head larger than the data
+@pytest.mark.parametrize("mask_offset", [4, 0])
+def test_a_padded_head_without_mask_among_the_data_is_refused(tmp_path, smdm_tok, mask_offset):
+    """SMDM's layout ([MASK] beyond the data's ids: the head's size, or the first id past the data) with a head
+    larger than the data: refused."""
+    dm = gsm_dm(tmp_path, smdm_tok)
     v = dm.vocab_size
     with pytest.raises(ValueError, match=f"vocabulary of {v} tokens but backbone .* predicts {v + 4}"):
-        _module(dm, embed_rows=v + 5, head_rows=v + 4, mask_id=v + 4)
+        _module(dm, embed_rows=v + 5, head_rows=v + 4, mask_id=v + mask_offset)

@@ -137,6 +137,13 @@ class BidirectionalLM(nn.Module):
         with torch.device(device):
             self.model.rotary_emb = self._rotary_cls(config=self.config)
 
+    def covers_data(self, data_vocab_size: int) -> bool:
+        """Whether this head serves data of ``data_vocab_size`` ids: equal sizes, or (LLaDA, Dream: [MASK] inside the
+        data vocabulary) a head padded beyond the tokenizer, whose extra rows no data id reaches (the logits are cut
+        to the data's ids). A larger data vocabulary, or a larger head without [MASK] among the data ids (SMDM's
+        layout, a random backbone, a foreign tokenizer), is not."""
+        return self.head_rows == data_vocab_size or self.mask_id < data_vocab_size < self.head_rows
+
     def input_embeddings(self, x: Tensor) -> Tensor:
         """Token ids → E[x]; vectors over the embedding rows (B, L, embed_rows) → x·E."""
         weight = self.model.embed_tokens.weight
