@@ -145,7 +145,7 @@ class TargetKind(BackboneKind):
                 f"{net.head_rows} (head rows; [MASK] = id {net.mask_id}): use the backbone's tokenizer, or for a "
                 f"random backbone set backbone.head_rows={data_vocab_size} (and embed_rows, mask_id to match)"
             )
-        return LlamaFlowNet(net, **(adapter or {})) if two_times else net
+        return LlamaFlowNet(net, data_vocab_size=data_vocab_size, **(adapter or {})) if two_times else net
 
     def mask_id(self, net: nn.Module, data_vocab_size: int) -> int:  # noqa: D102
         return net.mask_id
@@ -157,11 +157,19 @@ class TargetKind(BackboneKind):
         """``copy_backbone`` into the FMLM+ network (``LlamaFlowNet``): an MDM checkpoint's ``net.<name>`` tensors go
         to ``base.<name>`` (``.base_layer`` inside a LoRA-wrapped Linear), a flow checkpoint of the same network's
         keep their names; the time embeddings and the adaLN stay fresh (zero adaLN: the network is the MDM). An MDM
-        with tensors this base has no counterpart for, or without some it has (another depth or width), is refused."""
+        head padded beyond the data (LLaDA, Dream; the flow's was cut by ``build``) gives its first rows (reported
+        as sliced). An MDM with tensors this base has no counterpart for, or without some it has (another depth or
+        width), is refused."""
+        sliced = []
         if not any(key.startswith("net.base.") for key in state):  # an MDM's BidirectionalLM: its own names
             own = {plain: name for name, plain in net.base_state_names().items()}
             state = {f"net.base.{own.get(k[4:], k[4:])}" if k.startswith("net.") else k: v for k, v in state.items()}
+            head, rows = state.get("net.base.lm_head.weight"), net.base.head_rows
+            if head is not None and head.shape[0] > rows > net.base.mask_id:
+                state["net.base.lm_head.weight"] = head[:rows]
+                sliced.append("base.lm_head.weight")
         report = copy_backbone(net, state, partial_modules=bool(net.lora_names))
+        report["sliced"] += sliced
         missing = [name for name in report["fresh"] if name.startswith("base.") and ".lora_" not in name]
         if missing:  # with LoRA, copy_backbone leaves these to the caller
             raise ValueError(f"the source checkpoint has another backbone size: it lacks {missing[:3]}")

@@ -28,6 +28,15 @@ LAYOUTS = {
     "smdm": lambda v: {"arch": "llama", "embed_rows": v + 1, "head_rows": v, "mask_id": v},
     "llada": lambda v: {"arch": "llama", "embed_rows": v, "head_rows": v, "mask_id": 3},
     "dream": lambda v: {"arch": "qwen2", "embed_rows": v, "head_rows": v, "mask_id": 3, "shift_logits": True},
+    # the released LLaDA/Dream heads are padded beyond the tokenizer (Dream: 152 064 rows, 151 665 ids)
+    "llada_padded": lambda v: {"arch": "llama", "embed_rows": v + 4, "head_rows": v + 4, "mask_id": 3},
+    "dream_padded": lambda v: {
+        "arch": "qwen2",
+        "embed_rows": v + 4,
+        "head_rows": v + 4,
+        "mask_id": 3,
+        "shift_logits": True,
+    },
 }
 # the 6×6 Sudoku data have 9 token ids: a tiny random Llama in SMDM's layout (docs/pretrained.md)
 LLAMA = ["backbone=llama/tiny", "backbone.embed_rows=10", "backbone.head_rows=9", "backbone.mask_id=9"]
@@ -75,17 +84,19 @@ def inputs(vocab: int, batch: int = 3, length: int = 12, seed: int = 1):
 
 
 # ------------------------------------------------------------------------------------------------ (a) identity
-@pytest.mark.parametrize("layout", ["smdm", "llada", "dream"])
+@pytest.mark.parametrize("layout", ["smdm", "llada", "dream", "llada_padded", "dream_padded"])
 def test_initialised_flow_network_computes_the_mdm_logits(layout):
     """Zero-initialised adaLN: at s = t = 0 and at any times (pinned or per token) the network's logits are the MDM's
     on the same input vectors x·E (E = the embedding's data rows); log δ is the soft-capped log-softmax of the MDM's
-    data logits ([MASK] inside the vocabulary at −∞). float32, max |Δ| ≤ 1e-5 on logits of order 1."""
+    data logits ([MASK] inside the vocabulary at −∞). A head padded beyond the data is cut to the data's 9 rows.
+    float32, max |Δ| ≤ 1e-5 on logits of order 1."""
     mdm, flow = mdm_and_flow(layout)
     x, s, t, pinned = inputs(9)
     emb = mdm.net.model.embed_tokens.weight
     assert torch.equal(flow.net.token_embeddings, emb[:9])
+    assert flow.net.base.head_rows == flow.net.base.lm_head.weight.shape[0] == flow.net.vocab_size == 9
     with torch.no_grad():
-        want = mdm.net.forward_embeddings(x @ emb[:9])
+        want = mdm.net.forward_embeddings(x @ emb[:9])[..., :9]
         zero = torch.zeros(3)
         for times in ((zero, zero, None), (s, t, pinned), (s[:, None].expand(3, 12), t[:, None].expand(3, 12), None)):
             got = flow.net(x, times[0], times[1], pinned=times[2])
@@ -168,7 +179,7 @@ def batch_of(vocab: int, mask_id: int, batch: int = 4, length: int = 12) -> dict
     return {"tokens": tokens, "prompt_mask": prompt}
 
 
-@pytest.mark.parametrize("layout", ["smdm", "dream"])
+@pytest.mark.parametrize("layout", ["smdm", "dream", "dream_padded"])
 def test_loss_is_finite_and_trains_the_whole_network(layout):
     _, flow = mdm_and_flow(layout)
     flow.train()
@@ -193,7 +204,30 @@ def test_loss_is_finite_and_trains_the_whole_network(layout):
     free = {**batch_of(9, flow.mask_id), "prompt_mask": torch.zeros(4, 12, dtype=torch.bool)}
     with torch.no_grad():
         out = flow.flow_loss(free, kinds, s, t, torch.Generator().manual_seed(0), rates=torch.zeros(4))
-    assert bool((out.per_token[:, 0] == 0).all()) == (layout == "dream") and (out.per_token[:, 1:] != 0).all()
+    assert bool((out.per_token[:, 0] == 0).all()) == layout.startswith("dream") and (out.per_token[:, 1:] != 0).all()
+
+
+def test_a_padded_head_is_cut_and_the_checkpoint_reloads_at_its_size():
+    """LLaDA/Dream's head has rows past the tokenizer: the flow's head is the MDM's first |V| rows (reported as
+    sliced), the saved record says so (head 9 rows, embedding 13), and a module rebuilt from it loads the saved
+    tensors strictly and computes the same log δ; a cut that would drop [MASK] or add rows is refused."""
+    mdm, flow = mdm_and_flow("dream_padded")
+    assert mdm.net.head_rows == 13 and "base.lm_head.weight" in flow.init_report["sliced"]
+    assert torch.equal(flow.net.base.lm_head.weight, mdm.net.lm_head.weight[:9])
+    saved: dict = {"state_dict": flow.state_dict()}
+    flow.on_save_checkpoint(saved)
+    record = flow._backbone_record
+    assert record["head_rows"] == 9 and record["embed_rows"] == 13 and record["mask_id"] == 3
+    again = FMLMPlusModule(data_vocab_size=9, seq_len=12, backbone=record, optim={})
+    again.load_state_dict(saved["state_dict"], strict=True)
+    x, s, t, pinned = inputs(9)
+    with torch.no_grad():
+        torch.testing.assert_close(again.eval()(x, s, t, pinned), flow(x, s, t, pinned), rtol=0, atol=0)
+    smdm = BidirectionalLM(**{k: v for k, v in tiny_llama("smdm", 9).items() if k != "_target_"})
+    with pytest.raises(ValueError, match="cannot cut a head of 9 rows"):
+        smdm.cut_head(8)  # SMDM's [MASK] is the extra embedding row: every head row is a data id
+    with pytest.raises(ValueError, match="cannot cut a head of 9 rows"):
+        smdm.cut_head(10)
 
 
 def test_fused_loss_equals_the_dense_one_with_mask_inside_the_vocabulary():

@@ -144,6 +144,26 @@ class BidirectionalLM(nn.Module):
         layout, a random backbone, a foreign tokenizer), is not."""
         return self.head_rows == data_vocab_size or self.mask_id < data_vocab_size < self.head_rows
 
+    def cut_head(self, rows: int) -> None:
+        """Keep the head's first ``rows`` rows (a copy; ``head_rows`` and the spec follow): a head padded beyond the
+        tokenizer (LLaDA, Dream) cut to the data ids, for a network whose output size is the data vocabulary (the
+        FMLM+ flow's |V|). Rows no data id reaches are all it may drop: more rows than the head has, or a cut that
+        would drop [MASK] while keeping a head row past it, is refused."""
+        if rows == self.head_rows:
+            return
+        if not self.covers_data(rows):
+            raise ValueError(
+                f"cannot cut a head of {self.head_rows} rows ([MASK] = id {self.mask_id}) to {rows}: only rows past "
+                "the data vocabulary of a head with [MASK] among the data ids may be dropped"
+            )
+        old = self.lm_head.weight
+        self.lm_head = nn.Linear(old.shape[1], rows, bias=False, device=old.device, dtype=old.dtype)
+        if old.device.type != "meta":
+            with torch.no_grad():
+                self.lm_head.weight.copy_(old[:rows])
+        self.head_rows = rows
+        self.spec = {**self.spec, "head_rows": rows}
+
     def input_embeddings(self, x: Tensor) -> Tensor:
         """Token ids → E[x]; vectors over the embedding rows (B, L, embed_rows) → x·E."""
         weight = self.model.embed_tokens.weight
@@ -381,11 +401,13 @@ class LlamaFlowNet(LlamaAdaLNAdapter):
     call contract, ``forward(x, s, t, *, pinned=None) → logits``, ``forward_embeddings``, ``head_features``,
     ``input_embeddings``, ``token_embeddings``, ``output_head``, ``d_model``, ``emb_t`` (what FMLMPlusModule reads).
 
-    Vocabulary: the flow states are over the data vocabulary, |V| = the head's rows. A continuous input x (…, |V|) is
-    read as h = x·E with E = the embedding's first |V| rows (``token_embeddings``), in float32 as the released DiT's
-    ``input_fp32``. SMDM: [MASK] is the extra last embedding row, never read by a flow state (kept, unused, so the
-    tensors keep the MDM's shapes); LLaDA/Dream: [MASK] is one of the |V| rows and columns, its logit removed by
-    FMLMPlusModule (−∞ before the soft cap, as the MDM module's SUBS). Logits are the base's raw ones.
+    Vocabulary: the flow states are over the data vocabulary, |V| = the head's rows (``data_vocab_size`` first cuts
+    a head padded beyond the tokenizer, LLaDA's and Dream's, to the data ids: ``BidirectionalLM.cut_head``). A
+    continuous input x (…, |V|) is read as h = x·E with E = the embedding's first |V| rows (``token_embeddings``),
+    in float32 as the released DiT's ``input_fp32``. SMDM: [MASK] is the extra last embedding row, never read by a
+    flow state (kept, unused, so the tensors keep the MDM's shapes); LLaDA/Dream: [MASK] is one of the |V| rows and
+    columns, its logit removed by FMLMPlusModule (−∞ before the soft cap, as the MDM module's SUBS). Logits are the
+    base's raw ones.
 
     Times: s, t per sequence (B,) or per token (B, L); with ``pinned`` (B, L) the times are per sequence and the
     pinned tokens sit at s = t = 1 (the DiT's ``PinnedCondition``: the adaLN Linears run on B + 1 rows). Shifted logits
@@ -402,6 +424,7 @@ class LlamaFlowNet(LlamaAdaLNAdapter):
         self,
         base: BidirectionalLM,
         *,
+        data_vocab_size: int | None = None,
         cond_dim: int = 512,
         train: tuple[str, ...] | list[str] = ("base", "time_adaln"),
         lora_rank: int = 0,
@@ -417,6 +440,8 @@ class LlamaFlowNet(LlamaAdaLNAdapter):
             )
         if "lora" in train and lora_rank == 0:
             raise ValueError("adapter.train includes lora but lora_rank=0: set adapter.lora_rank > 0")
+        if data_vocab_size is not None:
+            base.cut_head(data_vocab_size)  # a padded head (LLaDA, Dream) keeps the data rows: |V| = the data's
         super().__init__(
             base,
             cond_dim=cond_dim,
