@@ -28,7 +28,7 @@ LAYOUTS = {
     "smdm": lambda v: {"arch": "llama", "embed_rows": v + 1, "head_rows": v, "mask_id": v},
     "llada": lambda v: {"arch": "llama", "embed_rows": v, "head_rows": v, "mask_id": 3},
     "dream": lambda v: {"arch": "qwen2", "embed_rows": v, "head_rows": v, "mask_id": 3, "shift_logits": True},
-    # the released LLaDA/Dream heads are padded beyond the tokenizer (Dream: 152 064 rows, 151 665 ids)
+    # a head padded beyond the tokenizer (Dream's: 152 064 rows, its tokenizer's ids fewer; see docs/pretrained.md)
     "llada_padded": lambda v: {"arch": "llama", "embed_rows": v + 4, "head_rows": v + 4, "mask_id": 3},
     "dream_padded": lambda v: {
         "arch": "qwen2",
