@@ -139,6 +139,7 @@ class TargetKind(BackboneKind):
         net = instantiate(cfg)
         if not isinstance(net, BidirectionalLM):
             raise ValueError(f"backbone {cfg['_target_']} built a {type(net).__name__}, not a BidirectionalLM")
+        net.train()  # a loader returns its model for inference (eval mode); here it is a module's network
         if not net.covers_data(data_vocab_size):
             raise ValueError(
                 f"the data have a vocabulary of {data_vocab_size} tokens but backbone {cfg['_target_']} predicts "

@@ -53,6 +53,7 @@ from lightning_modules.checkpoints import (
     load_module,
     read_checkpoint,
 )
+from lightning_modules.sharding import is_sharded
 
 SUMMARIES = ("chunked", "dense")  # how greedy drafts read the model: FMLMPlusModule.denoiser
 FUSED_LOSSES = ("auto", True, False)  # FMLMPlusModule.fused_head: auto = by shape, where the head allows it
@@ -306,6 +307,7 @@ class FMLMPlusModule(FlowLMModule):
                 loss_mask=batch.get("loss_mask"),  # text data may leave PAD out of the loss
                 parts=parts,
                 head=head,
+                every_pass=is_sharded(self),  # FSDP: every rank runs the teacher passes (on row 0 if none needs them)
             )
 
     def fused_head(self) -> tuple[Tensor, Tensor | None] | None:

@@ -179,3 +179,30 @@ def test_the_context_set_is_drawn_off_the_prompt_below_the_rate():
 def test_distill_rows_need_the_mdm_teacher():
     with pytest.raises(ValueError, match="MDM teacher"):
         fmlm_plus_loss(Net(), TOKENS, PROMPT, KINDS, S, T, context=CONTEXT, noise=_noise(), process=FLOW)
+
+
+def test_every_pass_keeps_ranks_in_step_without_changing_the_loss():
+    """Under FSDP (``every_pass``) both semigroup passes and the MDM teacher run on every call: on a batch of
+    diagonal rows only, on row 0, their results dropped (the loss is the diagonal one); on the full batch the
+    loss and the passes are the plain ones."""
+    plain, net_plain = _loss(parts=True)
+    every, net_every = _loss(parts=True, every_pass=True)
+    assert torch.equal(plain.per_token, every.per_token) and len(net_every.calls) == len(net_plain.calls) == 3
+    diagonal = torch.full((4,), DIAGONAL)
+    teacher_calls = []
+
+    def counted(ids, rate):
+        teacher_calls.append(ids.shape[0])
+        return mdm_teacher(ids, rate)
+
+    losses = {}
+    for every_pass, passes, teachers in ((False, 1, []), (True, 3, [1])):
+        net, teacher_calls[:] = Net(), []
+        out = fmlm_plus_loss(
+            net, TOKENS, PROMPT, diagonal, S, S, context=CONTEXT, noise=_noise(), process=FLOW,
+            mdm_teacher=counted, mask_id=MASK, every_pass=every_pass,
+        )  # fmt: skip
+        assert len(net.calls) == passes and teacher_calls == teachers
+        assert [call[0].shape[0] for call in net.calls[1:]] == [1] * (passes - 1)  # one row: row 0
+        losses[every_pass] = out.per_token
+    assert torch.equal(losses[True], losses[False])  # the dropped passes change nothing

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures.tiny_llama_family import DREAM, LLADA, write_shards
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -201,58 +202,13 @@ def test_named_smdm_1028m_config_has_the_released_shapes():
 
 # ------------------------------------------------------------------------------------------------------ LLaDA
 def _llada_config(vocab: int, d: int, inter: int, kv: int) -> dict:
-    return {
-        "d_model": d,
-        "n_layers": LAYERS,
-        "n_heads": HEADS,
-        "n_kv_heads": kv,
-        "mlp_hidden_size": inter,
-        "mlp_ratio": 4,
-        "vocab_size": vocab,
-        "embedding_size": vocab,
-        "max_sequence_length": 64,
-        "rope": True,
-        "rope_theta": 500000.0,
-        "rope_full_precision": True,
-        "rms_norm_eps": 1e-05,
-        "layer_norm_type": "rms",
-        "layer_norm_with_affine": True,
-        "bias_for_layer_norm": False,
-        "include_bias": False,
-        "include_qkv_bias": False,
-        "attention_layer_norm": False,
-        "activation_type": "silu",
-        "block_type": "llama",
-        "block_group_size": 1,
-        "weight_tying": False,
-        "scale_logits": False,
-        "input_emb_norm": False,
-        "alibi": False,
-        "flash_attention": False,
+    """LLaDA's config.json fields (the shipped fixture's) at these sizes; [MASK] = vocab − 4."""
+    sizes = {"d_model": d, "n_layers": LAYERS, "n_heads": HEADS, "n_kv_heads": kv, "mlp_hidden_size": inter}
+    return {**LLADA, **sizes, "vocab_size": vocab, "embedding_size": vocab, "max_sequence_length": 64} | {
         "mask_token_id": vocab - 4,
         "eos_token_id": 1,
         "pad_token_id": 1,
-        "model_type": "llada",
-        "architectures": ["LLaDAModelLM"],
     }
-
-
-def _write_shards(folder, tensors: dict, config: dict, n_shards: int = 2):
-    """A Hugging Face folder: config.json, model-0000k-of-0000n.safetensors in bf16 and the index."""
-    folder.mkdir(exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    keys = list(tensors)
-    weight_map = {}
-    for k in range(n_shards):
-        name = f"model-{k + 1:05d}-of-{n_shards:05d}.safetensors"
-        part = {key: tensors[key].bfloat16().contiguous() for key in keys[k::n_shards]}
-        save_file(part, str(folder / name), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(part, name)
-    total = sum(2 * t.numel() for t in tensors.values())
-    (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
-    )
-    return folder
 
 
 def _write_llada(folder, ref, config):
@@ -277,7 +233,7 @@ def _write_llada(folder, ref, config):
         out |= {
             f"model.transformer.blocks.{i}.{a}.weight": sd[f"model.layers.{i}.{b}.weight"] for a, b in names.items()
         }
-    return _write_shards(folder, out, config)
+    return write_shards(folder, out, config)
 
 
 # "square": vocab = d = MLP width, so the head's ff_out and a block's ff_out have the same shape and only the
@@ -315,31 +271,18 @@ def test_llada_bad_folders_are_refused_before_loading(tmp_path):
 
 # ------------------------------------------------------------------------------------------------------ Dream
 def _dream_config(vocab: int) -> dict:
-    return {
-        "architectures": ["DreamModel"],
-        "model_type": "Dream",
-        "hidden_size": D,
-        "intermediate_size": INTER,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 128,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1e6,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "vocab_size": vocab,
+    """Dream's config.json fields (the shipped fixture's) at this file's sizes; [MASK] = vocab − 2."""
+    sizes = {"hidden_size": D, "intermediate_size": INTER, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS}
+    return {**DREAM, **sizes, "num_key_value_heads": 2, "max_position_embeddings": 128, "vocab_size": vocab} | {
         "mask_token_id": vocab - 2,
         "pad_token_id": 1,
         "eos_token_id": 1,
-        "torch_dtype": "bfloat16",
     }
 
 
 def test_dream_loads_with_shifted_logits(tmp_path):
     ref = _reference("qwen2", 64, 2, 1e6, 1e-6)
-    folder = _write_shards(tmp_path / "dream", dict(ref.state_dict()), _dream_config(64))
+    folder = write_shards(tmp_path / "dream", dict(ref.state_dict()), _dream_config(64))
     model = load_dream(folder, dtype=torch.float32)
     ids = _ids(64, 62)
     with torch.no_grad():
@@ -352,7 +295,7 @@ def test_dream_loads_with_shifted_logits(tmp_path):
 
 def test_dream_samples_after_a_prompt_and_refuses_a_masked_first_position(tmp_path):
     ref = _reference("qwen2", 64, 2, 1e6, 1e-6)
-    model = load_dream(_write_shards(tmp_path / "dream", dict(ref.state_dict()), _dream_config(64)))
+    model = load_dream(write_shards(tmp_path / "dream", dict(ref.state_dict()), _dream_config(64)))
     prompt, prompt_mask = _prompt(model.mask_id)
     with torch.no_grad():
         out = SemiARConfidenceSampler(block_length=4)(model.denoiser(), prompt=prompt, prompt_mask=prompt_mask, nfe=3)
@@ -367,7 +310,7 @@ def test_dream_missing_bias_is_refused_naming_it(tmp_path):
         for k, v in _reference("qwen2", 64, 2, 1e6, 1e-6).state_dict().items()
         if k != "model.layers.1.self_attn.k_proj.bias"
     }
-    folder = _write_shards(tmp_path / "dream", state, _dream_config(64))
+    folder = write_shards(tmp_path / "dream", state, _dream_config(64))
     with pytest.raises(ValueError, match=r"missing 1 keys.*model\.layers\.1\.self_attn\.k_proj\.bias"):
         load_dream(folder)
 
@@ -470,7 +413,7 @@ def test_adapted_model_at_init_computes_the_mdm_logits(tmp_path, source, two_tim
         )
     else:
         ref = _reference("qwen2", 64, 2, 1e6, 1e-6)
-        base = load_dream(_write_shards(tmp_path / "dream", dict(ref.state_dict()), _dream_config(64)))
+        base = load_dream(write_shards(tmp_path / "dream", dict(ref.state_dict()), _dream_config(64)))
     ids = _ids(base.head_rows, base.mask_id)
     with torch.no_grad():
         want = base(ids)
@@ -637,3 +580,25 @@ def test_a_hub_name_in_the_cache_loads_from_its_snapshot(tmp_path, monkeypatch):
     ids = _ids(64, 60)
     with torch.no_grad():
         assert (model(ids) - ref(ids).logits).abs().max() < TOL
+
+
+@pytest.mark.parametrize(("name", "ids"), [("llada", (515, 528, 513, 512)), ("dream", (516, 528, 515, 514))])
+def test_the_shipped_tiny_folders_are_current_and_laid_out_as_the_released_ones(tmp_path, name, ids):
+    """tests/fixtures/tiny_{llada,dream} (scale=cpu of tinygsm_fmlm_plus_init_{llada,dream}) are what
+    tests/fixtures/tiny_llama_family.py writes, file for file; through the loader and the data's tokenizer code they
+    have the released layout: the special tokens after the text ids, [MASK] the tokenizer's own (LLaDA's found by
+    name, Dream's named), PAD = EOS, a head padded beyond the tokenizer."""
+    from fixtures import tiny_llama_family as fam
+
+    from datamodules.sources import load_tokenizer
+
+    fresh, shipped = fam.write_all(tmp_path)[name], fam.HERE / f"tiny_{name}"
+    assert sorted(p.name for p in shipped.iterdir()) == sorted(p.name for p in fresh.iterdir())
+    for file in fresh.iterdir():
+        assert (shipped / file.name).read_bytes() == file.read_bytes(), f"stale {shipped}: run its writer"
+    model = {"llada": load_llada, "dream": load_dream}[name](shipped, dtype="float32")
+    tok = load_tokenizer(shipped, "eos")
+    assert (len(tok), model.head_rows, model.mask_id, tok.bos_token_id) == ids
+    assert tok.mask_token_id == model.mask_id and tok.pad_token_id == tok.eos_token_id == 0
+    assert model.shift_logits == (name == "dream") and model.covers_data(len(tok))
+    assert tok.convert_ids_to_tokens(model.mask_id) == {"llada": "<|mdm_mask|>", "dream": "<|mask|>"}[name]

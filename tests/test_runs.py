@@ -56,16 +56,23 @@ def fast_text(cfg) -> list[str]:
             "data.val_last_n=40",
             "data.seq_len=64",
         ]
-    if str(cfg.backbone.get("_target_", "")).endswith("load_smdm"):  # a pretrained SMDM: its tiny CPU-scale file
+    loader = str(cfg.backbone.get("_target_", "")).rsplit(".", 1)[-1]
+    tokenizer = "tests/fixtures/tiny_tokenizer"
+    if loader == "load_smdm":  # a pretrained SMDM: its tiny CPU-scale file
         over += [f"backbone.{k}={v}" for k, v in TINY_SMDM.items()] + ["method.adapter.cond_dim=32"]
-        if "strategy" in cfg.trainer:  # the paper scale's FSDP2: not in one pytest process (tests/test_fsdp.py)
-            over += ["trainer.strategy=auto"]
+    elif loader in TINY_FOLDERS:  # LLaDA / Dream by hub name: their CPU scale's tiny folder, weights and tokenizer
+        tiny = TINY_FOLDERS[loader]
+        over += [f"backbone.{k}={'null' if v is None else v}" for k, v in tiny["backbone"].items()]
+        over += ["method.adapter.cond_dim=32"]
+        tokenizer = tiny["data"]["tokenizer"]
+    if loader in ("load_smdm", *TINY_FOLDERS) and "strategy" in cfg.trainer:
+        over += ["trainer.strategy=auto"]  # the paper scale's FSDP2: not in one pytest process (tests/test_fsdp.py)
     init_from = OmegaConf.select(cfg, "method.init_from", default=None, throw_on_missing=False)
     if isinstance(init_from, str) and parse_hub_name(init_from) and not Path(init_from).exists():
         # a pretrained DiT by hub name (MDLM-OWT at paper scale), unreachable offline: its tiny CPU-scale folder
         over += [f"backbone.{k}={v}" for k, v in TINY_MDLM["backbone"].items()]
         over += [f"method.init_from={TINY_MDLM['method']['init_from']}"]
-    return over + ["data.tokenizer=tests/fixtures/tiny_tokenizer"]
+    return over + [f"data.tokenizer={tokenizer}"]
 
 
 # conf/scale/gsm8k_mlfm_smdm/cpu.yaml's backbone (the shipped tests/fixtures/tiny_smdm file)
@@ -78,6 +85,11 @@ TINY_SMDM = {
 }
 # conf/scale/owt_mdlm/cpu.yaml's backbone sizes and init_from (the shipped tests/fixtures/tiny_mdlm folder)
 TINY_MDLM = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "scale" / "owt_mdlm" / "cpu.yaml"))
+# conf/scale/tinygsm_{llada,dream}/cpu.yaml's backbone and tokenizer (the shipped tests/fixtures/tiny_{llada,dream})
+TINY_FOLDERS = {
+    f"load_{name}": OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "scale" / f"tinygsm_{name}" / "cpu.yaml"))
+    for name in ("llada", "dream")
+}
 
 
 @pytest.mark.parametrize("scale", SCALES)

@@ -70,13 +70,17 @@ def soft_targets(
     prompt: Tensor | None = None,
     mdm_teacher: MDMTeacher | None = None,
     mask_id: int | None = None,
+    every_pass: bool = False,
 ) -> tuple[Tensor, Tensor] | None:
     """The rows whose target is not one-hot and their targets (stop-gradient): (rows (n,), distributions
     (n, L, |V|)), the jump rows (off-diagonal and boundary: the semigroup midpoint from two ``teacher`` passes joined
     by the ``process``'s flow map) then the distill rows (MDM teacher probabilities: needs ``tokens``, ``prompt``,
     ``mdm_teacher`` and its ``mask_id``); None when every row is diagonal. ``kinds``: host tensor (B,); ``times``:
     (s, t) per sequence (B,); ``token_times``: the same per token (1 off the active set). On the inactive tokens of
-    these rows the targets are one-hot in the semigroup rows (D1 = D2 = the pinned one-hot) and never scored."""
+    these rows the targets are one-hot in the semigroup rows (D1 = D2 = the pinned one-hot) and never scored.
+    ``every_pass``: run each teacher pass even when no row needs it (on row 0, its result dropped), as a sharded
+    (FSDP) network needs: its all-gathers are collective, so every rank must run the same forwards whatever kinds its
+    rows drew (an empty batch is no way out: transformers' attention cannot reshape one)."""
     (s_seq, t_seq), (s_tok, t_tok) = times, token_times
     device = x_s.device
     # kinds are host data: the rows of each pass are chosen on the host and their indices copied to the device
@@ -85,8 +89,8 @@ def soft_targets(
     jump = [i for i, kind in enumerate(host) if kind not in (DIAGONAL, DISTILL)]
     distill = [i for i, kind in enumerate(host) if kind == DISTILL]
     parts = []
-    if jump:
-        idx = torch.tensor(jump).to(device, non_blocking=True)
+    if jump or every_pass:
+        idx = torch.tensor(jump or [0]).to(device, non_blocking=True)  # row 0: a pass only to keep ranks in step
         x, s, t, act = x_s[idx], s_tok[idx], t_tok[idx], active[idx]
         u_seq = (s_seq[idx] + t_seq[idx]) / 2
         u = torch.where(act, u_seq[:, None], 1.0)  # = (s + t) / 2 on the active tokens
@@ -94,15 +98,16 @@ def soft_targets(
         x_u = process.flow_map(x, d1, s, u)  # X_u = X_{s,u}(x_s)
         d2 = teacher(x_u, u_seq, t_seq[idx], ~act).exp()  # D2 = δ_{u,t}(X_u)
         gamma = torch.where(act, semigroup_gamma(s, u, t), 0.0)
-        parts.append(semigroup_target(d1, d2, gamma))
-    if distill:
+        parts += [semigroup_target(d1, d2, gamma)] if jump else []
+    if distill or (every_pass and mdm_teacher is not None):
         if mdm_teacher is None or tokens is None or prompt is None or mask_id is None:
             raise ValueError("distill rows need the MDM teacher, its [MASK] id, the tokens and the prompt mask")
-        idx = torch.tensor(distill).to(device, non_blocking=True)
+        idx = torch.tensor(distill or [0]).to(device, non_blocking=True)
         ids, act = tokens[idx], active[idx]
         masked_in = torch.where(act, mask_id, ids)  # the teacher sees the active tokens as [MASK]
         rate = act.float().sum(-1) / (~prompt[idx]).float().sum(-1).clamp_min(1)  # its masking rate
-        parts.append(F.softmax(mdm_teacher(masked_in, rate).float(), dim=-1))
+        probs = F.softmax(mdm_teacher(masked_in, rate).float(), dim=-1)
+        parts += [probs] if distill else []
     if not parts:
         return None
     rows = torch.tensor(jump + distill).to(device, non_blocking=True)
@@ -146,6 +151,7 @@ def fmlm_plus_loss(
     loss_mask: Tensor | None = None,
     parts: bool = False,
     head: tuple[Tensor, Tensor | None] | None = None,
+    every_pass: bool = False,
 ) -> LossOutput:
     """The soft CE of δ_{s,t}(x_s) against each row's target, on the active tokens (see the module docstring).
 
@@ -157,7 +163,8 @@ def fmlm_plus_loss(
     (one host read; a kind whose rows score no token is left out). With ``head`` = (W (|V|, d), b) of the output
     Linear, the student returns the head's input features (B, L, d) instead of log δ, and the per-token loss is the
     fused chunked cross-entropy of its soft-capped logits (flowlm/objectives/fused_ce.py: no (B, L, |V|) tensor;
-    the same values to float rounding); the ``teacher`` (required then) still returns log δ.
+    the same values to float rounding); the ``teacher`` (required then) still returns log δ. ``every_pass``: the
+    teacher passes run on every call, on no rows when none needs them (a sharded network: ``soft_targets``).
     """
     if head is not None and teacher is None:
         raise ValueError("with a fused head the student returns features: the semigroup passes need a teacher")
@@ -180,6 +187,7 @@ def fmlm_plus_loss(
         prompt=prompt,
         mdm_teacher=mdm_teacher,
         mask_id=mask_id,
+        every_pass=every_pass,
     )
     scored = active if loss_mask is None else active & loss_mask
     # −Σ_v target_v · log δ_v: a gather where the target is one-hot (diagonal rows), the full sum on the soft rows

@@ -1,9 +1,11 @@
 """A pretrained source given by local path or Hugging Face hub name (``owner/name[@revision]``), resolved through
 the Hugging Face cache (docs/pretrained.md, Sources).
 
-A path that exists is used as is. Otherwise a hub name is looked up in the cache (``HF_HUB_CACHE``, else
-``HF_HOME``/hub, else ~/.cache/huggingface/hub) and, unless offline (``HF_HUB_OFFLINE=1``), downloaded into it.
-A source that is neither fails at once, before any compute, with the ways to provide it.
+A path that exists is used as is (a relative one from the working directory, else from the project root: the
+shipped fixtures of the CPU scales resolve from any working directory). Otherwise a hub name is looked up in the
+cache (``HF_HUB_CACHE``, else ``HF_HOME``/hub, else ~/.cache/huggingface/hub) and, unless offline
+(``HF_HUB_OFFLINE=1``), downloaded into it. A source that is neither fails at once, before any compute, with the ways
+to provide it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
+
+from flowlm.tasks.files import project_path
 
 # owner/name[@revision]: hub repository ids are letters, digits, '-', '_', '.'; names ending like a checkpoint file
 # are taken for missing local paths, never for repositories.
@@ -49,7 +53,7 @@ def resolve_source(spec: str | os.PathLike, *, allow_patterns: Sequence[str] | N
     """A local path for a pretrained source: the path itself when it exists, else the cached (or, online, freshly
     downloaded) snapshot folder of a hub name. FileNotFoundError for a missing path; ``SourceUnavailableError``
     (a FileNotFoundError) for a hub name that cannot be had, naming the ways to provide it."""
-    path = Path(spec).expanduser()
+    path = project_path(spec)
     if path.exists():
         return path
     hub = parse_hub_name(str(spec))
