@@ -204,11 +204,8 @@ def test_named_smdm_1028m_config_has_the_released_shapes():
 def _llada_config(vocab: int, d: int, inter: int, kv: int) -> dict:
     """LLaDA's config.json fields (the shipped fixture's) at these sizes; [MASK] = vocab − 4."""
     sizes = {"d_model": d, "n_layers": LAYERS, "n_heads": HEADS, "n_kv_heads": kv, "mlp_hidden_size": inter}
-    return {**LLADA, **sizes, "vocab_size": vocab, "embedding_size": vocab, "max_sequence_length": 64} | {
-        "mask_token_id": vocab - 4,
-        "eos_token_id": 1,
-        "pad_token_id": 1,
-    }
+    ids = {"vocab_size": vocab, "embedding_size": vocab, "mask_token_id": vocab - 4, "eos_token_id": 1}
+    return {**LLADA, **sizes, **ids, "pad_token_id": 1, "max_sequence_length": 64}
 
 
 def _write_llada(folder, ref, config):
@@ -273,11 +270,8 @@ def test_llada_bad_folders_are_refused_before_loading(tmp_path):
 def _dream_config(vocab: int) -> dict:
     """Dream's config.json fields (the shipped fixture's) at this file's sizes; [MASK] = vocab − 2."""
     sizes = {"hidden_size": D, "intermediate_size": INTER, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS}
-    return {**DREAM, **sizes, "num_key_value_heads": 2, "max_position_embeddings": 128, "vocab_size": vocab} | {
-        "mask_token_id": vocab - 2,
-        "pad_token_id": 1,
-        "eos_token_id": 1,
-    }
+    ids = {"vocab_size": vocab, "mask_token_id": vocab - 2, "pad_token_id": 1, "eos_token_id": 1}
+    return {**DREAM, **sizes, **ids, "num_key_value_heads": 2, "max_position_embeddings": 128}
 
 
 def test_dream_loads_with_shifted_logits(tmp_path):

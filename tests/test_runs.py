@@ -63,7 +63,7 @@ def fast_text(cfg) -> list[str]:
     elif loader in TINY_FOLDERS:  # LLaDA / Dream by hub name: their CPU scale's tiny folder, weights and tokenizer
         tiny = TINY_FOLDERS[loader]
         over += [f"backbone.{k}={'null' if v is None else v}" for k, v in tiny["backbone"].items()]
-        over += ["method.adapter.cond_dim=32"]
+        over += [f"method.adapter.cond_dim={tiny['method']['adapter']['cond_dim']}"]
         tokenizer = tiny["data"]["tokenizer"]
     if loader in ("load_smdm", *TINY_FOLDERS) and "strategy" in cfg.trainer:
         over += ["trainer.strategy=auto"]  # the paper scale's FSDP2: not in one pytest process (tests/test_fsdp.py)
