@@ -236,6 +236,16 @@ def require_device(script: str, device: str) -> None:
         raise SystemExit(f"{script}: --device cuda but no CUDA device is available")
 
 
+def matmul_flops(call) -> float:
+    """The matrix-product FLOPs of one call, its backward included when the call runs one (torch's FlopCounterMode:
+    mm, addmm, bmm, attention)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        call()
+    return float(counter.get_total_flops())
+
+
 def peak_memory(call, device) -> float:
     """Bytes a call adds at its peak over what the process held before it: CUDA's peak allocated memory, or on a
     CPU the process's peak resident set (VmHWM, reset first through /proc/self/clear_refs)."""

@@ -45,6 +45,7 @@ from common import (
     clock,
     elapsed,
     load_group_config,
+    matmul_flops,
     median,
     peak_memory,
     randomise_zero_init,
@@ -186,15 +187,6 @@ def measure_sampler(module, sampler, args, device, prompt, prompt_mask, *, limit
     row["outside_share"] = 1 - inside / total  # the sampler's own work, outside its network calls
     row["flop_ratio"] = flops / (max(calls, 1) * forward_flops)  # the compute-bound limit of this implementation
     return row
-
-
-def matmul_flops(call) -> float:
-    """The matrix-product FLOPs of one call (torch's FlopCounterMode: mm, addmm, bmm, attention)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
-        call()
-    return float(counter.get_total_flops())
 
 
 def tails_context(compile_tails: bool, dense_ranking: bool):

@@ -34,6 +34,7 @@ from common import (
     clock,
     elapsed,
     load_group_config,
+    matmul_flops,
     median,
     peak_memory,
     require_device,
@@ -306,7 +307,7 @@ def measure(args, *, log=print) -> dict:
     for flow in FLOWS:
         if "mdm" in modules and flow in modules:
             key = "fmlm_vs_mdm" if flow == "fmlm_plus" else f"{flow}_vs_mdm"
-            result[key] = fmlm_cost_report(args, modules, batches, result, device, log, flow=flow)
+            result[key] = fmlm_cost_report(args, modules, batches, result, device, log, flow=flow, losses=losses)
     if getattr(args, "memory", False):
         result["peak_memory"] = step_memory(modules, losses, batches, args, device, log)
     return result
@@ -345,7 +346,25 @@ def backbone_of(module):
     return getattr(net, "base", net)
 
 
-def fmlm_cost_report(args, modules, batches, result, device, log, *, flow: str = "fmlm_plus") -> dict:
+def step_flops(module, loss: Callable[[dict, int], Tensor], batch: dict, *, precision: str, device) -> float:
+    """The matrix-product FLOPs of one bare training step's loss and backward (``matmul_flops``), as ``run_bare``
+    computes them: its student, teacher passes, flow-map lift and head chunks (a fused loss's backward recomputes
+    its chunks' logits), whatever this implementation runs."""
+    module.train()
+
+    def step() -> None:
+        with autocast(precision, device):
+            value = loss(batch, 0)
+        value.backward()
+
+    flops = matmul_flops(step)
+    module.zero_grad(set_to_none=True)
+    return flops
+
+
+def fmlm_cost_report(
+    args, modules, batches, result, device, log, *, flow: str = "fmlm_plus", losses: dict | None = None
+) -> dict:
     """The FMLM+ step's cost relative to MDM's, measured, against its theoretical value.
 
     FMLM+ = one forward + backward on the whole batch + two no-grad teacher forwards (δ_{s,u} and δ_{u,t}) on the
@@ -353,7 +372,11 @@ def fmlm_cost_report(args, modules, batches, result, device, log, *, flow: str =
         cost(FMLM+)/cost(MDM) = (F·(1 + k) + 2·share·F) / (F·(1 + k)) = 1 + 2·share/(1 + k)
     with k = backward/forward ≈ 2 and the same forward cost F for both: 1 + 2·0.5/3 = 4/3 at the default shares.
     The second value replaces the assumptions by this machine's measured network costs (FMLM+ reads a dense
-    (B, L, |V|) input and per-token times; MDM ids and one time per sequence).
+    (B, L, |V|) input and per-token times; MDM ids and one time per sequence). The third, with ``losses``, is the
+    compute-bound limit of this implementation: the matrix-product FLOPs of one FMLM+ step over those of one MDM
+    step (``step_flops``), which count what the definition adds to the theory's network passes (the teachers'
+    heads, the flow map's δ·E lift of the embedding space); measured / that limit is the step's work outside its
+    matrix products.
     """
     from flowlm.processes.gaussian_flow import split_counts
 
@@ -392,11 +415,24 @@ def fmlm_cost_report(args, modules, batches, result, device, log, *, flow: str =
         f"forward = {fm_c['fwd'] / mdm_c['fwd']:.2f}× MDM's ({states}; pinned form) → "
         f"(fwdbwd_FMLM+ + 2·share·fwd_nograd_FMLM+)/fwdbwd_MDM = {theory_measured:.3f}"
     )
+    flop_limit = None
+    if losses is not None:
+        flops = {
+            m: step_flops(modules[m], losses[m], batches[m][0], precision=args.precision, device=device)
+            for m in ("mdm", flow)
+        }
+        flop_limit = flops[flow] / flops["mdm"]
+        log(
+            f"  matrix-product FLOPs of one step (FlopCounterMode, forward + backward): {flow} / mdm = "
+            f"{flop_limit:.3f} (the compute-bound limit of this implementation); measured / limit = "
+            f"{measured['bare'] / flop_limit:.3f} (bare loop)"
+        )
     return {
         "measured_bare": measured["bare"],
         "measured_lightning": measured["lightning"],
         "theory": theory,
         "theory_measured_costs": theory_measured,
+        "flop_limit": flop_limit,
         "share": share,
         "k_mdm": k_mdm,
         "k_fmlm_plus": k_fm,

@@ -50,8 +50,31 @@ def test_throughput_prints_lightning_vs_bare_and_fmlm_cost_ratios(outputs):
             rf"^ratio {flow}/mdm step cost: {RATIO} \(bare loop\), {RATIO} \(Lightning\)", run.stdout, re.M
         )
     assert "theory 1.333" in run.stdout  # batch 2: one diagonal row, one off-diagonal row → 1 + 2·(1/2)/3
+    for flow in ("fmlm_plus", "fmlm_plus_dense", "fmlm_plus_onehot", "fmlm_plus_fused"):  # the FLOP-counted limit
+        limit = re.search(
+            rf"FLOPs of one step \(FlopCounterMode, forward \+ backward\): {flow} / mdm = ({RATIO})", run.stdout
+        )
+        assert limit and float(limit.group(1)) > 1.0, run.stdout  # the teachers' passes add to the student's
     for method in ("mdm", "fmlm_plus"):  # --memory: one training step's peak
         assert re.search(rf"^peak memory of one training step \[{method}\]: \d+\.\d MiB", run.stdout, re.M)
+
+
+def test_step_flops_count_the_backward():
+    """One MDM step's matrix-product FLOPs are ≈ 3× its loss's forward (the backward's two products per forward
+    product; the input embedding is a lookup, its attention's backward counted by torch as such)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch
+    from common import build_module, matmul_flops, synthetic_batch
+    from throughput import loss_function, step_flops
+
+    module = build_module("mdm", backbone="tiny", vocab=200, seq_len=8, seed=0)
+    batch = synthetic_batch(4, 8, 200, seed=0)
+    loss = loss_function("mdm", module)
+    step = step_flops(module, loss, batch, precision="32-true", device=torch.device("cpu"))
+    with torch.no_grad():
+        forward = matmul_flops(lambda: loss(batch, 0))
+    assert 2.9 < step / forward <= 3.0
+    assert all(p.grad is None for p in module.parameters())  # the count leaves no gradients behind
 
 
 def test_sampler_overhead_prints_a_ratio_per_sampler(outputs):
