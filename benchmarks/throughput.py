@@ -45,12 +45,12 @@ from torch import Tensor
 
 METHODS = ("mdm", "fmlm_plus", "mlfm", "fmlm_plus_dense", "fmlm_plus_onehot", "fmlm_plus_compiled", "fmlm_plus_fused")
 # Variants of a method: (its conf/method file, overrides). fmlm_plus is the default (``fused_loss: auto``: the
-# student's loss fused from the head's chunks when |V| > d); fmlm_plus_dense: the dense student log δ (fused_loss
+# student's loss fused from the head's input when |V| > d); fmlm_plus_dense: the dense student log δ (fused_loss
 # false, the earlier path); fmlm_plus_onehot: the flow states over the vocabulary
 # (ε and x·E of size |V|), which ``state_space: auto`` replaces by h = x·E when |V| > d; fmlm_plus_compiled: the
 # loss's soft-capped log-softmax compiled (``method.compile_tails``; not in the default --methods: compiling takes
-# a while on a CPU); fmlm_plus_fused: the student's soft-capped CE from the head's vocabulary chunks, forward and
-# backward fused (``method.fused_loss``, flowlm/objectives/fused_ce.py; not in the default --methods).
+# a while on a CPU); fmlm_plus_fused: the student's soft-capped CE from the head's input in blocks of rows, its
+# gradient made in the same pass (``method.fused_loss``, flowlm/objectives/fused_ce.py; not in the default --methods).
 VARIANTS = {
     "fmlm_plus_dense": ("fmlm_plus", {"fused_loss": False}),
     "fmlm_plus_onehot": ("fmlm_plus", {"state_space": "onehot", "fused_loss": False}),
@@ -348,8 +348,7 @@ def backbone_of(module):
 
 def step_flops(module, loss: Callable[[dict, int], Tensor], batch: dict, *, precision: str, device) -> float:
     """The matrix-product FLOPs of one bare training step's loss and backward (``matmul_flops``), as ``run_bare``
-    computes them: its student, teacher passes, flow-map lift and head chunks (a fused loss's backward recomputes
-    its chunks' logits), whatever this implementation runs."""
+    computes them: its student, teacher passes, flow-map lift and head, whatever this implementation runs."""
     module.train()
 
     def step() -> None:

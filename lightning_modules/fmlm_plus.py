@@ -101,7 +101,7 @@ class FMLMPlusModule(FlowLMModule):
         self.compile_tails = compile_tails  # the loss's soft-capped log-softmax compiled (forward and backward)
         if fused_loss not in FUSED_LOSSES:
             raise ValueError(f"fused_loss must be one of {FUSED_LOSSES}, got {fused_loss!r}")
-        self.fused_loss = fused_loss  # the student's loss from the head's chunks (flowlm/objectives/fused_ce.py)
+        self.fused_loss = fused_loss  # the student's loss from the head's input (flowlm/objectives/fused_ce.py)
         self.process = GaussianFlowProcess(vocab_size=data_vocab_size)
         # the DiT, or a LLaMA-family MDM in LlamaFlowNet with the ``adapter`` options (refused on a DiT)
         self.net = self.build_backbone(data_vocab_size, two_times=True, adapter=adapter)
@@ -277,7 +277,7 @@ class FMLMPlusModule(FlowLMModule):
         pick the rows of the teacher passes without a device read), per-sequence times (B,) and context rates f (B,)
         (drawn from ``gen`` when not given); the context set and the noise are drawn here from ``gen``. With
         ``parts`` also each kind's mean per-token loss. With ``fused_loss`` the student pass stops at the head's input
-        and the loss runs the head in vocabulary chunks (``fmlm_plus_loss``'s ``head``); the teachers are unchanged."""
+        and the loss runs the head in blocks of rows (``fmlm_plus_loss``'s ``head``); the teachers are unchanged."""
         tokens, prompt = batch["tokens"], self.pin_unpredicted(batch["prompt_mask"])  # Dream: position 0 pinned
         b, length = tokens.shape
         if self.context:  # context set: each non-prompt token is clean with probability f ~ U(0, 1)
@@ -311,7 +311,7 @@ class FMLMPlusModule(FlowLMModule):
             )
 
     def fused_head(self) -> tuple[Tensor, Tensor | None] | None:
-        """(W, b) of the output head when this step's student loss runs fused from the head's chunks, else None: the
+        """(W, b) of the output head when this step's student loss runs fused from the head's input, else None: the
         one place it is chosen. ``fused_loss`` true: required (a head that is not a plain Linear, or a sharded head
         weight, is refused); false: never; auto: where the vocabulary is larger than the width (text, where the
         (B, L, |V|) log δ is the cost; Sudoku keeps the dense path), the head is a plain, unsharded Linear and

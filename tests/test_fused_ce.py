@@ -1,9 +1,10 @@
-"""The fused chunked soft-capped cross-entropy (flowlm/objectives/fused_ce.py) against the dense log δ path.
+"""The fused blocked soft-capped cross-entropy (flowlm/objectives/fused_ce.py) against the dense log δ path.
 
 per_token = −Σ_v q_v log δ_v with log δ = log_delta(features·Wᵀ + b) (flowlm/objectives/flow.py), q one-hot by the
-tokens except on the soft rows; its gradients w.r.t. the features, W and b, for an upstream gradient that is zero on
-some tokens (the caller's mask). Chunk widths: one column, an odd width that does not divide |V|, the whole
-vocabulary; float32, and bf16 autocast (both paths round the logits to bf16 as the model's head does).
+tokens except on the soft rows, and loss = Σ w · per_token for token weights w that are zero on some tokens (the
+caller's mask); the loss's gradients w.r.t. the features, W and b, made in the forward pass. Blocks: one row, an odd
+size that does not divide B·L, all rows at once; float32, and bf16 autocast (both paths round the logits to bf16 as
+the model's head does).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ B, L, D, V = 4, 6, 12, 53
 
 def _case(seed: int = 0, dtype=torch.float32):
     """Features, a head with logits spread over ±3·cap (the cap's curved part and its flat tails), tokens, two soft
-    rows of target distributions (rows 2 and 0: not sorted) and an upstream gradient with zeros."""
+    rows of target distributions (rows 2 and 0: not sorted) and token weights with zeros."""
     gen = torch.Generator().manual_seed(seed)
     features = torch.randn(B, L, D, generator=gen, dtype=dtype)
     weight = torch.randn(V, D, generator=gen, dtype=dtype) * 12
@@ -44,53 +45,54 @@ def _dense(features, weight, bias, tokens, soft):
     return per_token
 
 
-def _loss_and_grads(fn, features, weight, bias, upstream, *, autocast: bool = False):
+def _dense_fn(tokens, soft, upstream):
+    """(loss, per_token) of the dense path with the token weights ``upstream``, as the fused function returns."""
+
+    def fn(f, w, b):
+        per_token = _dense(f, w, b, tokens, soft)
+        return (per_token * upstream).sum(), per_token
+
+    return fn
+
+
+def _fused_fn(tokens, soft, upstream, block):
+    return lambda f, w, b: fused_capped_ce(f, w, b, tokens, upstream, soft, cap=SOFT_CAP, block=block)
+
+
+def _loss_and_grads(fn, features, weight, bias, *, autocast: bool = False):
+    """per_token, loss and the loss's gradients w.r.t. the leaves that are given."""
     leaves = [None if x is None else x.detach().clone().requires_grad_() for x in (features, weight, bias)]
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        per_token = fn(*leaves)
-    grads = torch.autograd.grad((per_token * upstream).sum(), [x for x in leaves if x is not None])
-    return per_token.detach(), grads
+        loss, per_token = fn(*leaves)
+    grads = torch.autograd.grad(loss, [x for x in leaves if x is not None])
+    return per_token.detach(), grads, loss.detach()
 
 
-@pytest.mark.parametrize("chunk", [1, 7, V])
+@pytest.mark.parametrize("block", [1, 7, B * L])
 @pytest.mark.parametrize("with_soft", [True, False])
-def test_fused_equals_dense_float32(chunk, with_soft):
-    """float32: per_token to 2e-5 (its scale: up to 2·cap), the gradients to 1e-5 of their largest entry (measured:
-    ≤ 2e-7)."""
+def test_fused_equals_dense_float32(block, with_soft):
+    """float32: per_token and the loss to 2e-5 (per_token's scale: up to 2·cap), the gradients to 1e-5 of their
+    largest entry (measured: ≤ 2e-7)."""
     features, weight, bias, tokens, soft, upstream = _case(1)
     soft = soft if with_soft else None
-    dense = _loss_and_grads(lambda f, w, b: _dense(f, w, b, tokens, soft), features, weight, bias, upstream)
-    fused = _loss_and_grads(
-        lambda f, w, b: fused_capped_ce(f, w, b, tokens, soft, cap=SOFT_CAP, chunk=chunk),
-        features,
-        weight,
-        bias,
-        upstream,
-    )
+    dense = _loss_and_grads(_dense_fn(tokens, soft, upstream), features, weight, bias)
+    fused = _loss_and_grads(_fused_fn(tokens, soft, upstream, block), features, weight, bias)
     assert torch.allclose(fused[0], dense[0], rtol=2e-5, atol=2e-5), (fused[0] - dense[0]).abs().max()
+    assert torch.allclose(fused[2], dense[2], rtol=2e-5, atol=2e-5), (fused[2], dense[2])
     for name, got, want in zip(("features", "weight", "bias"), fused[1], dense[1], strict=True):
         assert got.dtype == want.dtype
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), name
 
 
-@pytest.mark.parametrize("chunk", [1, 7, V])
-def test_fused_equals_dense_under_bf16_autocast(chunk):
-    """bf16 autocast: the head's chunks are rounded to bf16 as the dense head's logits are, so per_token agrees to
+@pytest.mark.parametrize("block", [1, 7, B * L])
+def test_fused_equals_dense_under_bf16_autocast(block):
+    """bf16 autocast: the head's blocks are rounded to bf16 as the dense head's logits are, so per_token agrees to
     float32 rounding of the same bf16 logits (1e-4); the gradients to 1 % of their largest entry (measured: ≤ 0.5 %;
-    the dense backward rounds dL/dl and the whole products to bf16, the fused one each chunk's product); grads in
+    the dense backward rounds dL/dl and the whole products to bf16, the fused one each block's product); grads in
     the parameters' dtype (float32)."""
     features, weight, bias, tokens, soft, upstream = _case(2)
-    dense = _loss_and_grads(
-        lambda f, w, b: _dense(f, w, b, tokens, soft), features, weight, bias, upstream, autocast=True
-    )
-    fused = _loss_and_grads(
-        lambda f, w, b: fused_capped_ce(f, w, b, tokens, soft, cap=SOFT_CAP, chunk=chunk),
-        features,
-        weight,
-        bias,
-        upstream,
-        autocast=True,
-    )
+    dense = _loss_and_grads(_dense_fn(tokens, soft, upstream), features, weight, bias, autocast=True)
+    fused = _loss_and_grads(_fused_fn(tokens, soft, upstream, block), features, weight, bias, autocast=True)
     assert fused[0].dtype == torch.float32
     assert torch.allclose(fused[0], dense[0], rtol=1e-4, atol=1e-4), (fused[0] - dense[0]).abs().max()
     for name, got, want in zip(("features", "weight", "bias"), fused[1], dense[1], strict=True):
@@ -98,17 +100,38 @@ def test_fused_equals_dense_under_bf16_autocast(chunk):
         assert (got - want).abs().max() <= 1e-2 * want.abs().max(), name
 
 
-def test_zero_upstream_gives_zero_gradient():
-    """A token with zero upstream gradient contributes nothing: all-zero upstream → all-zero gradients."""
+def test_zero_weights_give_zero_gradient_and_the_upstream_scales_it():
+    """A token of weight 0 contributes nothing: all-zero weights → all-zero gradients; the gradients made in the
+    forward are scaled by the upstream gradient of the loss (here 2.5); without grad mode none are made (one head
+    product, counted by torch's FlopCounterMode, against three with it)."""
     features, weight, bias, tokens, soft, upstream = _case(3)
-    fn = lambda f, w, b: fused_capped_ce(f, w, b, tokens, soft, cap=SOFT_CAP, chunk=7)  # noqa: E731
-    _, grads = _loss_and_grads(fn, features, weight, bias, torch.zeros_like(upstream))
+    _, grads, _ = _loss_and_grads(_fused_fn(tokens, soft, torch.zeros_like(upstream), 7), features, weight, bias)
     assert all(not g.any() for g in grads)
+    _, ones, _ = _loss_and_grads(_fused_fn(tokens, soft, upstream, 7), features, weight, bias)
+    scaled = _loss_and_grads(
+        lambda f, w, b: (lambda out: (2.5 * out[0], out[1]))(
+            fused_capped_ce(f, w, b, tokens, upstream, soft, cap=SOFT_CAP, block=7)
+        ),
+        features,
+        weight,
+        bias,
+    )[1]
+    for one, two in zip(ones, scaled, strict=True):
+        assert torch.allclose(two, 2.5 * one, rtol=1e-6, atol=0)
+    from torch.utils.flop_counter import FlopCounterMode
+
+    leaf = features.clone().requires_grad_()
+    head = 2 * B * L * D * V  # one product over every row
+    for grad, products in ((False, 1), (True, 3)):  # the forward's; with grad also ∂features and ∂W
+        with torch.set_grad_enabled(grad), FlopCounterMode(display=False) as counter:
+            fused_capped_ce(leaf, weight.requires_grad_(), bias, tokens, upstream, soft, cap=SOFT_CAP, block=7)
+        assert counter.get_total_flops() == products * head, grad
 
 
 def test_gradcheck_float64():
-    """torch.autograd.gradcheck in float64 on a tiny case: soft and one-hot rows, a chunk that does not divide |V|;
-    the soft values are not normalised (the function is m·lse − Σ q·g with m = Σ q), so the check also covers m."""
+    """torch.autograd.gradcheck in float64 on a tiny case: soft and one-hot rows, a block that does not divide B·L;
+    the soft values are not normalised (the function is m·lse − Σ q·g with m = Σ q), so the check, and per_token
+    against the dense −Σ q·log δ, also cover m."""
     gen = torch.Generator().manual_seed(4)
     b, length, d, vocab = 3, 4, 5, 11
     features = torch.randn(b, length, d, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -117,32 +140,38 @@ def test_gradcheck_float64():
     tokens = torch.randint(0, vocab, (b, length), generator=gen)
     values = torch.rand(1, length, vocab, generator=gen, dtype=torch.float64)
     soft = (torch.tensor([1]), values)
-    fn = lambda f, w, bb: fused_capped_ce(f, w, bb, tokens, soft, cap=SOFT_CAP, chunk=4)  # noqa: E731
+    weights = torch.rand(b, length, generator=gen, dtype=torch.float64)
+    fn = lambda f, w, bb: fused_capped_ce(f, w, bb, tokens, weights, soft, cap=SOFT_CAP, block=5)[0]  # noqa: E731
     assert torch.autograd.gradcheck(fn, (features, weight, bias))
+    per_token = fused_capped_ce(features, weight, bias, tokens, weights, soft, cap=SOFT_CAP, block=5)[1]
+    log_d = F.log_softmax(SOFT_CAP * torch.tanh(F.linear(features, weight, bias) / SOFT_CAP), -1)  # float64
+    want = -log_d.gather(-1, tokens[..., None]).squeeze(-1)
+    want[1] = -(values[0] * log_d[1]).sum(-1)  # the soft row, unnormalised
+    assert torch.allclose(per_token, want, rtol=1e-12, atol=1e-12)
 
 
 def test_without_bias_and_errors():
-    """A head without bias equals the dense path; a non-positive cap, mismatched shapes and chunk 0 are refused."""
+    """A head without bias equals the dense path; a non-positive cap, mismatched shapes and block 0 are refused."""
     features, weight, _, tokens, soft, upstream = _case(5)
-    dense = _loss_and_grads(lambda f, w, b: _dense(f, w, b, tokens, soft), features, weight, None, upstream)
-    fused = _loss_and_grads(
-        lambda f, w, b: fused_capped_ce(f, w, b, tokens, soft, cap=SOFT_CAP, chunk=7), features, weight, None, upstream
-    )
+    dense = _loss_and_grads(_dense_fn(tokens, soft, upstream), features, weight, None)
+    fused = _loss_and_grads(_fused_fn(tokens, soft, upstream, 7), features, weight, None)
     assert torch.allclose(fused[0], dense[0], rtol=2e-5, atol=2e-5)
     for got, want in zip(fused[1], dense[1], strict=True):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     with pytest.raises(ValueError, match="soft cap"):
-        fused_capped_ce(features, weight, None, tokens, cap=0.0)
+        fused_capped_ce(features, weight, None, tokens, upstream, cap=0.0)
     with pytest.raises(ValueError, match="do not fit"):
-        fused_capped_ce(features, weight[:, :-1], None, tokens, cap=SOFT_CAP)
+        fused_capped_ce(features, weight[:, :-1], None, tokens, upstream, cap=SOFT_CAP)
     with pytest.raises(ValueError, match="do not match"):
-        fused_capped_ce(features, weight, None, tokens, (soft[0], soft[1][:, :, :-1]), cap=SOFT_CAP)
-    with pytest.raises(ValueError, match="chunk"):
-        fused_capped_ce(features, weight, None, tokens, cap=SOFT_CAP, chunk=0)
+        fused_capped_ce(features, weight, None, tokens, upstream[:, :-1], cap=SOFT_CAP)
+    with pytest.raises(ValueError, match="do not match"):
+        fused_capped_ce(features, weight, None, tokens, upstream, (soft[0], soft[1][:, :, :-1]), cap=SOFT_CAP)
+    with pytest.raises(ValueError, match="block"):
+        fused_capped_ce(features, weight, None, tokens, upstream, cap=SOFT_CAP, block=0)
 
 
 # ------------------------------------------------------------------------------------------- the FMLM+ module
-VM, DM, LM, BM = 2003, 16, 8, 6  # |V| a few thousand, odd (the default chunk leaves a short last chunk)
+VM, DM, LM, BM = 2003, 16, 8, 6  # |V| a few thousand, odd
 
 
 def _module(state_space: str, fused: bool):

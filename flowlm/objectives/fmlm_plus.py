@@ -161,9 +161,10 @@ def fmlm_plus_loss(
     ``teacher`` runs the semigroup passes (default: the student; the caller may wrap it, e.g. to switch dropout);
     ``loss_mask`` (B, L) leaves tokens out of the loss (text PAD). With ``parts``, each kind's mean per-token loss
     (one host read; a kind whose rows score no token is left out). With ``head`` = (W (|V|, d), b) of the output
-    Linear, the student returns the head's input features (B, L, d) instead of log δ, and the per-token loss is the
-    fused chunked cross-entropy of its soft-capped logits (flowlm/objectives/fused_ce.py: no (B, L, |V|) tensor;
-    the same values to float rounding); the ``teacher`` (required then) still returns log δ. ``every_pass``: the
+    Linear, the student returns the head's input features (B, L, d) instead of log δ, and the loss is the fused
+    cross-entropy of its soft-capped logits, its gradient made in the same pass (flowlm/objectives/fused_ce.py: no
+    (B, L, |V|) tensor; the same values to float rounding; per_token is then for logging, without a gradient); the
+    ``teacher`` (required then) still returns log δ. ``every_pass``: the
     teacher passes run on every call, on row 0 when no row needs them (a sharded network: ``soft_targets``).
     """
     if head is not None and teacher is None:
@@ -190,18 +191,20 @@ def fmlm_plus_loss(
         every_pass=every_pass,
     )
     scored = active if loss_mask is None else active & loss_mask
+    count = scored.sum().clamp_min(1)
     # −Σ_v target_v · log δ_v: a gather where the target is one-hot (diagonal rows), the full sum on the soft rows
-    if head is not None:  # the same from the head's chunks (the soft rows' values as float32, as below)
+    if head is not None:  # the same from the head's blocks, given the masked mean's weights (soft values in float32)
         soft32 = None if soft is None else (soft[0], soft[1].float())
-        per_token = fused_capped_ce(out, head[0], head[1], tokens, soft32, cap=SOFT_CAP)
+        loss, per_token = fused_capped_ce(out, head[0], head[1], tokens, scored / count, soft32, cap=SOFT_CAP)
+        per_token = torch.where(scored, per_token, torch.zeros_like(per_token))
     else:
         log_d = out
         per_token = -log_d.gather(-1, tokens[..., None]).squeeze(-1)
         if soft is not None:
             rows, values = soft
             per_token = per_token.index_copy(0, rows, -(values.to(log_d.dtype) * log_d[rows]).sum(-1))
-    per_token = torch.where(scored, per_token, torch.zeros_like(per_token))
-    loss = per_token.sum() / scored.sum().clamp_min(1)
+        per_token = torch.where(scored, per_token, torch.zeros_like(per_token))
+        loss = per_token.sum() / count
     by_kind = {}
     if parts:  # one host read for all kinds
         with torch.no_grad():
