@@ -164,8 +164,8 @@ def fmlm_plus_loss(
     Linear, the student returns the head's input features (B, L, d) instead of log δ, and the loss is the fused
     cross-entropy of its soft-capped logits, its gradient made in the same pass (flowlm/objectives/fused_ce.py: no
     (B, L, |V|) tensor; the same values to float rounding; per_token is then for logging, without a gradient); the
-    ``teacher`` (required then) still returns log δ. ``every_pass``: the
-    teacher passes run on every call, on row 0 when no row needs them (a sharded network: ``soft_targets``).
+    ``teacher`` (required then) still returns log δ. ``every_pass``: the teacher passes run on every call, on row 0
+    when no row needs them (a sharded network: ``soft_targets``).
     """
     if head is not None and teacher is None:
         raise ValueError("with a fused head the student returns features: the semigroup passes need a teacher")
