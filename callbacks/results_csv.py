@@ -40,8 +40,9 @@ def variant_of(method_cfg: dict) -> str:
 
 
 class ResultsCSV(Callback):
-    """After every evaluation, writes the run's rows (latest evaluation) to ``<dir>/<task>/<name>_seed<seed>.csv``;
-    ``dir`` None writes nothing."""
+    """After every evaluation, writes the run's rows (latest evaluation) to ``<dir>/<task>/<name>_seed<seed>.csv``,
+    with the training facts of that step (a validation that did not sample leaves the file as it is); ``dir`` None
+    writes nothing."""
 
     def __init__(self, *, dir: str | None = None) -> None:  # noqa: A002 - the config key
         self.dir = Path(dir) if dir else None
@@ -53,6 +54,8 @@ class ResultsCSV(Callback):
         evaluation = next((c for c in trainer.callbacks if isinstance(c, SamplingEvaluation)), None)
         if evaluation is None or not evaluation.results:
             return
+        if evaluation.results[0]["step"] != trainer.global_step:  # a val-loss-only validation (eval.every_n_steps):
+            return  # the rows keep the training facts of the step their metrics were measured at
         convergence = next((c for c in trainer.callbacks if isinstance(c, Convergence)), None)
         rows = self.rows(pl_module.run_config, type(pl_module).__name__, evaluation, convergence)
         cfg = pl_module.run_config

@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from callbacks.convergence import CONVERGENCE_FILE, Convergence, check_convergence
 from callbacks.results_csv import COLUMNS
+from callbacks.sampling_eval import SamplingEvaluation
 from runners.train import train
 
 
@@ -168,6 +169,25 @@ def test_results_csv_rows_and_the_budget_of_an_initialised_run(two_runs):
     # 2 own steps (not converged: one validation, nothing to compare) + the MDM's 4
     assert pr["steps"] == "2" and pr["budget_steps"] == "6" and pr["converged"] == "False"
     assert init["global_step"] == 2
+
+
+def test_a_validation_that_did_not_sample_leaves_the_rows_of_the_last_evaluation(tmp_path):
+    """With ``eval.every_n_steps`` most validations compute only the val loss: the CSV is written at the steps that
+    sampled, with that step's training facts, and not rewritten with later facts beside earlier metrics."""
+    from types import SimpleNamespace
+
+    from callbacks.results_csv import ResultsCSV
+
+    evaluation = SamplingEvaluation.__new__(SamplingEvaluation)
+    evaluation.results = [{"step": 500}]
+    monkeypatch.setattr(ResultsCSV, "rows", staticmethod(lambda *a: [{"task": "t", "eval_step": 500}]))
+    callback = ResultsCSV(dir=str(tmp_path))
+    module = SimpleNamespace(run_config={"task": "t", "name": "m", "seed": 0})
+    path = tmp_path / "t" / "m_seed0.csv"
+    for step, written in ((850, False), (500, True)):
+        trainer = SimpleNamespace(sanity_checking=False, is_global_zero=True, callbacks=[evaluation], global_step=step)
+        callback.on_validation_end(trainer, module)
+        assert path.exists() is written, step
 
 
 def test_a_sources_steps_come_from_its_record_else_its_checkpoint_and_a_hub_name_counts_none(tmp_path):
