@@ -171,7 +171,7 @@ def test_results_csv_rows_and_the_budget_of_an_initialised_run(two_runs):
     assert init["global_step"] == 2
 
 
-def test_a_validation_that_did_not_sample_leaves_the_rows_of_the_last_evaluation(tmp_path):
+def test_a_validation_that_did_not_sample_leaves_the_rows_of_the_last_evaluation(tmp_path, monkeypatch):
     """With ``eval.every_n_steps`` most validations compute only the val loss: the CSV is written at the steps that
     sampled, with that step's training facts, and not rewritten with later facts beside earlier metrics."""
     from types import SimpleNamespace
