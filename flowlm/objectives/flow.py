@@ -20,7 +20,9 @@ def log_delta(logits: Tensor, cap: float = SOFT_CAP) -> Tensor:
 
 def log_delta_(logits: Tensor, cap: float = SOFT_CAP) -> Tensor:
     """``log_delta`` computed in place where it can be (inference: no autograd), on one (B, L, |V|) float32 buffer
-    instead of four: the logits' own when they are float32, else their float32 copy. Equal to ``log_delta``."""
+    (the logits' own when they are float32, else their float32 copy) and one for its exp: equal to ``log_delta``
+    to float rounding. The cap as g − c = c·tanh(l/c) − c = −2c·σ(−2l/c) ∈ (−2c, 0], so log Σ exp(g − c) needs no
+    running maximum: a sigmoid and an exp instead of a tanh, a max and an exp (≈ 2× faster on a CPU)."""
     x = logits.float()
-    x.div_(cap).tanh_().mul_(cap)
-    return x.sub_(x.logsumexp(-1, keepdim=True))
+    x.mul_(-2 / cap).sigmoid_().mul_(-2 * cap)  # g − c
+    return x.sub_(x.exp().sum(-1, keepdim=True).log_())
