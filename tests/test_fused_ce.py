@@ -108,14 +108,12 @@ def test_zero_weights_give_zero_gradient_and_the_upstream_scales_it():
     _, grads, _ = _loss_and_grads(_fused_fn(tokens, soft, torch.zeros_like(upstream), 7), features, weight, bias)
     assert all(not g.any() for g in grads)
     _, ones, _ = _loss_and_grads(_fused_fn(tokens, soft, upstream, 7), features, weight, bias)
-    scaled = _loss_and_grads(
-        lambda f, w, b: (lambda out: (2.5 * out[0], out[1]))(
-            fused_capped_ce(f, w, b, tokens, upstream, soft, cap=SOFT_CAP, block=7)
-        ),
-        features,
-        weight,
-        bias,
-    )[1]
+
+    def times_2_5(f, w, b):
+        loss, per_token = fused_capped_ce(f, w, b, tokens, upstream, soft, cap=SOFT_CAP, block=7)
+        return 2.5 * loss, per_token
+
+    scaled = _loss_and_grads(times_2_5, features, weight, bias)[1]
     for one, two in zip(ones, scaled, strict=True):
         assert torch.allclose(two, 2.5 * one, rtol=1e-6, atol=0)
     from torch.utils.flop_counter import FlopCounterMode
