@@ -202,6 +202,7 @@ def _unequal_forwards(rank: int, init_file: str, out_dir: str) -> None:
         module(x, t).sum().backward()  # training works again: every unit resharded, hooks intact
         sharded = isinstance(module.net.embed.weight, DTensor) and module.net.embed.weight.grad is not None
         Path(out_dir, f"rank{rank}").write_text(f"{equal} {sharded}")
+        dist.barrier()  # no rank tears gloo down while the other still has collectives in flight
     finally:
         dist.destroy_process_group()
 

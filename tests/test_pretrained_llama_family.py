@@ -532,6 +532,7 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
                 value = p.full_tensor() if isinstance(p, DTensor) else p
                 diffs.append((value - want[name]).abs().max().item())
         Path(out_dir, f"rank{rank}").write_text(f"{max(diffs):.3e} {n_dtensor}")
+        dist.barrier()  # no rank tears gloo down while the other still has collectives in flight
     finally:
         dist.destroy_process_group()
 
