@@ -84,8 +84,12 @@ class Cell:
     std: float
     n: int
 
+    def format(self, decimals: int = 1) -> str:
+        """'mean ± std' with ``decimals``; the mean alone for one seed (whose std is no spread)."""
+        return f"{self.mean:.{decimals}f} ± {self.std:.{decimals}f}" if self.n > 1 else f"{self.mean:.{decimals}f}"
+
     def __str__(self) -> str:
-        return f"{self.mean:.1f} ± {self.std:.1f}" if self.n > 1 else f"{self.mean:.1f}"
+        return self.format(1)
 
 
 def cell(agg: pd.DataFrame, metric: str, **where) -> Cell | None:
@@ -209,7 +213,7 @@ def calibration_table(agg: pd.DataFrame) -> pd.DataFrame:
                     cell(part, "auroc", **where, nfe_budget=nfe),
                     cell(part, "wrong_pct", **where, nfe_budget=nfe),
                 )
-                line[column] = "" if got is None else f"{got.mean:.3f} ± {got.std:.3f} ({wrong.mean:.0f} % wrong)"
+                line[column] = "" if got is None else f"{got.format(3)} ({wrong.mean:.0f} % wrong)"
             lines.append(line)
     return pd.DataFrame(lines, columns=["task", "model", "sampler", "confidence", "@4", "@full"])
 
@@ -398,7 +402,7 @@ def build_sudoku_report(
             "Calibration: a-priori vs a-posteriori confidence (AUROC, right vs wrong tokens)",
             "AUROC of the per-token confidence a sampler committed with, for telling right tokens from wrong ones "
             "(1 = perfect ranking, 0.5 = none); right = equals the solution (conditional) or clashes with no cell "
-            "of its row, column and box (unconditional). Mean ± std over seeds.",
+            "of its row, column and box (unconditional). Mean ± std over seeds (the mean alone for one seed).",
             tables["calibration"],
         ),
     ]

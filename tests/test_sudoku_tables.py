@@ -10,6 +10,7 @@ from analysis.sudoku_tables import (
     NoResultsError,
     aggregate,
     build_sudoku_report,
+    calibration_table,
     conditional_table,
     empty_cells,
     read_results,
@@ -149,6 +150,16 @@ def test_tables_hold_measured_cells_paper_rows_and_training(results):
     assert mdm["NFE 36"] == "50.0 · 100 · 1.0"
     paper_pr = uncond[(uncond["source"] == "paper, 9×9") & (uncond["sampler"] == "pr")].iloc[0]
     assert (paper_pr["NFE 9"], paper_pr["NFE 36"], paper_pr["training"]) == ("87.1", "99.6 (81)", "")
+
+
+def test_one_seed_shows_no_spread(results):
+    """A single seed's std is 0 by construction, not a measured spread: its cells show the mean alone."""
+    one = aggregate(read_results(results / "machine0"))
+    line = calibration_table(one).set_index(["model", "sampler"]).loc[("FMLM+ init", "pr")]
+    assert line["@4"] == "0.900 (5 % wrong)"
+    assert Cell(0.9, 0.0, 3).format(3) == "0.900 ± 0.000" and Cell(0.9, 0.0, 1).format(3) == "0.900"
+    init = conditional_table(one).set_index(["model", "sampler"]).loc[("FMLM+ init", "pr")]
+    assert init["easy @4"] == "95.0"
 
 
 def test_report_files_and_a_clear_error_without_results(results, tmp_path):
