@@ -11,10 +11,12 @@ from __future__ import annotations
 import csv
 import json
 import math
+import platform
 from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from callbacks.convergence import Convergence
@@ -28,7 +30,7 @@ COLUMNS = [
     "task", "board", "difficulty", "conditional", "method", "variant", "name", "sampler", "confidence_kind",
     "sampler_settings", "nfe_budget", "nfe", "seed", *METRICS, "auroc", "wrong_pct", "calibration_tokens",
     "sec_per_sample", "eval_step", "steps", "budget_steps", "wall_s", "final_val_loss", "converged",
-    "git_commit", "date",
+    "precision", "device", "git_commit", "date",
 ]  # fmt: skip
 
 
@@ -57,14 +59,22 @@ class ResultsCSV(Callback):
         if evaluation.results[0]["step"] != trainer.global_step:  # a val-loss-only validation (eval.every_n_steps):
             return  # the rows keep the training facts of the step their metrics were measured at
         convergence = next((c for c in trainer.callbacks if isinstance(c, Convergence)), None)
-        rows = self.rows(pl_module.run_config, type(pl_module).__name__, evaluation, convergence)
+        machine = {"precision": str(trainer.precision), "device": device_kind(pl_module.device)}
+        rows = self.rows(pl_module.run_config, type(pl_module).__name__, evaluation, convergence, machine)
         cfg = pl_module.run_config
         self.path = self.dir / str(cfg["task"]) / f"{cfg['name']}_seed{cfg['seed']}.csv"
         write_rows(self.path, rows)
 
     @staticmethod
-    def rows(cfg: dict, module_class: str, evaluation: SamplingEvaluation, convergence: Convergence | None) -> list:
-        """The CSV rows of the evaluation's latest results."""
+    def rows(
+        cfg: dict,
+        module_class: str,
+        evaluation: SamplingEvaluation,
+        convergence: Convergence | None,
+        machine: dict | None = None,
+    ) -> list:
+        """The CSV rows of the evaluation's latest results; ``machine``: the training precision and device kind
+        (rows from different machines merge into one table, and the report says when a table mixes them)."""
         data, method = cfg.get("data", {}), cfg.get("method", {})
         n = int(data.get("box_rows", 0)) * int(data.get("box_cols", 0))
         facts = convergence.record() if convergence is not None else {}
@@ -78,6 +88,7 @@ class ResultsCSV(Callback):
             "name": cfg.get("name"),
             "seed": cfg.get("seed"),
             **{k: facts.get(k, "") for k in ("steps", "budget_steps", "wall_s", "final_val_loss", "converged")},
+            **{k: (machine or {}).get(k, "") for k in ("precision", "device")},
             "git_commit": git_commit(),
             "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         }
@@ -101,6 +112,19 @@ class ResultsCSV(Callback):
             }
             out.append(row)
         return out
+
+
+def device_kind(device: torch.device) -> str:
+    """The kind of machine a run trained on, as a row names it: the GPU's name, else the CPU's model name
+    (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return f"cpu: {line.split(':', 1)[1].strip()}"
+    return f"cpu: {platform.processor() or platform.machine()}"
 
 
 def calibration_columns(confidence: np.ndarray, correct: np.ndarray) -> dict:

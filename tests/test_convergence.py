@@ -162,6 +162,7 @@ def test_results_csv_rows_and_the_budget_of_an_initialised_run(two_runs):
     assert row["converged"] == "True" and row["steps"] == "4" and row["budget_steps"] == "4"
     assert float(row["accuracy"]) >= 0 and row["valid_pct"] == ""
     assert int(row["calibration_tokens"]) == 64
+    assert row["precision"] in {"32-true", "bf16-mixed"} and row["device"].startswith("cpu: ")  # machines merge
     init_rows = read_csv(results / "sudoku_easy_6x6" / "sudoku_fmlm_plus_init_easy_seed0.csv")
     pr = next(r for r in init_rows if r["sampler"] == "pr")
     assert (pr["method"], pr["variant"], pr["confidence_kind"]) == ("FMLM+", "init", "a-posteriori")
@@ -182,10 +183,12 @@ def test_a_validation_that_did_not_sample_leaves_the_rows_of_the_last_evaluation
     evaluation.results = [{"step": 500}]
     monkeypatch.setattr(ResultsCSV, "rows", staticmethod(lambda *a: [{"task": "t", "eval_step": 500}]))
     callback = ResultsCSV(dir=str(tmp_path))
-    module = SimpleNamespace(run_config={"task": "t", "name": "m", "seed": 0})
+    module = SimpleNamespace(run_config={"task": "t", "name": "m", "seed": 0}, device=torch.device("cpu"))
     path = tmp_path / "t" / "m_seed0.csv"
     for step, written in ((850, False), (500, True)):
-        trainer = SimpleNamespace(sanity_checking=False, is_global_zero=True, callbacks=[evaluation], global_step=step)
+        trainer = SimpleNamespace(
+            sanity_checking=False, is_global_zero=True, callbacks=[evaluation], global_step=step, precision="32-true"
+        )
         callback.on_validation_end(trainer, module)
         assert path.exists() is written, step
 

@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# The Sudoku tables campaign (docs/results.md#the-campaign): the models of hparams_search=sudoku_tables trained one
+# after another in the background, resumable, on any machine; each finished model's results CSV is then collected
+# into the repository's results/ and committed with the report.
+#
+#   scripts/tables_campaign.sh start      # clone this checkout to $CAMPAIGN/code, train the plan below in the
+#                                         # background (nohup, nice 10); a relaunch resumes the unfinished model
+#   scripts/tables_campaign.sh status     # each model: done / running (its last step and val loss) / waiting
+#   scripts/tables_campaign.sh collect    # copy finished CSVs into results/sudoku/, regenerate the report
+#   scripts/tables_campaign.sh update     # the campaign's clone takes this checkout's new commits (next model on)
+#   scripts/tables_campaign.sh stop       # end the background campaign (a relaunch resumes the model it was on)
+#
+# Its folders live outside the work tree (which may be laid anew): $FLOWLM_CAMPAIGN, default ../flowlm_campaign
+# beside the checkout: code/ (the clone it trains from, so editing the checkout never changes a running campaign),
+# runs/, data/, results/, done/ (one marker per finished model), campaign.log and one log per model in logs/.
+# If the machine was replaced (the folders are gone), `start` begins again with the first unfinished model; the
+# committed CSVs are what lasts. A model whose rows are already committed under results/sudoku/ is skipped, unless a
+# later unfinished model of the plan is built from it (its `source:`), whose checkpoint must then exist here.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+CAMPAIGN="$(mkdir -p "${FLOWLM_CAMPAIGN:-$ROOT/../flowlm_campaign}" && cd "${FLOWLM_CAMPAIGN:-$ROOT/../flowlm_campaign}" && pwd)"
+PYTHON="${FLOWLM_PYTHON:-$ROOT/.venv/bin/python}"
+THREADS="${FLOWLM_THREADS:-$(nproc)}"
+
+# The plan, in order (experiment:seed), issue 35: (a) easy seed 0, the MDM first as every other easy model's
+# source; (b) unconditional seed 0; (c) easy seeds 1 and 2 of the MDM and the MDM-initialised FMLM+;
+# (d) medium and hard seed 0. Override with FLOWLM_CAMPAIGN_PLAN="exp:seed exp:seed ...".
+PLAN_DEFAULT="
+sudoku_mdm_easy:0 sudoku_fmlm_plus_distill_easy:0 sudoku_mlfm_easy:0 sudoku_fmlm_plus_scratch_easy:0
+sudoku_mdm_uncond:0 sudoku_fmlm_plus_init_uncond:0 sudoku_fmlm_plus_distill_uncond:0 sudoku_fmlm_plus_scratch_uncond:0
+sudoku_mdm_easy:1 sudoku_fmlm_plus_init_easy:1 sudoku_mdm_easy:2 sudoku_fmlm_plus_init_easy:2
+sudoku_mdm_medium:0 sudoku_fmlm_plus_init_medium:0 sudoku_fmlm_plus_distill_medium:0 sudoku_mlfm_medium:0
+sudoku_fmlm_plus_scratch_medium:0
+sudoku_mdm_hard:0 sudoku_fmlm_plus_init_hard:0 sudoku_fmlm_plus_distill_hard:0 sudoku_mlfm_hard:0
+sudoku_fmlm_plus_scratch_hard:0
+"
+PLAN="${FLOWLM_CAMPAIGN_PLAN:-$PLAN_DEFAULT}"
+
+source_of() {  # the experiment a model is built from (its config's `source:` line), or nothing
+    sed -n 's/^source: *\([A-Za-z0-9_]*\).*/\1/p' "$ROOT/conf/experiment/$1.yaml"
+}
+
+committed_csv() {  # the committed results CSV of experiment $1, seed $2, if there is one
+    find "$ROOT/results/sudoku" -path "$ROOT/results/sudoku/report" -prune -o -name "$1_seed$2.csv" -print | head -n 1
+}
+
+is_done() { [[ -e "$CAMPAIGN/done/$1_seed$2" ]]; }
+
+needed_later() {  # whether an unfinished model after position $3 of the plan is built from $1 at seed $2
+    local i=0 item exp seed
+    for item in $PLAN; do
+        i=$((i + 1))
+        ((i > $3)) || continue
+        exp="${item%%:*}" seed="${item##*:}"
+        if [[ "$seed" == "$2" && "$(source_of "$exp")" == "$1" ]] && ! is_done "$exp" "$seed" \
+            && [[ -z "$(committed_csv "$exp" "$seed")" ]]; then
+            return 0
+        fi
+    done
+    return 1
+}
+
+train_one() {  # train (or resume) one model from the campaign's clone; the marker is written only on success
+    local exp="$1" seed="$2"
+    mkdir -p "$CAMPAIGN/logs" "$CAMPAIGN/done"
+    echo "$(date -u +%FT%TZ) start $exp seed $seed ($(git -C "$CAMPAIGN/code" rev-parse --short HEAD))"
+    if (cd "$CAMPAIGN/code" && env PYTHONPATH="$CAMPAIGN/code" FLOWLM_RUNS="$CAMPAIGN/runs" \
+        FLOWLM_DATA="$CAMPAIGN/data" FLOWLM_RESULTS="$CAMPAIGN/results" OMP_NUM_THREADS="$THREADS" \
+        HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 MPLBACKEND=Agg \
+        nice -n 10 "$PYTHON" -m runners.train -m hparams_search=sudoku_tables "experiment=$exp" "seed=$seed" \
+        "hydra.sweep.dir=$CAMPAIGN/multirun/${exp}_seed$seed") >>"$CAMPAIGN/logs/${exp}_seed$seed.log" 2>&1; then
+        touch "$CAMPAIGN/done/${exp}_seed$seed"
+        echo "$(date -u +%FT%TZ) done $exp seed $seed"
+    else
+        echo "$(date -u +%FT%TZ) FAILED $exp seed $seed: see $CAMPAIGN/logs/${exp}_seed$seed.log"
+        return 1
+    fi
+}
+
+run_plan() {
+    local i=0 item exp seed
+    for item in $PLAN; do
+        i=$((i + 1))
+        exp="${item%%:*}" seed="${item##*:}"
+        if is_done "$exp" "$seed"; then continue; fi
+        if [[ -n "$(committed_csv "$exp" "$seed")" ]] && ! needed_later "$exp" "$seed" "$i"; then
+            echo "$(date -u +%FT%TZ) skip $exp seed $seed: its rows are committed"
+            continue
+        fi
+        train_one "$exp" "$seed" || exit 1  # a failure stops the campaign: it is not silently skipped
+    done
+    echo "$(date -u +%FT%TZ) the plan is finished"
+}
+
+running_pid() {
+    local pid
+    pid="$(cat "$CAMPAIGN/campaign.pid" 2>/dev/null || true)"
+    if [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; then echo "$pid"; fi
+}
+
+case "${1:-status}" in
+start)
+    if [[ -n "$(running_pid)" ]]; then echo "already running (pid $(running_pid)); log: $CAMPAIGN/campaign.log"; exit 0; fi
+    [[ -x "$PYTHON" ]] || { echo "no $PYTHON: run 'make venv' first (or set FLOWLM_PYTHON)" >&2; exit 2; }
+    if [[ ! -d "$CAMPAIGN/code/.git" ]]; then git clone -q "$ROOT" "$CAMPAIGN/code"; fi
+    setsid nohup bash "$0" run >>"$CAMPAIGN/campaign.log" 2>&1 </dev/null &
+    echo $! >"$CAMPAIGN/campaign.pid"
+    echo "started (pid $!, code at $(git -C "$CAMPAIGN/code" rev-parse --short HEAD)); log: $CAMPAIGN/campaign.log"
+    ;;
+run) run_plan ;;
+update)
+    git -C "$CAMPAIGN/code" pull -q --ff-only "$ROOT" HEAD
+    echo "the campaign's clone is at $(git -C "$CAMPAIGN/code" rev-parse --short HEAD): the next model trains from it"
+    ;;
+stop)
+    pid="$(running_pid)"
+    if [[ -z "$pid" ]]; then echo "not running"; exit 0; fi
+    kill -- "-$pid" && echo "stopped (pid $pid); 'start' resumes"
+    ;;
+status)
+    echo "campaign: $CAMPAIGN ($([[ -n "$(running_pid)" ]] && echo "running, pid $(running_pid)" || echo "not running"))"
+    for item in $PLAN; do
+        exp="${item%%:*}" seed="${item##*:}"
+        record="$CAMPAIGN/runs/$exp/cpu/seed$seed/convergence.json"
+        if is_done "$exp" "$seed"; then state="done"
+        elif [[ -n "$(committed_csv "$exp" "$seed")" ]]; then state="committed earlier"
+        elif [[ -f "$record" ]]; then
+            state="$("$PYTHON" -c 'import json,sys; r=json.load(open(sys.argv[1])); print(f"at step {r["steps"]}, val loss {r["final_val_loss"]:.4f}, {r["wall_s"]/60:.0f} min")' "$record")"
+        else state="waiting"; fi
+        printf '  %-36s seed %s  %s\n' "$exp" "$seed" "$state"
+    done
+    ;;
+collect)
+    n=0
+    while IFS= read -r csv; do
+        rel="${csv#"$CAMPAIGN/results/"}"
+        name="$(basename "$csv" .csv)"
+        if [[ -e "$CAMPAIGN/done/$name" ]]; then
+            mkdir -p "$ROOT/results/$(dirname "$rel")"
+            cp "$csv" "$ROOT/results/$rel" && n=$((n + 1)) && echo "collected results/$rel"
+        fi
+    done < <(find "$CAMPAIGN/results" -name '*.csv' -not -path '*/report/*' 2>/dev/null)
+    echo "$n finished model(s) collected; the report:"
+    (cd "$ROOT" && "$ROOT/.venv/bin/flowlm-report" --config-name report_sudoku)
+    ;;
+*)
+    echo "usage: $0 start|status|collect|update|stop" >&2
+    exit 2
+    ;;
+esac
