@@ -31,7 +31,7 @@ from torch import Tensor
 from flowlm.compiled import compiled_tails, tails_enabled
 from flowlm.objectives.base import LossOutput
 from flowlm.objectives.flow import SOFT_CAP, log_delta, log_delta_
-from flowlm.objectives.fmlm_plus import context_set, fmlm_plus_loss
+from flowlm.objectives.fmlm_plus import MDM_TEACHER_TIMES, context_set, fmlm_plus_loss
 from flowlm.processes.gaussian_flow import (
     DIAGONAL,
     KIND_NAMES,
@@ -76,6 +76,7 @@ class FMLMPlusModule(FlowLMModule):
         init_from: str | None = None,
         teacher: str | None = None,
         teacher_train_mode: bool = True,
+        mdm_teacher_time: str = "zero",
         zero_t_embedding: bool = False,
         antithetic: bool = True,
         state_space: str = "auto",
@@ -93,6 +94,9 @@ class FMLMPlusModule(FlowLMModule):
         self.init_from = init_from
         self.teacher_path = teacher
         self.teacher_train_mode = teacher_train_mode
+        if mdm_teacher_time not in MDM_TEACHER_TIMES:
+            raise ValueError(f"mdm_teacher_time must be one of {MDM_TEACHER_TIMES}, got {mdm_teacher_time!r}")
+        self.mdm_teacher_time = mdm_teacher_time  # the time the distill rows' MDM teacher reads
         self.zero_t_embedding = zero_t_embedding
         self.antithetic = antithetic
         if state_space not in STATE_SPACES:
@@ -352,6 +356,7 @@ class FMLMPlusModule(FlowLMModule):
             "teacher": functools.partial(self.teacher_pass, embedded=True) if embedded else self.teacher_pass,
             "mdm_teacher": None if mdm is None else mdm.denoiser().fn,  # logits over the data vocabulary
             "mask_id": None if mdm is None else mdm.mask_id,
+            "mdm_teacher_time": self.mdm_teacher_time,
         }
 
     def teacher_pass(self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor, *, embedded: bool = False) -> Tensor:

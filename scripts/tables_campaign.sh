@@ -124,9 +124,9 @@ status)
         exp="${item%%:*}" seed="${item##*:}"
         record="$CAMPAIGN/runs/$exp/cpu/seed$seed/convergence.json"
         if is_done "$exp" "$seed"; then state="done"
-        elif [[ -n "$(committed_csv "$exp" "$seed")" ]]; then state="committed earlier"
         elif [[ -f "$record" ]]; then
-            state="$("$PYTHON" -c 'import json,sys; r=json.load(open(sys.argv[1])); print(f"at step {r["steps"]}, val loss {r["final_val_loss"]:.4f}, {r["wall_s"]/60:.0f} min")' "$record")"
+            state="$("$PYTHON" -c 'import json,sys; r=json.load(open(sys.argv[1])); print("running: step {}, val loss {:.4f}, {:.0f} min".format(r["steps"], r["final_val_loss"], r["wall_s"] / 60))' "$record")"
+        elif [[ -n "$(committed_csv "$exp" "$seed")" ]]; then state="rows committed earlier"
         else state="waiting"; fi
         printf '  %-36s seed %s  %s\n' "$exp" "$seed" "$state"
     done

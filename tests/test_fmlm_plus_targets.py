@@ -211,11 +211,13 @@ def _teacher(seed: int = 5) -> MDMModule:
     return teacher.eval().requires_grad_(False)
 
 
-def test_distill_target_is_the_mdm_teacher_softmax_with_mask_at_active_positions():
-    """Distill rows: the teacher sees [MASK] at the active positions and the data elsewhere, at time = the share of
-    masked non-prompt tokens; target = softmax of its logits with the [MASK] logit removed. The teacher is
-    time-conditioned here so the time it is given shows in its output."""
-    module = _flow(shares={"distill": 0.25}, teacher="unused.ckpt")
+@pytest.mark.parametrize("teacher_time", ["zero", "rate"])
+def test_distill_target_is_the_mdm_teacher_softmax_with_mask_at_active_positions(teacher_time):
+    """Distill rows: the teacher sees [MASK] at the active positions and the data elsewhere, at time 0 (the released
+    ``_teacher_log_q``, the default) or, with ``mdm_teacher_time="rate"``, at the share of masked non-prompt tokens;
+    target = softmax of its logits with the [MASK] logit removed. The teacher is time-conditioned here so the time it
+    is given shows in its output."""
+    module = _flow(shares={"distill": 0.25}, teacher="unused.ckpt", mdm_teacher_time=teacher_time)
     teacher = _teacher()
     object.__setattr__(module, "_teacher", teacher)  # as on_fit_start does: not a submodule
     kinds = torch.tensor([DISTILL, DIAGONAL, DISTILL, DISTILL])
@@ -229,29 +231,36 @@ def test_distill_target_is_the_mdm_teacher_softmax_with_mask_at_active_positions
     target = _targets(module, batch, kinds, x_s, (zeros, zeros), (s_tok, s_tok.clone()), onehot, active)
 
     masked_in = torch.where(active, teacher.mask_id, tokens)
-    rate = active.double().sum(-1) / (~prompt).double().sum(-1)
+    rate = (active.double().sum(-1) / (~prompt).double().sum(-1)).float()
+    time = {"zero": zeros, "rate": rate}[teacher_time]
     with torch.no_grad():
-        logits = teacher.net(masked_in, rate.float()).double()
+        logits = teacher.net(masked_in, time).double()
     assert logits.shape[-1] == V + 1
     hand = torch.softmax(logits[..., :V], dim=-1)  # [MASK] logit removed before the softmax
     rows = kinds == DISTILL
     torch.testing.assert_close(target[rows].double(), hand[rows], **TOL)
     assert torch.equal(target[~rows], onehot[~rows])
-    # power: the softmax over V + 1 then sliced, the teacher at time 0 or 1 − rate, or the context masked instead
-    # of the active tokens are all far off
+    # power: the softmax over V + 1 then sliced, the teacher at the other option's time or at 1 − rate, or the
+    # context masked instead of the active tokens are all far off
     with torch.no_grad():
         wrong = {
             "softmax with [MASK]": torch.softmax(logits, -1)[..., :V],
-            "time 0": torch.softmax(teacher.net(masked_in, zeros)[..., :V].double(), -1),
-            "time 1 − rate": torch.softmax(teacher.net(masked_in, (1 - rate).float())[..., :V].double(), -1),
+            "the other time": torch.softmax(
+                teacher.net(masked_in, rate if teacher_time == "zero" else zeros)[..., :V].double(), -1
+            ),
+            "time 1 − rate": torch.softmax(teacher.net(masked_in, 1 - rate)[..., :V].double(), -1),
             "masks inverted": torch.softmax(
-                teacher.net(torch.where(~active & ~prompt, teacher.mask_id, tokens), rate.float())[..., :V].double(),
-                -1,
+                teacher.net(torch.where(~active & ~prompt, teacher.mask_id, tokens), time)[..., :V].double(), -1
             ),
         }
     for name, other in wrong.items():
         gap = (other[rows] - hand[rows]).abs().max().item()
         assert gap > 1e-3, f"the test cannot tell the distill target from {name} (gap {gap:.2e})"
+
+
+def test_an_unknown_mdm_teacher_time_is_refused_before_compute():
+    with pytest.raises(ValueError, match="mdm_teacher_time must be one of"):
+        _flow(mdm_teacher_time="one")
 
 
 # ------------------------------------------------------------------------------- context set and the interpolant

@@ -98,11 +98,15 @@ LOSS_B = ce((39 / 99, 31 / 99, 29 / 99), (2 / 5, 2 / 5, 1 / 5))
 #        = (2532, 1360, 2030)/5922.
 #   student δ_{1/5,3/5}(x_s): w = (1 + 2/5 + 3/5, 1, 1 + 1/5 + 1/5) = (2, 1, 7/5), δ = (10, 5, 7)/22.
 LOSS_C = ce((2532 / 5922, 1360 / 5922, 2030 / 5922), (10 / 22, 5 / 22, 7 / 22))
-# D (distill, s = t = 0): both non-prompt tokens active, so the teacher reads (1, MASK, MASK) at rate 2/2 = 1:
+# D (distill, s = t = 0): both non-prompt tokens active, so the teacher reads (1, MASK, MASK) at its masking rate
+#   2/2 = 1 (mdm_teacher_time="rate"; the default feeds time 0, LOSS_D*_ZERO below):
 #   q = (1 + 1, 1 + 2, 1) = (2, 3, 1), target = (1/3, 1/2, 1/6) at both.
 #   student δ_{0,0}(ε): pos 1 w = (2, 1, 1), δ = (1/2, 1/4, 1/4); pos 2 w = (1, 1, 2), δ = (1/4, 1/4, 1/2).
 LOSS_D1 = ce((1 / 3, 1 / 2, 1 / 6), (1 / 2, 1 / 4, 1 / 4))  # = (5/3)·log 2
 LOSS_D2 = ce((1 / 3, 1 / 2, 1 / 6), (1 / 4, 1 / 4, 1 / 2))  # = (11/6)·log 2
+# D at time 0 (the released code's teacher time, the default): q = (1, 3, 1), target = (1/5, 3/5, 1/5) at both.
+LOSS_D1_ZERO = ce((1 / 5, 3 / 5, 1 / 5), (1 / 2, 1 / 4, 1 / 4))
+LOSS_D2_ZERO = ce((1 / 5, 3 / 5, 1 / 5), (1 / 4, 1 / 4, 1 / 2))
 
 
 def _loss(**kwargs) -> tuple[LossOutput, Net]:
@@ -110,7 +114,7 @@ def _loss(**kwargs) -> tuple[LossOutput, Net]:
     out = fmlm_plus_loss(
         net, TOKENS, PROMPT, KINDS, S, T, context=CONTEXT, noise=_noise(), process=FLOW, mdm_teacher=mdm_teacher,
         mask_id=MASK,
-        **kwargs,
+        **{"mdm_teacher_time": "rate", **kwargs},  # the hand computation's rate 1 shows in the teacher's output
     )  # fmt: skip
     return out, net
 
@@ -137,6 +141,16 @@ def test_fmlm_plus_loss_by_hand_on_every_pair_kind():
         {"diagonal": LOSS_A, "boundary": LOSS_B, "off_diagonal": LOSS_C, "distill": (LOSS_D1 + LOSS_D2) / 2},
         rel=1e-6,
     )
+
+
+def test_the_distill_teacher_reads_time_zero_by_default():
+    """The released ``_teacher_log_q`` feeds the MDM teacher t = 0, whatever the row's masking rate."""
+    out = fmlm_plus_loss(
+        Net(), TOKENS, PROMPT, KINDS, S, T, context=CONTEXT, noise=_noise(), process=FLOW, mdm_teacher=mdm_teacher,
+        mask_id=MASK,
+    )  # fmt: skip
+    torch.testing.assert_close(out.per_token[3, 1:].double(), torch.tensor([LOSS_D1_ZERO, LOSS_D2_ZERO],
+                               dtype=torch.float64), rtol=1e-6, atol=1e-7)  # fmt: skip
 
 
 def test_the_loss_mask_leaves_tokens_out_of_the_mean():

@@ -221,6 +221,7 @@ def test_dit_defaults_are_the_released_choices_and_every_backbone_config_states_
         "attn_dropout": 0.0,
         "attn_softcap": 50.0,
         "input_fp32": True,
+        "time_fp32": True,
     }
     from flowlm.pretrained.mdlm import MDLM_OPTIONS
 
@@ -302,6 +303,22 @@ def test_continuous_input_is_projected_in_float32_under_autocast():
         assert h.dtype == dtype
         exact = (x.double() @ net.embed.weight.double()).float()
         assert torch.allclose(h.float(), exact, atol=1e-5) == fp32  # bf16 rounds at 3 significant digits
+
+
+def test_time_conditioning_is_float32_under_autocast_by_default():
+    """``time_fp32`` (the released code): c = SiLU(emb_s(s) + emb_t(t)) is the float32 value also under bf16
+    autocast; ``time_fp32=False`` computes it in bf16, where two nearby times blur."""
+    torch.manual_seed(0)
+    s, t = torch.tensor([0.30, 0.31]), torch.tensor([0.50, 0.505])
+    for fp32 in (True, False):
+        net = _tiny(two_times=True, time_fp32=fp32)
+        exact = net.condition(s, t, 2, 3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            c = net.condition(s, t, 2, 3)
+        assert c.dtype == (torch.float32 if fp32 else torch.bfloat16)
+        assert torch.equal(c, exact) == fp32
+        if not fp32:
+            assert (c.float() - exact).abs().max() > 1e-4
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ Reads top to bottom: time embedding → rotary → KV cache → block → final 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -22,13 +23,15 @@ SIZES: dict[str, dict[str, int]] = {
 # Choices of the released FMLM+ DiT (MananAg007/posterior-refinement, models/dit.py) that change training dynamics,
 # the defaults of every DiT here (docs/protocol.md): token embedding kaiming-uniform (a = √5), std 1/√(3d); the time
 # sinusoid of the raw t ∈ [0, 1]; no dropout on attention probabilities (dropout only on the residual branches);
-# attention logits soft-capped at 50 (flash-attn's softcap); the continuous input x·E in float32 under autocast.
+# attention logits soft-capped at 50 (flash-attn's softcap); the continuous input x·E and the time conditioning in
+# float32 under autocast.
 RELEASED_OPTIONS: dict[str, object] = {
     "embed_init": "kaiming_uniform",
     "time_scale": 1.0,
     "attn_dropout": 0.0,
     "attn_softcap": 50.0,
     "input_fp32": True,
+    "time_fp32": True,
 }
 # What this suite did before these options existed (N(0, 1) embedding, 1000·t, attention dropout = the residual
 # dropout, no soft-cap, x·E in the autocast dtype): checkpoints written then are read with these values
@@ -39,6 +42,7 @@ LEGACY_OPTIONS: dict[str, object] = {
     "attn_dropout": None,  # = the residual dropout
     "attn_softcap": 0.0,
     "input_fp32": False,
+    "time_fp32": False,
 }
 EMBED_INITS = ("kaiming_uniform", "normal")
 
@@ -69,7 +73,8 @@ class TimeEmbedding(nn.Module):
 
     def forward(self, t: Tensor) -> Tensor:
         args = (self.scale * t.float())[..., None] * self.freqs
-        return self.mlp(torch.cat([torch.cos(args), torch.sin(args)], dim=-1))
+        features = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        return self.mlp(features.to(self.mlp[0].weight.dtype))  # float32 unless the weights are cast (FSDP2's policy)
 
 
 class Rotary(nn.Module):
@@ -341,6 +346,9 @@ class DiT(nn.Module):
       attn_dropout: dropout on the attention probabilities (``dropout`` acts on the residual branches).
       attn_softcap: cap · tanh(score / cap) on the attention logits (0: none).
       input_fp32: x·E in float32 under autocast (the released code); else in the autocast dtype.
+      time_fp32: the time conditioning c = SiLU(emb_s(s) [+ emb_t(t)]) in float32 under autocast (the released code
+        runs its backbone under a float32 autocast and only the blocks and the output layer in bf16); else in the
+        autocast dtype, where nearby times (a small u − s in the semigroup) come out about twice as blurred.
     """
 
     def __init__(
@@ -360,6 +368,7 @@ class DiT(nn.Module):
         attn_dropout: float = 0.0,
         attn_softcap: float = 50.0,
         input_fp32: bool = True,
+        time_fp32: bool = True,
     ) -> None:
         super().__init__()
         if vocab_size < 2:
@@ -376,6 +385,7 @@ class DiT(nn.Module):
         self.two_times = two_times
         self.causal = causal
         self.input_fp32 = input_fp32
+        self.time_fp32 = time_fp32
         self.embed = nn.Embedding(vocab_size, d_model)  # N(0, 1), torch's default
         if embed_init == "kaiming_uniform":
             nn.init.kaiming_uniform_(self.embed.weight, a=math.sqrt(5))  # U(±1/√d): fan_in = d for a (|V|, d) matrix
@@ -409,10 +419,11 @@ class DiT(nn.Module):
             t = _per_token(t, batch, length)
             if t.shape != s.shape:  # one per token, the other per sequence
                 s, t = s.expand(batch, length), t.expand(batch, length)
-        c = self.emb_s(s)
-        if t is not None:
-            c = c + self.emb_t(t)
-        return F.silu(c)
+        with torch.autocast(device_type=s.device.type, enabled=False) if self.time_fp32 else contextlib.nullcontext():
+            c = self.emb_s(s)
+            if t is not None:
+                c = c + self.emb_t(t)
+            return F.silu(c)
 
     @property
     def token_embeddings(self) -> Tensor:

@@ -9,7 +9,8 @@ One batch, given every random draw (the caller draws them: pair kinds and times,
       diagonal      s = t             onehot(y)
       off-diagonal  s < t             γ·D1 + (1 − γ)·D2,  u = (s + t)/2,  D1 = δ_{s,u}(x_s),  X_u = X_{s,u}(x_s),
       boundary      s = 0, t = 1                          D2 = δ_{u,t}(X_u),  γ = (1 − t)(u − s) / ((1 − u)(t − s))
-      distill       s = t = 0         softmax of an MDM teacher on y with A as [MASK], at rate |A| / #non-prompt
+      distill       s = t = 0         softmax of an MDM teacher on y with A as [MASK], fed the time 0 (the released
+                                      code; ``mdm_teacher_time="rate"``: its masking rate |A| / #non-prompt)
     loss          Σ_{A ∩ scored} −Σ_v target_v · log δ_{s,t}(x_s)_v / |A ∩ scored|
 
 FMLM is the same loss with an empty context set, FLM its diagonal-only case. The state operations (the noisy state,
@@ -33,8 +34,11 @@ from flowlm.processes.gaussian_flow import DIAGONAL, DISTILL, KIND_NAMES, Gaussi
 # student(x (B, L, |V|), s (B,), t (B,), pinned (B, L)) → log δ_{s,t}(x) (B, L, |V|): per-sequence times, the
 # pinned tokens at s = t = 1.
 FlowModel = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
-# mdm_teacher(ids (B, L), rate (B,)) → logits over the data vocabulary (B, L, |V|), [MASK] removed.
+# mdm_teacher(ids (B, L), time (B,)) → logits over the data vocabulary (B, L, |V|), [MASK] removed.
 MDMTeacher = Callable[[Tensor, Tensor], Tensor]
+# The time the MDM teacher of the distill rows is fed: "zero" (the released ``_teacher_log_q`` feeds 0) or "rate" (the
+# masking rate |A| / #non-prompt of the row, the suite's earlier choice). The same for a time-agnostic teacher.
+MDM_TEACHER_TIMES = ("zero", "rate")
 
 
 def context_set(rates: Tensor, uniforms: Tensor, prompt: Tensor) -> Tensor:
@@ -70,14 +74,17 @@ def soft_targets(
     prompt: Tensor | None = None,
     mdm_teacher: MDMTeacher | None = None,
     mask_id: int | None = None,
+    mdm_teacher_time: str = "zero",
     every_pass: bool = False,
 ) -> tuple[Tensor, Tensor] | None:
     """The rows whose target is not one-hot and their targets (stop-gradient): (rows (n,), distributions
     (n, L, |V|)), the jump rows (off-diagonal and boundary: the semigroup midpoint from two ``teacher`` passes joined
     by the ``process``'s flow map) then the distill rows (MDM teacher probabilities: needs ``tokens``, ``prompt``,
-    ``mdm_teacher`` and its ``mask_id``); None when every row is diagonal. ``kinds``: host tensor (B,); ``times``:
-    (s, t) per sequence (B,); ``token_times``: the same per token (1 off the active set). On the inactive tokens of
-    these rows the targets are one-hot in the semigroup rows (D1 = D2 = the pinned one-hot) and never scored.
+    ``mdm_teacher`` and its ``mask_id``; ``mdm_teacher_time``: ``MDM_TEACHER_TIMES``); None when every row is
+    diagonal. ``kinds``: host tensor (B,); ``times``: (s, t) per sequence (B,); ``token_times``: the same per token
+    (1 off the active set). On the inactive (pinned) tokens of the semigroup rows γ = 0, so their target is
+    D2 = δ_{1,1}(X_u) there: the network's output at a pinned token, not a one-hot; it is never scored, so the loss
+    does not depend on it.
     ``every_pass``: run each teacher pass even when no row needs it (on row 0, its result dropped), as a sharded
     (FSDP) network needs: its all-gathers are collective, so every rank must run the same forwards whatever kinds its
     rows drew (an empty batch is no way out: transformers' attention cannot reshape one)."""
@@ -105,8 +112,11 @@ def soft_targets(
         idx = torch.tensor(distill or [0]).to(device, non_blocking=True)
         ids, act = tokens[idx], active[idx]
         masked_in = torch.where(act, mask_id, ids)  # the teacher sees the active tokens as [MASK]
-        rate = act.float().sum(-1) / (~prompt[idx]).float().sum(-1).clamp_min(1)  # its masking rate
-        probs = F.softmax(mdm_teacher(masked_in, rate).float(), dim=-1)
+        if mdm_teacher_time == "rate":  # its masking rate
+            time = act.float().sum(-1) / (~prompt[idx]).float().sum(-1).clamp_min(1)
+        else:  # the released code
+            time = torch.zeros(len(idx), device=device)
+        probs = F.softmax(mdm_teacher(masked_in, time).float(), dim=-1)
         parts += [probs] if distill else []
     if not parts:
         return None
@@ -124,8 +134,9 @@ def targets(
     **kwargs,
 ) -> Tensor:
     """Per-token target distributions (B, L, |V|), stop-gradient: one-hot (diagonal), semigroup midpoint (off-diagonal
-    and boundary), MDM teacher probabilities (distill); ``soft_targets`` for the arguments. The loss never builds
-    this dense tensor: it scores the one-hot rows by a gather."""
+    and boundary; on their inactive tokens D2 = δ_{1,1}(X_u), never scored), MDM teacher probabilities (distill);
+    ``soft_targets`` for the arguments. The loss never builds this dense tensor: it scores the one-hot rows by a
+    gather."""
     target = onehot.clone()
     soft = soft_targets(kinds, x_s, times, token_times, active, **kwargs)
     if soft is not None:
@@ -148,6 +159,7 @@ def fmlm_plus_loss(
     teacher: FlowModel | None = None,
     mdm_teacher: MDMTeacher | None = None,
     mask_id: int | None = None,
+    mdm_teacher_time: str = "zero",
     loss_mask: Tensor | None = None,
     parts: bool = False,
     head: tuple[Tensor, Tensor | None] | None = None,
@@ -188,6 +200,7 @@ def fmlm_plus_loss(
         prompt=prompt,
         mdm_teacher=mdm_teacher,
         mask_id=mask_id,
+        mdm_teacher_time=mdm_teacher_time,
         every_pass=every_pass,
     )
     scored = active if loss_mask is None else active & loss_mask

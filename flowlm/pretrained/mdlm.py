@@ -41,6 +41,7 @@ MDLM_OPTIONS: dict[str, object] = {
     "attn_dropout": 0.0,
     "attn_softcap": 0.0,
     "input_fp32": True,
+    "time_fp32": True,  # c = SiLU(sigma_map(σ)) runs outside MDLM's bf16 autocast block
 }
 
 _BLOCK = (  # (MDLM name, suite name) inside blocks.{i}, in DDiTBlock's parameter registration order
