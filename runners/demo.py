@@ -18,7 +18,7 @@ from runners.train import train
 
 def demo(cfg: DictConfig) -> list[dict]:
     """Run each entry of ``cfg.runs`` through ``train`` and gather the rows into one table."""
-    rows, by_metric, summary, run_cfgs = [], {}, [], []
+    rows, by_metric, summary, run_cfgs, facts = [], {}, [], [], []
     for overrides in cfg.runs:
         run_cfg = compose(config_name="train", overrides=[*overrides, *cfg.overrides])
         run_cfgs.append(run_cfg)
@@ -28,16 +28,61 @@ def demo(cfg: DictConfig) -> list[dict]:
         rows += result["rows"]
         by_metric.setdefault(result["metric"], []).extend(result["rows"])
         summary.append(f"{run_cfg.name}: {result['global_step']} steps in {minutes:.1f} min")
+        facts.append((str(run_cfg.name), result["global_step"], result.get("converged")))
     if is_rank_zero():
         print("=" * 100)
         print("Demo summary (" + "; ".join(summary) + ")")
         for metric, metric_rows in by_metric.items():
             print(f"\n{metric} by NFE budget — cell: value (NFE actually spent)")
             print(pivot_table(metric_rows, metric))
+            line = verdict(metric_rows, metric, facts, setting(run_cfgs[0]))
+            if line:
+                print("\n" + line)
         print("=" * 100, flush=True)
         if cfg.get("report"):
             demo_report(run_cfgs, cfg.report)
     return rows
+
+
+def setting(cfg: DictConfig) -> str:
+    """The task and scale in words: '6×6 unconditional Sudoku, tiny DiT (4 × 128)'."""
+    data, backbone = cfg.get("data", {}), cfg.get("backbone", {})
+    n = int(data.get("box_rows", 0)) * int(data.get("box_cols", 0))
+    task = f"{n}×{n} {'conditional' if data.get('conditional', True) else 'unconditional'} Sudoku" if n else cfg.task
+    size = f"{backbone.get('n_layers', '?')} × {backbone.get('d_model', '?')}"
+    return f"{task}, DiT {size}"
+
+
+def verdict(rows: list[dict], metric: str, facts: list[tuple[str, int, bool | None]], where: str) -> str:
+    """One line stating what the table shows and at which scale: the first run (the MDM) against each later one,
+    best sampler against best sampler, at the budget where the later run leads most and at the largest budget."""
+    names = list(dict.fromkeys(r["run"] for r in rows))
+    if len(names) < 2:
+        return ""
+    best = {}  # (run, budget) → (value, sampler)
+    for r in rows:
+        key = (r["run"], r["nfe_budget"])
+        if key not in best or r[metric] > best[key][0]:
+            best[key] = (float(r[metric]), r["sampler"])
+    base, parts = names[0], []
+    for other in names[1:]:
+        budgets = sorted(b for run, b in best if run == other and (base, b) in best)
+        if not budgets:
+            continue
+        lead = max(budgets, key=lambda b: best[(other, b)][0] - best[(base, b)][0])
+        for b in dict.fromkeys([lead, budgets[-1]]):
+            (v, sv), (m, sm) = best[(other, b)], best[(base, b)]
+            parts.append(f"at NFE {b}, {other} ({sv}) {v:.1f} against {base} ({sm}) {m:.1f}")
+    scale = "; ".join(
+        f"{name} {steps} steps, {'converged' if done else 'not converged'} by the suite's rule"
+        if done is not None
+        else f"{name} {steps} steps"
+        for name, steps, done in facts
+    )
+    return (
+        f"What this shows ({metric}, best sampler per run): " + "; ".join(parts) + f". Scale: {where}, one seed, "
+        f"{scale}: minutes of CPU training, not the papers' protocol (the converged tables: docs/results.md)."
+    )
 
 
 def demo_report(run_cfgs: list[DictConfig], overrides: list[str]) -> Report | None:

@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
 from callbacks.checkpoint import check_folder
+from callbacks.convergence import Convergence
 from callbacks.progress import progress_callbacks
 from callbacks.sampling_eval import SamplingEvaluation
 from lightning_modules.vocabulary import check_data_tokens
@@ -103,6 +104,7 @@ def _fit(cfg, trainer, module, datamodule, evaluation, ckpt_path, logger) -> dic
         "run_dir": str(cfg.paths.run_dir),
         "mlflow_run_id": getattr(logger, "run_id", None),
         "global_step": trainer.global_step,
+        "converged": next((c.verdict.converged for c in trainer.callbacks if isinstance(c, Convergence)), None),
     }
 
 

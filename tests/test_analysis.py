@@ -297,3 +297,24 @@ def test_a_real_evaluation_logs_calibration_the_report_reads(tmp_path, monkeypat
     scored = pd.read_csv(built.out / f"calibration_{UNCOND}.csv")
     assert (scored["tokens"] == 50).all()  # the cap, from 8 grids × 36 cells
     assert (built.out / f"calibration_{UNCOND}.png").stat().st_size > 10_000
+
+
+def test_the_demo_verdict_compares_best_samplers_where_the_later_run_leads_most_and_at_full_budget():
+    from runners.demo import verdict
+
+    table = {  # (run, sampler): values at NFE 3, 6, 36
+        ("mdm", "ancestral"): (0.0, 0.0, 2.0),
+        ("mdm", "confidence"): (0.0, 1.0, 28.1),
+        ("flow", "pr"): (0.2, 8.4, 28.9),
+        ("flow", "a_priori"): (0.0, 0.2, 35.2),
+    }
+    rows = [
+        {"run": run, "sampler": sampler, "nfe_budget": b, "valid_pct": v}
+        for (run, sampler), values in table.items()
+        for b, v in zip((3, 6, 36), values, strict=True)
+    ]
+    line = verdict(rows, "valid_pct", [("mdm", 1000, False), ("flow", 300, None)], "6×6 unconditional Sudoku")
+    assert "at NFE 6, flow (pr) 8.4 against mdm (confidence) 1.0" in line  # the largest lead: 7.4 points
+    assert "at NFE 36, flow (a_priori) 35.2 against mdm (confidence) 28.1" in line
+    assert "mdm 1000 steps, not converged by the suite's rule; flow 300 steps" in line
+    assert verdict(rows[:6], "valid_pct", [], "") == ""  # one run: nothing to compare
