@@ -34,7 +34,7 @@ class CheckpointSaveError(OSError):
 
 
 class RunCheckpoint(ModelCheckpoint):
-    """Lightning's ModelCheckpoint (``every_n_train_steps``, ``save_last``) with three guarantees more:
+    """Lightning's ModelCheckpoint (``every_n_train_steps``, ``save_last``) with four guarantees more:
 
     - a save at the final optimizer step: Lightning skips it when ``max_steps`` is not a multiple of
       ``every_n_train_steps``, which would leave a finished run's ``last.ckpt`` up to ``every_n_train_steps − 1``
@@ -47,11 +47,18 @@ class RunCheckpoint(ModelCheckpoint):
       run stops: it does not go on without checkpoints) and leaves the previous file intact;
     - atomic sharded saves: a sharded checkpoint (trainer=fsdp2 / fsdp) is a folder that every rank writes into. Here
       it goes to a new folder ``<name>.step<N>`` and, once every rank is done, ``<name>`` (a relative symlink) is
-      switched to it with one ``os.replace``; the previous folder is removed after the switch.
+      switched to it with one ``os.replace``; the previous folder is removed after the switch;
+    - the checkpoint of a step that is validated is written after that validation, so it holds what the validation
+      recorded (``Convergence``'s history: a relaunch otherwise lacked that point, and a run with ``stop=true``
+      stopped later than the uninterrupted one). Lightning writes ``every_n_train_steps`` checkpoints at the batch's
+      end, before the validation, and a relaunch from one skips that validation.
 
     A crash at any point leaves ``last.ckpt`` naming a complete checkpoint; temporary files that a killed process
     left behind are removed at the next save, or when a relaunch sets up this callback.
     """
+
+    # The hook arguments of a batch whose saves wait for the validation that follows it.
+    _after_validation: tuple | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         """Resolve the folder (Lightning), route the trainer's file saves through ``AtomicCheckpointIO``, and remove
@@ -61,7 +68,27 @@ class RunCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero and self.dirpath and _is_local_file_protocol(self.dirpath):
             remove_stale_temps(Path(self.dirpath))
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: D102
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """Lightning's periodic save and the final-step save; when a validation follows this batch, both wait for
+        its end (``on_validation_end``)."""
+        if validates_after_batch(trainer):
+            self._after_validation = (outputs, batch, batch_idx)
+            return
+        self._save_at_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        """The saves of the batch that this validation follows, then Lightning's own (none once this step is saved).
+
+        Callbacks that record the validation (``Convergence``'s history, the EMA swapped back) have run by now:
+        Lightning calls checkpoint callbacks last. A relaunch from this checkpoint resumes after the validation
+        (Lightning's loop: ``RESTARTED_ON_LAST``, the step's validation is not run again) and trains the next step.
+        """
+        deferred, self._after_validation = self._after_validation, None
+        if deferred is not None:
+            self._save_at_batch_end(trainer, pl_module, *deferred)
+        super().on_validation_end(trainer, pl_module)
+
+    def _save_at_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         final = 0 < trainer.max_steps <= trainer.global_step
         if (
@@ -96,6 +123,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)  # Lightning's errors and remote writes
         _, local = url_to_fs(str(path))  # a file:// URL as a plain path
         atomic_save(checkpoint, Path(local))
+
+
+def validates_after_batch(trainer) -> bool:
+    """Whether the training loop validates right after the batch that just ended, at its step (Lightning's own
+    test, as ``_TrainingEpochLoop.on_advance_end`` makes it after the batch's hooks, and a validation set)."""
+    loop = trainer.fit_loop.epoch_loop
+    batches = trainer.num_val_batches
+    batches = sum(batches) if isinstance(batches, list) else batches
+    return bool(batches) and loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
 
 
 def use_atomic_io(strategy: Strategy) -> None:
