@@ -4,6 +4,10 @@ per claim computed from the numbers (docs/results.md)."""
 
 from __future__ import annotations
 
+import csv
+import io
+import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -11,7 +15,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 
-from analysis.report import REPORT_HTML, REPORT_MD, Report, Section, _render_html, _render_markdown
+from analysis.report import REPORT_HTML, REPORT_MD, Report, Section, _inline, _render_html, _render_markdown
 from analysis.tables import reference_numbers
 from flowlm.tasks.sudoku import clues_for
 
@@ -21,6 +25,7 @@ MEASURES = ["accuracy", "valid_pct", "distinct_valid", "train_copy_pct", "auroc"
 TRAINING = ["steps", "budget_steps", "wall_s", "final_val_loss"]
 DIFFICULTIES = ("easy", "medium", "hard")
 UNCOND_NFE = (1, 3, 9, 27, 36)  # the paper's 1 / 3 / 9 / 27 / 81 on a 36-cell board
+PAPER_NFE = dict(zip(UNCOND_NFE, (1, 3, 9, 27, 81), strict=True))  # an unconditional NFE here → the paper's
 LOW_NFE = 4  # the released PR setting: R = 4, N = 1
 # Row order of the tables: model (method, variant) then sampler.
 MODELS = [("MDM", "scratch"), ("FMLM+", "scratch"), ("FMLM+", "distill"), ("FMLM+", "init"), ("MLFM", "init")]
@@ -32,23 +37,117 @@ class NoResultsError(ValueError):
     """The results folder holds no results CSV."""
 
 
-def read_results(folder: str | Path) -> pd.DataFrame:
-    """Every ``*.csv`` under ``folder`` (any depth), one frame; the same (row, seed) measured twice keeps its latest
-    row (by ``date``)."""
+class ResultsCSVWarning(UserWarning):
+    """A CSV under the results folder, or rows of one, that the report skipped; the message names the file."""
+
+
+REQUIRED = [*KEY, "seed", "date"]  # a results CSV's header holds these (callbacks/results_csv.py COLUMNS)
+NUMERIC = ["nfe_budget", "seed", *MEASURES, *TRAINING]  # blank or a number in every row
+DATE_FORMAT = "%Y-%m-%dT%H:%M:%SZ"  # callbacks/results_csv.py's `date`
+ROWS_CSV = "rows.csv"  # the report's merged rows: the results schema, so never read back (report_folders)
+
+
+def report_folders(folder: Path) -> set[Path]:
+    """The folders under ``folder`` holding a report this module wrote (report.md beside rows.csv, e.g. one copied
+    from another machine)."""
+    return {p.parent for p in folder.rglob(REPORT_MD) if (p.parent / ROWS_CSV).is_file()}
+
+
+def read_results(folder: str | Path, *, skip: Iterable[str | Path] = ()) -> pd.DataFrame:
+    """Every results CSV under ``folder`` (any depth), one frame; the same (row, seed) measured twice keeps its latest
+    row (by ``date``). Not read: the folders in ``skip`` (the report's own ``out``), any folder holding a report
+    (report_folders), and, each named in a ResultsCSVWarning, a file that is empty, not UTF-8 or whose header is not
+    the results schema, and the rows of a file with a wrong field count (a cut line), a non-number in a numeric
+    column (a decimal comma) or a date not in DATE_FORMAT. ``attrs["skipped"]``: 'path (why)' of each."""
     folder = Path(folder)
-    files = sorted(folder.rglob("*.csv")) if folder.is_dir() else []
+    skip = [Path(s).resolve() for s in skip]
+    reports = report_folders(folder) if folder.is_dir() else set()
+    files = [
+        f
+        for f in (sorted(folder.rglob("*.csv")) if folder.is_dir() else [])
+        if not any(f.is_relative_to(r) for r in reports) and not any(f.resolve().is_relative_to(s) for s in skip)
+    ]
     if not files:
         raise NoResultsError(
             f"no results CSV under {folder.resolve()} (written by runs with callbacks.results_csv.dir)"
         )
-    rows = pd.concat([pd.read_csv(f, keep_default_na=True).assign(file=str(f)) for f in files], ignore_index=True)
-    missing = [c for c in [*KEY, "seed", "date"] if c not in rows]
-    if missing:
-        raise NoResultsError(f"results CSVs under {folder} lack the columns {missing}")
+    frames, skipped = [], []
+    for f in files:
+        frame, short, detail = _read_results_csv(f)
+        if detail:
+            warnings.warn(f"{f}: {detail}", ResultsCSVWarning, stacklevel=2)
+            skipped.append(f"{f.relative_to(folder)} ({short})")
+        if frame is not None:
+            frames.append(frame.assign(file=str(f)))
+    if not frames:
+        raise NoResultsError(f"no readable results CSV under {folder.resolve()}: skipped {', '.join(skipped)}")
+    rows = pd.concat(frames, ignore_index=True)
     rows["sampler_settings"] = rows["sampler_settings"].fillna("{}")
     rows["converged"] = rows["converged"].astype(str).str.lower().eq("true")
     rows = rows.sort_values("date", kind="stable").drop_duplicates([*KEY, "seed"], keep="last")
-    return rows.reset_index(drop=True)
+    rows = rows.reset_index(drop=True)
+    rows.attrs["skipped"] = skipped
+    return rows
+
+
+def _read_results_csv(path: Path) -> tuple[pd.DataFrame | None, str, str]:
+    """The good rows of one CSV (None: the whole file is skipped), and what was skipped, in short and in full ('' when
+    nothing was)."""
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as f:
+            reader = csv.reader(f)
+            header = next(reader, [])
+            if not any(h.strip() for h in header):
+                return None, "empty", "empty file, skipped"
+            missing = [c for c in REQUIRED if c not in header]
+            if missing:
+                return None, "not a results CSV", f"not a results CSV (its header lacks {missing}), skipped"
+            good, bad = [], []
+            for record in reader:
+                if not record:  # a blank line: pandas skips it too
+                    continue
+                problem = _row_problem(header, record)
+                if problem:
+                    bad.append(f"line {reader.line_num}: {problem}")
+                else:
+                    good.append(record)
+    except UnicodeDecodeError as err:
+        return None, "not UTF-8", f"not UTF-8 text ({err.reason} at byte {err.start}), skipped"
+    except csv.Error as err:
+        return None, "not a readable CSV", f"not a readable CSV ({err}), skipped"
+    text = io.StringIO()
+    csv.writer(text).writerows([header, *good])
+    text.seek(0)
+    frame = pd.read_csv(text, keep_default_na=True, dtype={"precision": str, "device": str})
+    if not bad:
+        return frame, "", ""
+    counts = f"{len(bad)} of {len(bad) + len(good)} rows"
+    return frame, f"{counts} skipped", f"skipped {counts}: {'; '.join(bad)}"
+
+
+def _row_problem(header: list[str], record: list[str]) -> str:
+    """Why a CSV record is not a results row ('' when it is)."""
+    if len(record) != len(header):
+        return f"{len(record)} fields where the header has {len(header)} (a cut line?)"
+    values = dict(zip(header, record, strict=True))
+    for column in NUMERIC:
+        value = values.get(column, "").strip()
+        if value and not _is_number(value):
+            comma = " (a decimal comma?)" if _is_number(value.replace(",", ".", 1)) else ""
+            return f"{column} {value!r} is not a number{comma}"
+    try:
+        datetime.strptime(values["date"], DATE_FORMAT)
+    except ValueError:
+        return f"date {values['date']!r} is not {DATE_FORMAT} (a cut line?)"
+    return ""
+
+
+def _is_number(value: str) -> bool:
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return "_" not in value  # float() reads '1_0'; pandas does not
 
 
 def aggregate(rows: pd.DataFrame) -> pd.DataFrame:
@@ -171,13 +270,12 @@ def unconditional_table(agg: pd.DataFrame) -> pd.DataFrame:
     papers' % valid (9×9, NFE 81 under 36) first."""
     unc = agg[agg["difficulty"] == "uncond"]
     ref = reference_numbers()["sudoku_uncond"]
-    paper_nfe = dict(zip(UNCOND_NFE, (1, 3, 9, 27, 81), strict=True))
     lines = []
     for row in ref["rows"]:
         line = {"source": ref["label"], "model": row["model"], "sampler": row["sampler"]}
         for nfe in UNCOND_NFE:
-            value = row["values"].get(paper_nfe[nfe])
-            line[f"NFE {nfe}"] = "" if value is None else f"{value:.1f}" + ("" if nfe == paper_nfe[nfe] else " (81)")
+            value = row["values"].get(PAPER_NFE[nfe])
+            line[f"NFE {nfe}"] = "" if value is None else f"{value:.1f}" + ("" if nfe == PAPER_NFE[nfe] else " (81)")
         lines.append(line)
     board = unc["board"].iloc[0] if len(unc) else "6x6"
     for method, variant, sampler in _models(unc):
@@ -237,19 +335,62 @@ def verdict(better: Cell | None, worse: Cell | None) -> str:
     return f"{INCONCLUSIVE} (overlapping ± std)"
 
 
+PAPER, SUITE = "paper", "suite"  # a verdict's scope: where the paper states the claim / the suite's own finding
+# The claims judged, by id; where the papers state each: the `claims` of reference.yaml's tasks.
+CLAIMS = {
+    "pr_beats_mdm": "FMLM+ PR at 4 NFE beats the MDM at full NFE (its better sampler)",
+    "pr_beats_a_priori": "PR beats the a-priori loop on the same checkpoint at low NFE ({nfe})",
+    "init_distill_scratch": "MDM-initialised > distilled > scratch (PR at {nfe} NFE)",
+    "mlfm_guidance": "MLFM: CCFG + OTP > CCFG > no guidance (NFE {nfe})",
+}
+
+
+def stated(claim: str) -> dict[str, dict]:
+    """Where the papers state ``claim`` (a CLAIMS id): reference.yaml task → {compared: {model, better first: the
+    NFE the paper shows it at, null where it gives none}, source}."""
+    return {task: ref["claims"][claim] for task, ref in reference_numbers().items() if claim in ref.get("claims", {})}
+
+
+def scope(claim: str, difficulty: str, nfe: int) -> str:
+    """PAPER when the paper states ``claim`` on this task at this NFE (the first compared model's; an unconditional
+    NFE read as the paper's, PAPER_NFE), else SUITE: the suite's own finding, not a reproduction verdict."""
+    where = stated(claim).get(f"sudoku_{difficulty}")
+    if where is None:
+        return SUITE
+    nfes = next(iter(where["compared"].values()))
+    paper_nfe = PAPER_NFE.get(nfe, nfe) if difficulty == "uncond" else nfe
+    return PAPER if nfes is None or paper_nfe in nfes else SUITE
+
+
+def stated_text(claim: str) -> str:
+    """Where the papers state ``claim``, e.g. 'sudoku_easy, sudoku_medium: FMLM+ PR @4 > MDLM @128 (FMLM+ / PR
+    paper, conditional generation table)'; tasks with the same statement share one entry."""
+    tasks_of: dict[str, list[str]] = {}
+    for task, where in stated(claim).items():
+        models = " > ".join(
+            model + ("" if nfe is None else " @" + "/".join(map(str, nfe))) for model, nfe in where["compared"].items()
+        )
+        tasks_of.setdefault(f"{models} ({where['source']})", []).append(task)
+    return "; ".join(f"{', '.join(tasks)}: {text}" for text, tasks in tasks_of.items()) or "not stated by the papers"
+
+
 def verdicts(agg: pd.DataFrame) -> pd.DataFrame:
-    """One line per claim × task (× variant): the claim, the two figures compared, the verdict."""
+    """One line per claim × task (× variant): the claim, the two figures compared, the verdict, its scope (PAPER:
+    judged where the paper states the claim; SUITE: the suite's own finding) and where the paper states it."""
     lines = []
 
-    def add(claim: str, task: str, a_label: str, a: Cell | None, b_label: str, b: Cell | None) -> None:
+    def add(claim: str, nfe: int, task: str, a_label: str, a: Cell | None, b_label: str, b: Cell | None) -> None:
+        # ``nfe``: the claimed-better side's, which decides the scope
         if a is None and b is None:
             return
         lines.append(
             {
-                "claim": claim,
+                "claim": CLAIMS[claim].format(nfe=nfe),
                 "task": task,
                 "compared": f"{a_label} {a if a else '—'} vs {b_label} {b if b else '—'}",
                 "verdict": verdict(a, b),
+                "scope": scope(claim, task, nfe),
+                "stated": stated_text(claim),
             }
         )
 
@@ -266,18 +407,12 @@ def verdicts(agg: pd.DataFrame) -> pd.DataFrame:
             mdm = [c for c in (at("MDM", "scratch", s, full) for s in ("ancestral", "confidence")) if c]
             best = max(mdm, key=lambda c: c.mean) if mdm else None
             for v in ("scratch", "distill", "init"):
-                add(
-                    "FMLM+ PR at 4 NFE beats the MDM at full NFE (its better sampler)",
-                    d,
-                    f"FMLM+ {v} PR@4",
-                    at("FMLM+", v, "pr", LOW_NFE),
-                    f"MDM@{full}",
-                    best,
-                )
+                add("pr_beats_mdm", LOW_NFE, d, f"FMLM+ {v} PR@4", at("FMLM+", v, "pr", LOW_NFE), f"MDM@{full}", best)
         for nfe in (LOW_NFE,) if d != "uncond" else (3, 9):
             for v in ("scratch", "distill", "init"):
                 add(
-                    f"PR beats the a-priori loop on the same checkpoint at low NFE ({nfe})",
+                    "pr_beats_a_priori",
+                    nfe,
                     d,
                     f"FMLM+ {v} PR",
                     at("FMLM+", v, "pr", nfe),
@@ -286,24 +421,10 @@ def verdicts(agg: pd.DataFrame) -> pd.DataFrame:
                 )
         nfe = LOW_NFE if d != "uncond" else 9
         for hi, lo in (("init", "distill"), ("distill", "scratch")):
-            add(
-                f"MDM-initialised > distilled > scratch (PR at {nfe} NFE)",
-                d,
-                f"{hi}",
-                at("FMLM+", hi, "pr", nfe),
-                f"{lo}",
-                at("FMLM+", lo, "pr", nfe),
-            )
+            add("init_distill_scratch", nfe, d, hi, at("FMLM+", hi, "pr", nfe), lo, at("FMLM+", lo, "pr", nfe))
         for hi, lo in (("mlfm_ccfg_otp", "mlfm_ccfg"), ("mlfm_ccfg", "mlfm")):
-            add(
-                f"MLFM: CCFG + OTP > CCFG > no guidance (NFE {full})",
-                d,
-                hi,
-                at("MLFM", "init", hi, full),
-                lo,
-                at("MLFM", "init", lo, full),
-            )
-    return pd.DataFrame(lines, columns=["claim", "task", "compared", "verdict"])
+            add("mlfm_guidance", full, d, hi, at("MLFM", "init", hi, full), lo, at("MLFM", "init", lo, full))
+    return pd.DataFrame(lines, columns=["claim", "task", "compared", "verdict", "scope", "stated"])
 
 
 def verdict_counts(table: pd.DataFrame) -> dict[str, int]:
@@ -329,23 +450,58 @@ def headline(agg: pd.DataFrame) -> list[str]:
 
 
 def seeds_summary(rows: pd.DataFrame) -> str:
-    """'N rows, seeds {…}, from K files, commits …' for the report's header."""
+    """'N rows, seeds {…}, from K files, commits …' for the report's header; the files skipped (read_results) named."""
     seeds = sorted(int(s) for s in rows["seed"].dropna().unique())
     commits = sorted({str(c)[:10] for c in rows.get("git_commit", pd.Series(dtype=str)).dropna()})
+    skipped = rows.attrs.get("skipped", [])
     return (
         f"{len(rows)} measured rows, seeds {seeds}, from {rows['file'].nunique()} CSV files; "
         f"code {', '.join(commits) or 'unknown'}"
+        + (f"; skipped (named in the warnings): {', '.join(skipped)}" if skipped else "")
     )
+
+
+MACHINE = ("precision", "device")  # callbacks/results_csv.py's; blank or absent (older CSVs): not recorded
+
+
+def machines_note(rows: pd.DataFrame) -> str:
+    """One line naming the precisions and devices of ``rows`` with their row counts when they hold more than one of
+    either (a row without them counts as 'not recorded'); '' otherwise."""
+    counts = {}
+    for column in MACHINE:
+        values = rows[column] if column in rows else pd.Series("", index=rows.index, dtype=str)
+        values = values.fillna("").astype(str).str.strip().replace("", "not recorded")
+        counts[column] = sorted(values.value_counts().items(), key=lambda kv: (-kv[1], kv[0]))
+    if all(len(c) <= 1 for c in counts.values()):
+        return ""
+    named = "; ".join(
+        f"{column} " + ", ".join(f"{v} ({n} row{'s' * (n != 1)})" for v, n in c) for column, c in counts.items()
+    )
+    return f"Mixed machines in this table: {named}."
+
+
+def _render(sections: list[tuple[Section, str]], out: Path, title: str) -> tuple[str, str]:
+    """report.md and report.html of the (section, note) pairs: a note, if any, as one line under its table."""
+    markdown, body = [], []
+    for section, note in sections:
+        markdown.append(_render_markdown([section], out)[:-1] + (f"\n\n{note}" if note else ""))
+        page = _render_html([section], title)
+        body.append(page[page.index("<body>") + len("<body>") : page.rindex("</body>")])
+        body.append(f"<p>{_inline(note)}</p>" if note else "")
+    page = _render_html([], title)
+    end = page.rindex("</body>")
+    return "\n\n".join(markdown) + "\n", page[:end] + "".join(body) + page[end:]
 
 
 def build_sudoku_report(
     results_dir: str | Path, out: str | Path, *, title: str = "flowlm: the papers' Sudoku tables"
 ) -> Report:
-    """Merge every results CSV under ``results_dir`` and write the conditional, unconditional, calibration and
-    verdict tables to ``out`` (report.md, report.html, one CSV per table, the merged rows)."""
-    rows = read_results(results_dir)
-    agg = aggregate(rows)
+    """Merge every results CSV under ``results_dir`` (not ``out``'s nor another report's: read_results) and write the
+    conditional, unconditional, calibration and verdict tables to ``out`` (report.md, report.html, one CSV per table,
+    the merged rows); print what was read and each table's mixed-machines note."""
     out = Path(out)
+    rows = read_results(results_dir, skip=[out])
+    agg = aggregate(rows)
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out=out, markdown=out / REPORT_MD, html=out / REPORT_HTML)
     tables = {
@@ -354,58 +510,86 @@ def build_sudoku_report(
         "calibration": calibration_table(agg),
         "verdicts": verdicts(agg),
     }
-    rows.drop(columns=["file"]).to_csv(out / "rows.csv", index=False)
+    rows.drop(columns=["file"]).to_csv(out / ROWS_CSV, index=False)
     agg.to_csv(out / "aggregate.csv", index=False)
-    report.data += [out / "rows.csv", out / "aggregate.csv"]
+    report.data += [out / ROWS_CSV, out / "aggregate.csv"]
     for name, table in tables.items():
         table.to_csv(out / f"{name}.csv", index=False)
         report.data.append(out / f"{name}.csv")
     report.tables = tables
-    counts = verdict_counts(tables["verdicts"]) if len(tables["verdicts"]) else {}
+    notes = {  # the rows each table is made of
+        "conditional": machines_note(rows[rows["difficulty"].isin(DIFFICULTIES)]),
+        "unconditional": machines_note(rows[rows["difficulty"] == "uncond"]),
+        "calibration": machines_note(rows),
+        "verdicts": machines_note(rows),
+    }
+    judged = tables["verdicts"]
+    counts = {}
+    for kind in (PAPER, SUITE):
+        part = judged[judged["scope"] == kind]
+        counts[kind] = ", ".join(f"{k}: {v}" for k, v in verdict_counts(part).items()) if len(part) else "none"
     sections = [
-        Section(
-            title,
-            f"Generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC from `{results_dir}`: {seeds_summary(rows)}. Cells: "
-            "mean ± std over seeds (the mean alone for one seed). Measured rows are this suite's CPU-scale runs "
-            "(6×6 boards, `tiny` DiT), not the papers' setting (9×9, paper-scale models, labelled beside). "
-            "Training: the step budget (an MDM-based model counts its MDM's steps; own steps in brackets), wall "
-            "time, final val loss and whether the convergence rule (docs/results.md#convergence-protocol) was met "
-            "before the step cap.",
-            level=1,
+        (
+            Section(
+                title,
+                f"Generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC from `{results_dir}`: {seeds_summary(rows)}. "
+                "Cells: mean ± std over seeds (the mean alone for one seed). Measured rows are this suite's CPU-scale "
+                "runs (6×6 boards, `tiny` DiT), not the papers' setting (9×9, paper-scale models, labelled beside). "
+                "Training: the step budget (an MDM-based model counts its MDM's steps; own steps in brackets), wall "
+                "time, final val loss and whether the convergence rule (docs/results.md#convergence-protocol) was "
+                "met before the step cap.",
+                level=1,
+            ),
+            "",
         ),
-        Section(
-            "Headline",
-            "; ".join(headline(agg)) or "no conditional row measured",
+        (Section("Headline", "; ".join(headline(agg)) or "no conditional row measured"), ""),
+        (
+            Section(
+                "Verdicts",
+                "Each claim of the papers against the measured numbers: reproduces when the means differ in the "
+                "claimed direction by more than the two std together, does not reproduce when they differ the other "
+                "way by as much, inconclusive otherwise (or with one seed). Scope `paper`: judged on the task and "
+                "NFE where the paper states the claim (`stated`: its task, models and NFE, analysis/reference.yaml), "
+                "a reproduction verdict; scope `suite`: judged elsewhere, the suite's own finding, not a reproduction "
+                f"verdict. Reproduction verdicts: {counts[PAPER]}. The suite's own findings: {counts[SUITE]}.",
+                judged,
+            ),
+            notes["verdicts"],
         ),
-        Section(
-            "Verdicts",
-            "Each claim of the papers against the measured numbers: reproduces when the means differ in the claimed "
-            "direction by more than the two std together, does not reproduce when they differ the other way by as "
-            "much, inconclusive otherwise (or with one seed). Counts: "
-            + (", ".join(f"{k}: {v}" for k, v in counts.items()) or "no claim measured")
-            + ".",
-            tables["verdicts"],
+        (
+            Section(
+                "Conditional Sudoku: accuracy % (methods.md §8, conditional table)",
+                "NFE 4 (PR: R = 4, N = 1, the released setting) and NFE = the number of empty cells (full). Paper "
+                "rows: 9×9, MDLM at 128 NFE.",
+                tables["conditional"],
+            ),
+            notes["conditional"],
         ),
-        Section(
-            "Conditional Sudoku: accuracy % (methods.md §8, conditional table)",
-            "NFE 4 (PR: R = 4, N = 1, the released setting) and NFE = the number of empty cells (full). Paper rows: "
-            "9×9, MDLM at 128 NFE.",
-            tables["conditional"],
+        (
+            Section(
+                "Unconditional Sudoku: % valid · distinct valid grids · % copies of training grids",
+                "NFE 1 / 3 / 9 / 27 / 36 on a 36-cell board (the paper's 1 / 3 / 9 / 27 / 81 on 81 cells; its 81 is "
+                "shown under 36). Paper rows: % valid only.",
+                tables["unconditional"],
+            ),
+            notes["unconditional"],
         ),
-        Section(
-            "Unconditional Sudoku: % valid · distinct valid grids · % copies of training grids",
-            "NFE 1 / 3 / 9 / 27 / 36 on a 36-cell board (the paper's 1 / 3 / 9 / 27 / 81 on 81 cells; its 81 is shown "
-            "under 36). Paper rows: % valid only.",
-            tables["unconditional"],
-        ),
-        Section(
-            "Calibration: a-priori vs a-posteriori confidence (AUROC, right vs wrong tokens)",
-            "AUROC of the per-token confidence a sampler committed with, for telling right tokens from wrong ones "
-            "(1 = perfect ranking, 0.5 = none); right = equals the solution (conditional) or clashes with no cell "
-            "of its row, column and box (unconditional). Mean ± std over seeds (the mean alone for one seed).",
-            tables["calibration"],
+        (
+            Section(
+                "Calibration: a-priori vs a-posteriori confidence (AUROC, right vs wrong tokens)",
+                "AUROC of the per-token confidence a sampler committed with, for telling right tokens from wrong ones "
+                "(1 = perfect ranking, 0.5 = none); right = equals the solution (conditional) or clashes with no "
+                "cell of its row, column and box (unconditional). Mean ± std over seeds (the mean alone for one "
+                "seed).",
+                tables["calibration"],
+            ),
+            notes["calibration"],
         ),
     ]
-    report.markdown.write_text(_render_markdown(sections, out))
-    report.html.write_text(_render_html(sections, title))
+    markdown, page = _render(sections, out, title)
+    report.markdown.write_text(markdown)
+    report.html.write_text(page)
+    summary = [f"Read {results_dir}: {seeds_summary(rows)}"]
+    summary += [f"{name} table: {note}" for name, note in notes.items() if note]
+    print("\n".join(summary), flush=True)
     return report

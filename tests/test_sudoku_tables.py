@@ -1,19 +1,29 @@
 """The Sudoku tables' report on hand-made results CSVs whose tables and verdicts are known: the merge of every CSV
-(seeds from separate invocations), the deduplication, mean ± std, the papers' rows, the verdict rule."""
+(seeds from separate invocations), the deduplication, mean ± std, the papers' rows, the verdict rule; the report's own
+output never read back, bad CSVs named and skipped, mixed machines named, each verdict's scope."""
 
 import csv
+import re
+import shutil
+import warnings
 
+import pandas as pd
 import pytest
 
 from analysis.sudoku_tables import (
+    PAPER,
+    SUITE,
     Cell,
     NoResultsError,
+    ResultsCSVWarning,
     aggregate,
     build_sudoku_report,
     calibration_table,
     conditional_table,
     empty_cells,
+    machines_note,
     read_results,
+    scope,
     unconditional_table,
     verdict,
     verdicts,
@@ -188,3 +198,195 @@ def test_flowlm_report_builds_the_tables_from_its_config(results, tmp_path):
     built, run_id = report(cfg)
     assert run_id is None and built.markdown == tmp_path / "tables" / "report.md"
     assert "reproduces" in built.markdown.read_text()
+
+
+# ---------------------------------------------------------------- the report's own output is never read back
+TABLES = ("rows", "aggregate", "conditional", "unconditional", "calibration", "verdicts")
+
+
+def _outputs(out) -> dict[str, str]:
+    """The report's files, its generation time blanked."""
+    files = {name: (out / f"{name}.csv").read_text() for name in TABLES}
+    files["report.md"] = re.sub(r"Generated [\d-]+ [\d:]+ UTC", "Generated", (out / "report.md").read_text())
+    return files
+
+
+def test_a_report_inside_the_results_folder_reads_the_same_rows_twice(results):
+    """The default `out` is inside `results_dir`: a second run must not read the first's CSVs as results."""
+    expected = read_results(results)
+    out = results / "report"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResultsCSVWarning)  # nor are they named as bad results CSVs
+        first = _outputs(build_sudoku_report(results, out).out)
+        second = _outputs(build_sudoku_report(results, out).out)
+    assert second == first
+    files = expected["file"].nunique()
+    assert f"{len(expected)} measured rows, seeds [0, 1, 2], from {files} CSV files;" in second["report.md"]
+    assert "50.0 · 100 · 1.0" in second["unconditional"]  # one seed: no "± 0.0" from a second, read-back "seed"
+
+
+def test_a_copied_report_is_not_read_and_a_removed_run_stays_removed(results, tmp_path):
+    """A report folder copied in beside the results (report.md beside rows.csv) holds the results schema in rows.csv:
+    reading it would bring back the rows of a run whose CSV was since removed."""
+    shutil.copytree(build_sudoku_report(results, tmp_path / "first").out, results / "from_another_machine")
+    (results / "machine2" / "MLFM_init_seed2.csv").unlink()
+    rows = read_results(results)
+    assert not rows["file"].str.contains("from_another_machine").any()
+    mlfm = rows[rows["method"] == "MLFM"]
+    assert sorted(mlfm["seed"].unique()) == [0, 1]
+
+
+def test_the_out_folder_is_not_read_even_without_its_report_md(results):
+    """A report stopped after writing rows.csv (no report.md yet) leaves the results schema in `out`."""
+    stale = row("FMLM+", "init", "pr", 4, 2, 0.0, date="2026-12-31T10:00:00Z")  # newer than seed 2's real row
+    write_rows(results / "report" / "rows.csv", [stale])
+    report = build_sudoku_report(results, results / "report")
+    init = report.tables["conditional"].set_index(["model", "sampler"]).loc[("FMLM+ init", "pr")]
+    assert init["easy @4"] == "96.0 ± 1.0"
+
+
+# ---------------------------------------------------------------- bad CSVs are named and skipped
+def _bad_csv(kind: str, folder):
+    """A bad CSV of the kind ``kind`` under ``folder``, from seed 7's FMLM+ init run (a PR row, then an a-priori row);
+    its path and the samplers of its rows that are good."""
+    path = folder / "extra" / "FMLM+_init_seed7.csv"
+    rows = [row("FMLM+", "init", "pr", 4, 7, 91.0), row("FMLM+", "init", "a_priori", 4, 7, 55.0)]
+    if kind == "decimal_comma":
+        rows[1]["accuracy"] = "91,8"  # quoted by the writer: one field, not a number
+    write_rows(path, rows)
+    text = path.read_bytes()
+    last = text.rstrip().rfind(b"\n") + 1
+    if kind == "cut_line":  # a copy that stopped halfway through the last line: fewer fields than the header
+        path.write_bytes(text[: last + (len(text) - last) // 2])
+    elif kind == "cut_date":  # stopped inside the last field: every field there, the date cut short
+        path.write_bytes(text[:-4])
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "not_utf8":
+        path.write_bytes(text.replace(b"FMLM+", b"FMLM\xff", 1))
+    elif kind == "foreign_header":
+        path.unlink()
+        path = path.with_name("notes.csv")
+        path.write_text("note,by\nseed 2 was rerun on the GPU box,anna\n")
+    return path, ["pr"] if kind in ("cut_line", "cut_date", "decimal_comma") else []
+
+
+@pytest.mark.parametrize(
+    "kind, reason",
+    [
+        ("cut_line", rf"skipped 1 of 2 rows: line 3: \d+ fields where the header has {len(COLUMNS)} \(a cut line\?\)"),
+        (
+            "cut_date",
+            r"skipped 1 of 2 rows: line 3: date '2026-12-01T10:00:0' is not %Y-%m-%dT%H:%M:%SZ \(a cut line\?\)",
+        ),
+        ("decimal_comma", r"skipped 1 of 2 rows: line 3: accuracy '91,8' is not a number \(a decimal comma\?\)"),
+        ("empty", r"empty file, skipped"),
+        ("foreign_header", r"not a results CSV \(its header lacks \['board', 'difficulty', .*\]\), skipped"),
+        ("not_utf8", r"not UTF-8 text \(invalid start byte at byte \d+\), skipped"),
+    ],
+)
+def test_a_bad_csv_is_named_and_the_good_rows_still_read(results, kind, reason):
+    baseline = read_results(results)
+    path, good = _bad_csv(kind, results)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = read_results(results)
+    messages = [str(w.message) for w in caught if issubclass(w.category, ResultsCSVWarning)]
+    assert len(messages) == 1 and re.fullmatch(re.escape(f"{path}: ") + reason, messages[0]), messages
+    extra = rows[rows["seed"] == 7]
+    assert extra["sampler"].tolist() == good and len(rows) == len(baseline) + len(good)  # every other file read
+    assert extra["accuracy"].tolist() == [91.0] * len(good)
+    with pytest.warns(ResultsCSVWarning):
+        header = build_sudoku_report(results, results / "report").markdown.read_text().split("\n")[2]
+    assert f"skipped (named in the warnings): {path.relative_to(results)} (" in header
+
+
+def test_only_bad_csvs_is_a_clear_error(tmp_path):
+    (tmp_path / "notes.csv").write_text("note\nnothing yet\n")
+    (tmp_path / "empty.csv").write_text("")
+    with pytest.warns(ResultsCSVWarning), pytest.raises(NoResultsError, match=r"no readable results CSV.*empty\.csv"):
+        read_results(tmp_path)
+
+
+# ---------------------------------------------------------------- mixed machines
+def _old_csv(path, rows) -> None:
+    """A results CSV from before the `precision` and `device` columns."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        old = [c for c in COLUMNS if c not in ("precision", "device")]
+        writer = csv.DictWriter(f, fieldnames=old, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_a_table_mixing_machines_says_so_under_it(tmp_path, capsys):
+    folder = tmp_path / "results"
+    cpu, gpu = {"precision": "32-true", "device": "cpu: AMD EPYC 7B13"}, {"precision": "bf16-mixed", "device": "H200"}
+    write_rows(folder / "a" / "run_seed0.csv", [row("MDM", "scratch", "confidence", 18, 0, 80.0, **cpu)])
+    write_rows(folder / "b" / "run_seed1.csv", [row("MDM", "scratch", "confidence", 18, 1, 82.0, **gpu)])
+    _old_csv(folder / "c" / "run_seed2.csv", [row("MDM", "scratch", "confidence", 18, 2, 84.0)])
+    uncond = [
+        row("MDM", "scratch", "confidence", 36, s, 50.0, difficulty="uncond", distinct_valid=9, train_copy_pct=0, **cpu)
+        for s in (0, 1)
+    ]
+    write_rows(folder / "a" / "uncond_seed0.csv", uncond)
+    report = build_sudoku_report(folder, tmp_path / "report")
+    text = report.markdown.read_text()
+    note = (
+        "Mixed machines in this table: precision 32-true (1 row), bf16-mixed (1 row), not recorded (1 row); "
+        "device H200 (1 row), cpu: AMD EPYC 7B13 (1 row), not recorded (1 row)."
+    )
+    conditional = text.index("## Conditional Sudoku")
+    table_end = text.index("| measured, 6x6 | MDM | confidence |", conditional)
+    assert text.index(note, table_end) < text.index("## Unconditional")  # one line under the conditional table
+    assert text.count("Mixed machines") == 3  # conditional, verdicts, calibration; not the one-machine uncond table
+    assert note.replace("'", "&#x27;") in report.html.read_text()
+    printed = capsys.readouterr().out
+    assert f"conditional table: {note}" in printed and "unconditional table:" not in printed
+    assert f"Read {folder}: 5 measured rows, seeds [0, 1, 2], from 4 CSV files;" in printed
+
+
+def test_machines_note_names_either_kind_of_mix():
+    rows = pd.DataFrame({"precision": ["32-true", "32-true"], "device": ["cpu: AMD EPYC", "NVIDIA H200"]})
+    assert machines_note(rows) == (
+        "Mixed machines in this table: precision 32-true (2 rows); device NVIDIA H200 (1 row), cpu: AMD EPYC (1 row)."
+    )
+    assert machines_note(rows.assign(device="NVIDIA H200")) == ""
+    assert machines_note(rows.drop(columns=["precision", "device"])) == ""  # older CSVs only: one (unknown) kind
+
+
+# ---------------------------------------------------------------- where the paper states each claim
+def test_each_verdict_says_whether_the_paper_states_it_there(results, tmp_path):
+    uncond = [
+        row("FMLM+", "init", sampler, nfe, seed, value + seed, difficulty="uncond", distinct_valid=9, train_copy_pct=0)
+        for seed in (0, 1, 2)
+        for nfe in (3, 9)
+        for sampler, value in (("pr", 60.0), ("a_priori", 10.0))
+    ]
+    write_rows(results / "uncond" / "FMLM+_init_uncond.csv", uncond)
+    table = verdicts(aggregate(read_results(results)))
+    prior = table[table["claim"].str.startswith("PR beats the a-priori") & table["compared"].str.contains("init")]
+    prior = prior.set_index("task")
+    assert prior.loc["easy", "scope"] == SUITE  # the paper's a-priori row (δ₀,₀) is on unconditional Sudoku only
+    assert prior.loc["easy", "verdict"] == "reproduces"  # judged all the same, as the suite's own finding
+    assert prior.loc["uncond", "scope"].tolist() == [PAPER, PAPER]  # NFE 3 and 9
+    assert prior.loc["easy", "stated"].startswith("sudoku_uncond: FMLM+ PR (δ₀,₁) @3/9/27 > FMLM+ a-priori")
+    pr_vs_mdm = table[table["claim"].str.startswith("FMLM+ PR at 4 NFE")]
+    assert set(pr_vs_mdm["scope"]) == {PAPER}
+    assert pr_vs_mdm["stated"].iloc[0].startswith("sudoku_easy, sudoku_medium, sudoku_hard: FMLM+ PR @4 > MDLM @128")
+    order = table[table["claim"].str.startswith("MDM-initialised")]
+    mlfm = table[table["claim"].str.startswith("MLFM")]
+    assert set(order["scope"]) == set(mlfm["scope"]) == {SUITE}  # the papers state both on GSM8K
+    assert order["stated"].iloc[0].startswith("gsm8k: FMLM+ init PR @32 > FMLM+ distill PR @32")
+    text = build_sudoku_report(results, tmp_path / "report").markdown.read_text()
+    assert "Reproduction verdicts: reproduces: 3, " in text and "The suite's own findings: reproduces: 4, " in text
+    assert "| PR beats the a-priori loop on the same checkpoint at low NFE (4) | easy |" in text
+
+
+def test_scope_reads_task_and_nfe():
+    assert scope("pr_beats_a_priori", "uncond", 9) == PAPER
+    assert scope("pr_beats_a_priori", "uncond", 36) == SUITE  # the paper's 81: PR leads there by 0.8 only
+    assert scope("pr_beats_a_priori", "easy", 4) == SUITE
+    assert scope("pr_beats_mdm", "hard", 4) == PAPER
+    assert scope("pr_beats_mdm", "uncond", 4) == SUITE
+    assert scope("mlfm_guidance", "easy", 18) == SUITE
