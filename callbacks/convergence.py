@@ -31,10 +31,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_modules.checkpoints import load_torch_file
 
 CONVERGENCE_FILE = "convergence.json"  # in the run folder: what a run derived from this one reads
 
@@ -93,7 +94,7 @@ def source_steps(path: str | None) -> int:
     if record.is_file():
         return int(json.loads(record.read_text())["budget_steps"])
     if ckpt.is_file():
-        return int(torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True).get("global_step", 0))
+        return int(load_torch_file(ckpt).get("global_step", 0))  # weights_only, the suite's types allowed
     if ckpt.is_dir():  # a sharded or exported checkpoint, or a pretrained model's folder: the budget cannot be told
         warnings.warn(
             f"no {CONVERGENCE_FILE} beside {ckpt} (a sharded checkpoint without its run's record, or a pretrained "

@@ -5,12 +5,20 @@ shards (torch.distributed.checkpoint) plus Lightning's ``meta.pt``; readers here
 ``read_checkpoint`` is the one place a source is resolved: a hub name or path (flowlm/pretrained/hub.py), then a
 flowlm checkpoint, a ``flowlm-export`` folder, or a foreign pretrained MDM whose layout a registered reader detects
 (flowlm/pretrained/formats.py: MDLM's HF folder and Lightning .ckpt), converted to the same dict (an MDM module's).
+
+Every torch file is unpickled with ``weights_only=True`` (``load_torch_file``): tensors, plain containers and the
+types in ``allowed_globals``; a file that needs anything else is refused unless the user trusts it by name
+(``trust_pickle=True``, or its path in ``FLOWLM_TRUST_PICKLE``; docs/reliability.md, Checkpoints are data).
 """
 
 from __future__ import annotations
 
+import collections
 import importlib
+import json
 import os
+import pickle
+import typing
 from pathlib import Path
 
 import torch
@@ -29,6 +37,79 @@ SHARDED_META = "meta.pt"
 LIVE_KEY = "current_model_state"
 # The module a foreign pretrained MDM is read as (its hyper-parameters are built from the source).
 FOREIGN_MDM_CLASS = "lightning_modules.mdm.MDMModule"
+# Checkpoint files (or folders: every file under them) the user trusts to be unpickled in full, os.pathsep-separated.
+TRUST_ENV = "FLOWLM_TRUST_PICKLE"
+
+
+class UntrustedCheckpointError(ValueError):
+    """A checkpoint file that only a full unpickling (which can run code from the file) could read."""
+
+
+def allowed_globals() -> list:
+    """What a checkpoint may hold besides tensors and plain containers (torch's own allow-list): OmegaConf containers
+    with their metadata and the types it names (a DictConfig ``hyper_parameters``, which Lightning saves as is with
+    its type; MDLM's ``.ckpt``). ``collections.defaultdict`` (OmegaConf's resolver cache) is read as a dict, the one
+    kind the weights-only unpickler fills, and made a defaultdict again by ``load_torch_file``."""
+    from omegaconf import DictConfig, ListConfig
+    from omegaconf.base import ContainerMetadata, Metadata
+    from omegaconf.nodes import AnyNode
+
+    omegaconf = [DictConfig, ListConfig, ContainerMetadata, Metadata, AnyNode, typing.Any, dict, list, int]
+    return [*omegaconf, (_dict_of_items, "collections.defaultdict")]
+
+
+def _dict_of_items(default_factory=None, *args) -> dict:
+    return dict(*args)
+
+
+def is_trusted(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file, or lies under a folder, that ``FLOWLM_TRUST_PICKLE`` names."""
+    path = Path(path).resolve()
+    for entry in filter(None, os.environ.get(TRUST_ENV, "").split(os.pathsep)):
+        trusted = Path(entry).expanduser().resolve()
+        if path == trusted or path.is_relative_to(trusted):
+            return True
+    return False
+
+
+def load_torch_file(path: str | os.PathLike, *, trust_pickle: bool = False, mmap: bool = True):
+    """``torch.load`` of a checkpoint file on the CPU with ``weights_only=True`` and ``allowed_globals``; a file
+    that needs more (a pickled object whose loading could run code) is an ``UntrustedCheckpointError`` naming the
+    file and its refused globals, raised before anything of it runs. ``trust_pickle`` (or ``path`` in
+    ``FLOWLM_TRUST_PICKLE``) unpickles it in full (``weights_only=False``). Other failures propagate as torch's."""
+    path = Path(path)
+    if trust_pickle or is_trusted(path):
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    with torch.serialization.safe_globals(allowed_globals()):
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except pickle.UnpicklingError:
+            try:
+                refused = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+            except Exception:  # noqa: BLE001 - not a torch zip archive: an unreadable file, not an untrusted one
+                refused = []
+            if not refused:
+                raise
+            raise UntrustedCheckpointError(
+                f"{path} holds pickled objects beyond tensors and the allowed types ({', '.join(refused)}): "
+                "unpickling it could run code from the file, so it is not loaded. If you trust where it came from, "
+                f"load it with trust_pickle=True (flowlm-export --trust-pickle) or name it in {TRUST_ENV}="
+                f"{path.resolve()} (a file, or a folder for every file under it; {os.pathsep}-separated)"
+            ) from None
+    _restore_resolver_caches(payload)
+    return payload
+
+
+def _restore_resolver_caches(obj, depth: int = 0) -> None:
+    """Give every OmegaConf container in ``obj`` (dicts and lists walked) its resolver cache back as a defaultdict."""
+    from omegaconf import Container
+
+    if isinstance(obj, Container):
+        meta = obj._metadata
+        meta.resolver_cache = collections.defaultdict(dict, meta.resolver_cache)
+    elif depth < 8 and isinstance(obj, dict | list | tuple):
+        for value in obj.values() if isinstance(obj, dict) else obj:
+            _restore_resolver_caches(value, depth + 1)
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -36,17 +117,27 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     return Path(path).is_dir() and (Path(path) / SHARDED_META).is_file()
 
 
-def read_checkpoint(path: str | os.PathLike, *, data_vocab_size: int | None = None) -> dict:
-    """The whole checkpoint dict (memory-mapped), with clear errors for missing or foreign files.
+def read_checkpoint(path: str | os.PathLike, *, data_vocab_size: int | None = None, trust_pickle: bool = False) -> dict:
+    """The whole checkpoint dict (memory-mapped), with clear errors for missing, foreign or corrupt files.
 
     ``path`` may be a hub name (``owner/name[@revision]``, resolved through the HF cache). A sharded folder is
     consolidated on this process (full tensors, in memory; no process group needed): its ``state_dict`` holds the
     EMA weights and ``current_model_state`` the live ones, as in a file checkpoint; optimizer states are left out
     (see ``consolidate_checkpoint``). An export folder and a foreign pretrained MDM give the same layout, the
-    latter as an MDM module's (``foreign_checkpoint``; ``data_vocab_size``: the run's, see there).
+    latter as an MDM module's (``foreign_checkpoint``; ``data_vocab_size``: the run's, see there). Torch files are
+    read by ``load_torch_file`` (``trust_pickle``: see there).
     """
     path = resolve_source(path)
     if path.is_dir():
+        config = path / "config.json"  # an export's or a pretrained folder's description
+        if config.is_file():
+            try:
+                json.loads(config.read_text())
+            except (UnicodeDecodeError, ValueError) as err:
+                raise ValueError(
+                    f"{path} is corrupt: its config.json is not valid JSON ({err}); a truncated copy or an interrupted "
+                    "write: copy or export it again"
+                ) from err
         if is_export(path):
             return export_checkpoint(path)
         if not (path / SHARDED_META).is_file():
@@ -58,12 +149,14 @@ def read_checkpoint(path: str | os.PathLike, *, data_vocab_size: int | None = No
                     f"({'; '.join(known_formats())})"
                 )
             return foreign_checkpoint(fmt.read(path, None), data_vocab_size)
-        ckpt = consolidate_checkpoint(path)
+        ckpt = consolidate_checkpoint(path, trust_pickle=trust_pickle)
     elif not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     else:
         try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            ckpt = load_torch_file(path, trust_pickle=trust_pickle)
+        except UntrustedCheckpointError:
+            raise
         except Exception as err:  # noqa: BLE001 - any unpickling failure means the same thing here
             raise ValueError(f"{path} is not a readable PyTorch checkpoint ({type(err).__name__}: {err})") from err
         fmt = detect_format(path, ckpt) if isinstance(ckpt, dict) and "flowlm" not in ckpt else None
@@ -123,24 +216,26 @@ def export_checkpoint(path: Path) -> dict:
     }
 
 
-def read_checkpoint_meta(path: str | os.PathLike, *, data_vocab_size: int | None = None) -> dict:
+def read_checkpoint_meta(
+    path: str | os.PathLike, *, data_vocab_size: int | None = None, trust_pickle: bool = False
+) -> dict:
     """The ``flowlm`` record of a checkpoint (family, class, vocabulary, config); a sharded folder's weights are not
     read."""
     local = resolve_source(path)
     if local.is_dir() and (local / SHARDED_META).is_file():
-        return _read_sharded_meta(local)["flowlm"]
-    return read_checkpoint(local, data_vocab_size=data_vocab_size)["flowlm"]
+        return _read_sharded_meta(local, trust_pickle=trust_pickle)["flowlm"]
+    return read_checkpoint(local, data_vocab_size=data_vocab_size, trust_pickle=trust_pickle)["flowlm"]
 
 
-def verify_checkpoint(path: str | os.PathLike) -> None:
+def verify_checkpoint(path: str | os.PathLike, *, trust_pickle: bool = False) -> None:
     """Raise ValueError unless ``path`` is a complete flowlm checkpoint, without reading its tensors: a file's
     archive index, or a folder's ``meta.pt``, shard index and every shard file at its full length."""
     path = Path(path)
     if not path.is_dir():
-        read_checkpoint(path)  # memory-mapped: reads the archive's index, not the tensors
+        read_checkpoint(path, trust_pickle=trust_pickle)  # memory-mapped: reads the archive's index, not the tensors
         return
-    _read_sharded_meta(path)
-    metadata = read_shard_index(path)
+    _read_sharded_meta(path, trust_pickle=trust_pickle)
+    metadata = read_shard_index(path, trust_pickle=trust_pickle)
     sizes: dict[str, int] = {}
     for info in getattr(metadata, "storage_data", {}).values():
         name = info.relative_path
@@ -156,7 +251,7 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
             )
 
 
-def consolidate_checkpoint(path: str | os.PathLike, *, optimizer: bool = False) -> dict:
+def consolidate_checkpoint(path: str | os.PathLike, *, optimizer: bool = False, trust_pickle: bool = False) -> dict:
     """A sharded checkpoint folder as one checkpoint dict of full tensors, the layout of a file checkpoint.
 
     Works for ModelParallelStrategy (FSDP2) folders, whose weights are under ``state_dict``, and FSDPStrategy ones
@@ -164,13 +259,12 @@ def consolidate_checkpoint(path: str | os.PathLike, *, optimizer: bool = False) 
     ``current_model_state``. Optimizer states (FQN-keyed, as the sharded strategies save them) are read only with
     ``optimizer=True``, as ``optimizer_states``. Everything is held in CPU memory on this process.
     """
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     path = Path(path)
-    ckpt = _read_sharded_meta(path)
-    tops = {key.split(".", 1)[0] for key in read_shard_index(path).state_dict_metadata}
+    ckpt = _read_sharded_meta(path, trust_pickle=trust_pickle)
+    tops = {key.split(".", 1)[0] for key in read_shard_index(path, trust_pickle=trust_pickle).state_dict_metadata}
     weights_key = "state_dict" if "state_dict" in tops else "model"
     if weights_key not in tops:
         raise ValueError(f"{path} holds no weights (its shards hold {sorted(tops)})")
@@ -178,7 +272,7 @@ def consolidate_checkpoint(path: str | os.PathLike, *, optimizer: bool = False) 
     try:
         _load_state_dict(
             state,
-            storage_reader=FileSystemReader(path),
+            storage_reader=shard_reader(path, trust_pickle=trust_pickle),
             planner=_EmptyStateDictLoadPlanner(keys=None if optimizer else {weights_key}),
             no_dist=True,
         )
@@ -196,17 +290,27 @@ def consolidate_checkpoint(path: str | os.PathLike, *, optimizer: bool = False) 
 
 
 def load_module(
-    path: str | os.PathLike, *, map_location: str | torch.device = "cpu", data_vocab_size: int | None = None
+    path: str | os.PathLike,
+    *,
+    map_location: str | torch.device = "cpu",
+    data_vocab_size: int | None = None,
+    trust_pickle: bool = False,
 ):
     """The LightningModule a checkpoint (file, sharded folder, export folder or foreign pretrained MDM, by path or
     hub name) holds, built from its hyper-parameters, with the checkpoint's ``state_dict`` (the EMA weights when an
     EMA ran), on ``map_location``. A backbone saved before an option of the DiT existed is built as it was then
-    (``legacy_backbone_options``). ``data_vocab_size``: the run's, for a foreign source (``foreign_checkpoint``)."""
+    (``legacy_backbone_options``). ``data_vocab_size``: the run's, for a foreign source (``foreign_checkpoint``);
+    ``trust_pickle``: see ``load_torch_file``."""
     path = resolve_source(path)
-    ckpt = read_checkpoint(path, data_vocab_size=data_vocab_size)  # a file: memory-mapped, read once by Lightning
+    # a file: memory-mapped, read again by Lightning under the same rule
+    ckpt = read_checkpoint(path, data_vocab_size=data_vocab_size, trust_pickle=trust_pickle)
     cls = import_class(ckpt["flowlm"]["class_path"])
     if path.is_file() and "source" not in ckpt["flowlm"]:
-        return cls.load_from_checkpoint(path, map_location=map_location, **_backbone_kwargs(ckpt))
+        trusted = trust_pickle or is_trusted(path)
+        with torch.serialization.safe_globals(allowed_globals()):
+            return cls.load_from_checkpoint(
+                path, map_location=map_location, weights_only=not trusted, **_backbone_kwargs(ckpt)
+            )
     from lightning.pytorch.core.saving import _load_state  # what load_from_checkpoint runs once the dict is read
 
     return _load_state(cls, ckpt, strict=True, **_backbone_kwargs(ckpt)).to(map_location)
@@ -243,7 +347,7 @@ def check_backbone_options(
         )
 
 
-def _read_sharded_meta(path: Path) -> dict:
+def _read_sharded_meta(path: Path, *, trust_pickle: bool = False) -> dict:
     meta_file = path / SHARDED_META
     if not meta_file.is_file():
         raise ValueError(
@@ -251,7 +355,9 @@ def _read_sharded_meta(path: Path) -> dict:
             "checkpoint)"
         )
     try:
-        meta = torch.load(meta_file, map_location="cpu", weights_only=False)
+        meta = load_torch_file(meta_file, trust_pickle=trust_pickle, mmap=False)
+    except UntrustedCheckpointError:
+        raise
     except Exception as err:  # noqa: BLE001 - any unpickling failure means the same thing here
         raise ValueError(f"{meta_file} is not readable ({type(err).__name__}: {err})") from err
     if not isinstance(meta, dict) or "flowlm" not in meta:
@@ -259,17 +365,77 @@ def _read_sharded_meta(path: Path) -> dict:
     return meta
 
 
-def read_shard_index(path: Path):
-    """The torch.distributed.checkpoint index (.metadata) of a sharded folder; ValueError when unreadable."""
-    from torch.distributed.checkpoint import FileSystemReader
-
+def read_shard_index(path: Path, *, trust_pickle: bool = False):
+    """The torch.distributed.checkpoint index (.metadata) of a sharded folder, unpickled as ``shard_reader`` does;
+    ValueError when unreadable, ``UntrustedCheckpointError`` when it holds more than an index."""
     try:
-        return FileSystemReader(path).read_metadata()
+        return shard_reader(path, trust_pickle=trust_pickle).read_metadata()
+    except UntrustedCheckpointError:
+        raise
     except Exception as err:  # noqa: BLE001 - a missing or truncated index fails in many ways
         raise ValueError(
             f"{path} is an incomplete sharded checkpoint: its shard index (.metadata) is unreadable "
             f"({type(err).__name__}: {err})"
         ) from err
+
+
+# What a torch.distributed.checkpoint index (.metadata) pickles: torch unpickles it in full, this suite only these.
+SHARD_INDEX_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},  # and every dtype
+    "pathlib": {"PosixPath", "PurePosixPath"},
+}
+
+
+class _ShardIndexUnpickler(pickle.Unpickler):
+    """Unpickles ``SHARD_INDEX_GLOBALS`` and torch dtypes; any other global is an ``UntrustedCheckpointError``."""
+
+    def __init__(self, file, *, path: Path, folder: Path) -> None:
+        super().__init__(file)
+        self.path, self.folder = path, folder
+
+    def find_class(self, module: str, name: str):  # noqa: D102
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if dtype or name in SHARD_INDEX_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise UntrustedCheckpointError(
+            f"{self.path} holds pickled objects beyond a shard index ({module}.{name}): unpickling it could run code "
+            f"from the file, so it is not loaded. If you trust where it came from, load it with trust_pickle=True "
+            f"or name it in {TRUST_ENV}={self.folder.resolve()}"
+        )
+
+
+def shard_reader(path: str | os.PathLike, *, trust_pickle: bool = False):
+    """A ``FileSystemReader`` of a sharded folder whose index is unpickled with ``SHARD_INDEX_GLOBALS`` only (torch's
+    own unpickles anything). ``trust_pickle`` (or the folder in ``FLOWLM_TRUST_PICKLE``): torch's reader."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    if trust_pickle or is_trusted(path):
+        return FileSystemReader(path)
+
+    class IndexReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            index = Path(self._get_metadata_path(kwargs.get("rank")))
+            with open(index, "rb") as f:
+                metadata = _ShardIndexUnpickler(f, path=index, folder=Path(path)).load()
+            if getattr(metadata, "storage_meta", None) is None:  # as torch's reader
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return IndexReader(path)
 
 
 def import_class(path: str) -> type:

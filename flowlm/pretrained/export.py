@@ -10,6 +10,10 @@ tokenizer's files when the run had a tokenizer.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from torch import Tensor
@@ -19,6 +23,7 @@ VERSION = 1
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 CARD = "README.md"
+PARTIAL = ".flowlm-export-partial"  # the folder an export is written into before it is moved into place
 
 
 def is_export(path: Path) -> bool:
@@ -32,21 +37,59 @@ def is_export(path: Path) -> bool:
         return False
 
 
-def write_export(folder: Path, *, state: dict[str, Tensor], config: dict, card: str) -> None:
-    """Write config.json (with the format mark), model.safetensors (contiguous copies of ``state``) and README.md
-    into ``folder`` (created; it must not hold files yet). ValueError for a config that is not JSON."""
+def check_target(folder: Path) -> None:
+    """ValueError unless ``folder`` is new, or an empty folder but for the leftovers of an interrupted export; the
+    message names what it holds (hidden files too)."""
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise ValueError(f"export folder {folder} is a file: give a new or empty folder")
+    held = sorted(p.name for p in folder.iterdir() if not p.name.startswith(PARTIAL))
+    if held:
+        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+        raise ValueError(f"export folder {folder} is not empty ({shown}): give a new or empty folder")
+
+
+def write_export(
+    folder: Path, *, state: dict[str, Tensor], config: dict, card: str, files: Callable[[Path], None] | None = None
+) -> None:
+    """Write config.json (with the format mark), model.safetensors (contiguous copies of ``state``), README.md and
+    what ``files`` writes into a folder it is given (the tokenizer's) into ``folder`` (created; empty but for the
+    leftovers of an interrupted export, which are removed). ValueError for a config that is not JSON.
+
+    Everything is written into a hidden ``.flowlm-export-partial-*`` folder inside ``folder`` and moved up when
+    complete, config.json last: an interrupted export leaves no file that makes ``folder`` an export or non-empty.
+    Every file gets the mode a new file gets here (safetensors writes 0600)."""
     from safetensors.torch import save_file
 
-    folder.mkdir(parents=True, exist_ok=True)
-    if any(folder.iterdir()):
-        raise ValueError(f"export folder {folder} is not empty: give a new or empty folder")
     try:
         text = json.dumps({MARK: VERSION, **config}, indent=2, sort_keys=False, allow_nan=False)
     except (TypeError, ValueError) as err:
         raise ValueError(f"the checkpoint's config is not JSON ({err}): it cannot be exported as is") from err
-    save_file({name: t.detach().cpu().contiguous() for name, t in state.items()}, str(folder / WEIGHTS))
-    (folder / CONFIG).write_text(text + "\n")
-    (folder / CARD).write_text(card)
+    check_target(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for leftover in folder.glob(f"{PARTIAL}*"):
+        if leftover.is_dir():
+            shutil.rmtree(leftover)
+        else:
+            leftover.unlink()
+    staging = folder / f"{PARTIAL}-{os.getpid()}"
+    staging.mkdir()
+    try:
+        (staging / CARD).write_text(card)
+        save_file({name: t.detach().cpu().contiguous() for name, t in state.items()}, str(staging / WEIGHTS))
+        (staging / CONFIG).write_text(text + "\n")
+        if files is not None:
+            files(staging)
+        mode = stat.S_IMODE((staging / CARD).stat().st_mode)
+        for path in sorted(staging.iterdir(), key=lambda p: p.name == CONFIG):  # config.json last
+            if path.is_file():
+                path.chmod(mode)
+            os.replace(path, folder / path.name)
+        staging.rmdir()
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def read_export(folder: Path) -> tuple[dict, dict[str, Tensor]]:
@@ -58,4 +101,10 @@ def read_export(folder: Path) -> tuple[dict, dict[str, Tensor]]:
         raise ValueError(f"{folder} is a flowlm export of version {config.get(MARK)}, this suite reads {VERSION}")
     if not (folder / WEIGHTS).is_file():
         raise ValueError(f"{folder} is a flowlm export without its {WEIGHTS}")
-    return config, load_file(str(folder / WEIGHTS))
+    try:
+        return config, load_file(str(folder / WEIGHTS))
+    except Exception as err:  # noqa: BLE001 - safetensors reports a cut file in several ways
+        raise ValueError(
+            f"{folder} is a corrupt flowlm export: its {WEIGHTS} is unreadable ({type(err).__name__}: {err}); a "
+            "truncated copy: copy or export it again"
+        ) from err
