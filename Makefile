@@ -34,4 +34,4 @@ mlflow-server: venv
 	MLFLOW=$(VENV)/bin/mlflow bash scripts/mlflow_server.sh
 
 lint: venv
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/lint-imports

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from analysis.calibration import roc_curve  # noqa: E402
+from flowlm.metrics.calibration import roc_curve  # noqa: E402
 
 MARKERS = "osD^vP*X<>"
 LABELS = {

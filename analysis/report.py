@@ -28,7 +28,7 @@ from analysis.tables import (
     to_html,
     to_markdown,
 )
-from runners.experiment_kind import mark_model_training
+from flowlm.experiment_kind import mark_model_training
 
 REPORT_MD, REPORT_HTML = "report.md", "report.html"
 

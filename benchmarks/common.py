@@ -7,7 +7,7 @@ import time
 
 from hydra import compose, initialize_config_dir
 
-from runners.paths import CONF_DIR
+from flowlm.project import CONF_DIR
 from runners.train import train
 
 
@@ -222,7 +222,7 @@ def resolve_precision(args) -> None:
     only where the CPU has bf16 kernels; emulated bf16 would time the emulation, not the model)."""
     import torch
 
-    from runners.paths import cpu_precision
+    from runners.resolvers import cpu_precision
 
     if args.precision == "auto":
         args.precision = "bf16-mixed" if torch.device(args.device).type == "cuda" else cpu_precision()

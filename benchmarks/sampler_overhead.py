@@ -53,9 +53,9 @@ from common import (
     resolve_precision,
 )
 
-from flowlm.compiled import compiled_tails
+from flowlm.ops.compiled import compiled_tails
+from flowlm.project import CONF_DIR
 from runners.common import build
-from runners.paths import CONF_DIR
 
 FAMILY_METHOD = {"mdm": "mdm", "flow": "fmlm_plus", "mlfm": "mlfm"}
 # Samplers whose interface is being changed elsewhere (not measured; listed with the reason).
@@ -88,7 +88,7 @@ VARIANTS = [
 ]
 
 
-# With --compile-tails: the samplers whose passes over the logits have a compiled version (flowlm/compiled.py).
+# With --compile-tails: the samplers whose passes over the logits have a compiled version (flowlm/ops/compiled.py).
 COMPILED = ["confidence", "pr", "a_priori", "flow_map", "block"]
 COMPILED_VARIANTS = [("pr_dense_compiled", "pr", {}, {"summary": "dense", "compile": True})]
 

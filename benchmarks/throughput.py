@@ -50,7 +50,7 @@ METHODS = ("mdm", "fmlm_plus", "mlfm", "fmlm_plus_dense", "fmlm_plus_onehot", "f
 # (ε and x·E of size |V|), which ``state_space: auto`` replaces by h = x·E when |V| > d; fmlm_plus_compiled: the
 # loss's soft-capped log-softmax compiled (``method.compile_tails``; not in the default --methods: compiling takes
 # a while on a CPU); fmlm_plus_fused: the student's soft-capped CE from the head's input in blocks of rows, its
-# gradient made in the same pass (``method.fused_loss``, flowlm/objectives/fused_ce.py; not in the default --methods).
+# gradient made in the same pass (``method.fused_loss``, flowlm/ops/fused_ce.py; not in the default --methods).
 VARIANTS = {
     "fmlm_plus_dense": ("fmlm_plus", {"fused_loss": False}),
     "fmlm_plus_onehot": ("fmlm_plus", {"state_space": "onehot", "fused_loss": False}),

@@ -21,7 +21,8 @@ from lightning.pytorch.callbacks import Callback
 
 from callbacks.convergence import Convergence
 from callbacks.sampling_eval import SamplingEvaluation, confidence_kind
-from runners.paths import git_commit
+from flowlm.metrics.calibration import auroc
+from flowlm.project import git_commit
 
 # Model family of a LightningModule class, as the tables name it.
 METHODS = {"MDMModule": "MDM", "FMLMPlusModule": "FMLM+", "MLFMModule": "MLFM", "ARModule": "AR"}
@@ -129,8 +130,6 @@ def device_kind(device: torch.device) -> str:
 
 def calibration_columns(confidence: np.ndarray, correct: np.ndarray) -> dict:
     """AUROC of confidence for right vs wrong tokens, % wrong and the token count (blank without tokens)."""
-    from analysis.calibration import auroc  # numpy only; a lazy import keeps the report's plotting out of training
-
     if len(confidence) == 0:
         return {"auroc": "", "wrong_pct": "", "calibration_tokens": 0}
     value = auroc(confidence, correct)

@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import MeanMetric, Metric
 
-from flowlm.compiled import compiled_tails
+from flowlm.ops.compiled import compiled_tails
 from flowlm.samplers.base import CONFIDENCE_KINDS, Sampler
 from lightning_modules.sharding import full_parameters, unsharded_replica
 
@@ -49,8 +49,8 @@ class SamplingEvaluation(Callback):
     A task metric with ``artifact_rows()`` (per-sample texts, GSM8K answers) has its rows logged as JSONL,
     ``eval/step<step>/<sampler>_nfe<budget>.jsonl``: rank 0's rows (strings are not gathered across ranks).
 
-    ``compile_tails``: run the samplers' passes over the logits compiled (``flowlm.compiled``; seconds of compilation
-    once per process, then one fused pass each: worth it at text vocabularies).
+    ``compile_tails``: run the samplers' passes over the logits compiled (``flowlm.ops.compiled``; seconds of
+    compilation once per process, then one fused pass each: worth it at text vocabularies).
 
     ``every_n_steps``: during fit, sample only at validations whose step is a multiple of it (the validation loss is
     still computed at every validation); null samples at every one. The final weights are always
@@ -96,7 +96,7 @@ class SamplingEvaluation(Callback):
         self.max_batches = max_batches
         self.seed = seed
         self.num_logged_samples = num_logged_samples
-        self.compile_tails = compile_tails  # torch.compile the passes over the logits (flowlm/compiled.py)
+        self.compile_tails = compile_tails  # torch.compile the passes over the logits (flowlm/ops/compiled.py)
         if calibration_tokens < 0:
             raise ValueError(f"calibration_tokens must be ≥ 0, got {calibration_tokens}")
         self.calibration_tokens = calibration_tokens

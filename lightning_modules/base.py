@@ -14,9 +14,9 @@ from torch import Tensor, nn
 from flowlm.backbones.adapters import MLFMAdapter
 from flowlm.backbones.dit import RELEASED_OPTIONS, build_dit
 from flowlm.backbones.llama import BidirectionalLM, LlamaFlowNet, LlamaMLFMAdapter
+from flowlm.project import git_commit
 from lightning_modules.checkpoints import copy_backbone
 from lightning_modules.sharding import checkpoint_activations, compile_blocks, shard
-from runners.paths import git_commit
 
 # The commit of the code this process runs, read once (two git calls) and recorded in every checkpoint it writes.
 code_commit = functools.cache(git_commit)

@@ -28,10 +28,11 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from flowlm.compiled import compiled_tails, tails_enabled
 from flowlm.objectives.base import LossOutput
 from flowlm.objectives.flow import SOFT_CAP, log_delta, log_delta_
 from flowlm.objectives.fmlm_plus import MDM_TEACHER_TIMES, context_set, fmlm_plus_loss
+from flowlm.ops.compiled import compiled_tails, tails_enabled
+from flowlm.ops.summary import head_expectation
 from flowlm.processes.gaussian_flow import (
     DIAGONAL,
     KIND_NAMES,
@@ -44,7 +45,6 @@ from flowlm.processes.gaussian_flow import (
     choose_space,
 )
 from flowlm.samplers.base import FlowDenoiser
-from flowlm.samplers.summary import head_expectation
 from lightning_modules.base import BackboneKind, FlowLMModule, backbone_kind
 from lightning_modules.checkpoints import (
     check_backbone_options,
@@ -105,7 +105,7 @@ class FMLMPlusModule(FlowLMModule):
         self.compile_tails = compile_tails  # the loss's soft-capped log-softmax compiled (forward and backward)
         if fused_loss not in FUSED_LOSSES:
             raise ValueError(f"fused_loss must be one of {FUSED_LOSSES}, got {fused_loss!r}")
-        self.fused_loss = fused_loss  # the student's loss from the head's input (flowlm/objectives/fused_ce.py)
+        self.fused_loss = fused_loss  # the student's loss from the head's input (flowlm/ops/fused_ce.py)
         self.process = GaussianFlowProcess(vocab_size=data_vocab_size)
         # the DiT, or a LLaMA-family MDM in LlamaFlowNet with the ``adapter`` options (refused on a DiT)
         self.net = self.build_backbone(data_vocab_size, two_times=True, adapter=adapter)
@@ -125,7 +125,7 @@ class FMLMPlusModule(FlowLMModule):
         logits = self.net.forward_embeddings(x, s, t, pinned=pinned) if embedded else self.net(x, s, t, pinned=pinned)
         if self.mask_id < self.data_vocab_size:  # [MASK] inside the vocabulary: logit −∞, capped to −cap
             logits = logits.index_fill(-1, torch.tensor([self.mask_id], device=logits.device), -torch.inf)
-        if torch.is_grad_enabled() or tails_enabled():  # compiled: one fused pass (flowlm/compiled.py)
+        if torch.is_grad_enabled() or tails_enabled():  # compiled: one fused pass (flowlm/ops/compiled.py)
             return log_delta(logits)
         return log_delta_(logits)  # in place without autograd
 
@@ -153,7 +153,7 @@ class FMLMPlusModule(FlowLMModule):
         self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor | None = None, *, embedded: bool = False
     ) -> tuple[Tensor, Tensor]:
         """(max_v log δ_{s,t}(x), argmax_v) per position (B, L), ``forward``'s inputs: the output head and its soft
-        cap in vocabulary chunks, never a (B, L, |V|) log δ (flowlm/samplers/summary.py). The argmax is that of
+        cap in vocabulary chunks, never a (B, L, |V|) log δ (flowlm/ops/summary.py). The argmax is that of
         the logits (the cap is monotone), the first index on a tie."""
         log_max, argmax, _ = self._head_pass(x, s, t, pinned, embedded=embedded, mean=False)
         return log_max, argmax
@@ -296,7 +296,9 @@ class FMLMPlusModule(FlowLMModule):
         head = self.fused_head()
         if head is not None:
             student = functools.partial(self.head_input, embedded=process.embedded)
-        with compiled_tails() if self.compile_tails else contextlib.nullcontext():  # log δ fused (flowlm/compiled.py)
+        with (
+            compiled_tails() if self.compile_tails else contextlib.nullcontext()
+        ):  # log δ fused (flowlm/ops/compiled.py)
             return fmlm_plus_loss(
                 student,
                 tokens,

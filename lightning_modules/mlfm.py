@@ -21,9 +21,9 @@ from torch import Tensor, nn
 
 from flowlm.objectives.base import LossOutput
 from flowlm.objectives.mlfm import mlfm_loss
+from flowlm.ops.summary import head_expectation
 from flowlm.processes.bridge import BridgeProcess
 from flowlm.samplers.mlfm import BridgeDenoiser
-from flowlm.samplers.summary import head_expectation
 from lightning_modules.base import FlowLMModule, drop_mask_logit
 from lightning_modules.checkpoints import check_backbone_options, check_family, copy_backbone, read_checkpoint
 
@@ -99,7 +99,7 @@ class MLFMModule(FlowLMModule):
 
     def posterior(self, z: Tensor, t: Tensor, *, mean: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
         """(log max_v p, argmax_v, x̂₁ = p·E or None) over the data vocabulary, p = softmax of ``forward``'s data
-        logits, from the head's vocabulary chunks (flowlm/samplers/summary.py): no (B, L, |V|) tensor; x̂₁ is the
+        logits, from the head's vocabulary chunks (flowlm/ops/summary.py): no (B, L, |V|) tensor; x̂₁ is the
         one (B·L) × |V| × d product a bridge step needs by its definition."""
         features, weight, bias, low_rank = self.net.head_parts(z, self.process.condition(t), torch.zeros_like(t))
         v = self.data_vocab_size  # the head's rows [0, |V|), as drop_mask_logit: a DiT's [MASK] row |V| dropped,

@@ -1,5 +1,5 @@
 """Helpers shared by the console scripts: run folders (lock, identity, resume checks), config checks, building
-components. The project and config folders are in runners/paths.py, a run's MLflow record in runners/mlflow_run.py."""
+components. The project and config folders are in flowlm/project.py, a run's MLflow record in runners/mlflow_run.py."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import fcntl
 import json
 import logging
 import os
+import re
+import signal
 import socket
 import sys
 import time
@@ -40,6 +42,56 @@ VOLATILE_DATA_KEYS = (
 def is_rank_zero() -> bool:
     """True in the process that owns the run folder and the tracking run (rank 0 of a DDP job)."""
     return rank_zero_only.rank == 0
+
+
+# One folder name of a run's path (``name``, each ``/``-separated part of ``run_name``): word characters and
+# ``. - + = , @``, starting with a word character: no ``..`` or ``/`` to leave or nest the runs folder, no hidden name.
+RUN_NAME_PART = re.compile(r"\w[\w.+=,@-]*")
+RUN_NAME_RULE = "letters, digits and _ . - + = , @, starting with a letter, digit or _ (no '/', '..' or hidden name)"
+
+
+def check_run_name(cfg: DictConfig) -> None:
+    """Refuse, before the run writes anything, a ``name`` that is not one folder name, or a ``run_name`` with a part
+    that is not (``runs/<name>/<run_name>``: ``name=../escape`` put the run outside the runs folder, ``name=a/b``
+    nested it, ``name=.hidden`` hid it). ``run_name`` may hold several parts (``cpu/seed0``, a sweep's trials)."""
+    parts = [("name", str(cfg.name))] + [("run_name", part) for part in str(cfg.run_name).split("/")]
+    for key, part in parts:
+        if not RUN_NAME_PART.fullmatch(part):
+            what = "name" if key == "name" else f"run_name's part {part!r}"
+            raise ValueError(
+                f"{key}={cfg[key]!r} is refused: {what} must be one folder name under the runs folder, made of "
+                f"{RUN_NAME_RULE}"
+            )
+
+
+def check_budgets(eval_cfg: DictConfig) -> None:
+    """Refuse, before anything is built, an ``eval.nfe`` that is not a list of integers ≥ 1 (``eval.nfe=[1.5]`` ran
+    as 1, ``eval.nfe=abc`` failed as "invalid literal for int()"). Each sampler's ``check_budget`` refuses a budget
+    above its cap once the data's length is known (flowlm/samplers/base.py, ``BUDGET_PER_POSITION``)."""
+    nfe = eval_cfg.get("nfe")
+    budgets = OmegaConf.to_container(nfe, resolve=True) if OmegaConf.is_config(nfe) else nfe
+    if not isinstance(budgets, list) or not budgets:
+        raise ValueError(f"eval.nfe must be a list of NFE budgets, such as eval.nfe=[4,16]; got {budgets!r}")
+    for budget in budgets:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(
+                f"eval.nfe holds {budget!r}, which is not an NFE budget: each must be an integer ≥ 1 (network "
+                "evaluations per sample)"
+            )
+
+
+SIGTERM_STATUS = 128 + signal.SIGTERM  # the shell's status of a process ended by SIGTERM (143)
+
+
+def exit_on_sigterm(err: BaseException, stopped: str) -> None:
+    """Raise ``SystemExit(143)`` for Lightning's ``SIGTERMException`` (what a run stopped by SIGTERM raises: a bare
+    ``SystemExit``, so the process exited 0 and ``flowlm-train ... && next`` went on after a preempted run); log
+    ``stopped``, what was stopped and how to go on. Any other error is left to the caller to re-raise."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    if isinstance(err, SIGTERMException):
+        log.error("stopped by SIGTERM: %s; exit status %d", stopped, SIGTERM_STATUS)
+        raise SystemExit(SIGTERM_STATUS) from err
 
 
 def resolve_paths(cfg: DictConfig) -> None:

@@ -10,8 +10,8 @@ from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
 from analysis.report import Report
+from flowlm.project import CONF_DIR
 from runners.common import is_rank_zero, pivot_table
-from runners.paths import CONF_DIR
 from runners.report import report
 from runners.train import train
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import hydra
 import lightning as L
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -9,18 +11,38 @@ from omegaconf.errors import ConfigKeyError
 
 from callbacks.progress import progress_callbacks
 from callbacks.sampling_eval import SamplingEvaluation
-from lightning_modules.checkpoints import import_class, load_module, read_checkpoint_meta
+from flowlm.pretrained.export import CONFIG as EXPORT_CONFIG
+from flowlm.pretrained.export import is_export
+from flowlm.pretrained.hub import resolve_source
+from flowlm.project import CONF_DIR
+from lightning_modules.checkpoints import (
+    _read_sharded_meta,
+    import_class,
+    is_sharded_checkpoint,
+    load_module,
+    read_checkpoint,
+    read_checkpoint_meta,
+)
 from lightning_modules.vocabulary import check_data_tokens
-from runners.common import build, check_arguments, pivot_table, resolve_paths
+from runners.common import (
+    build,
+    check_arguments,
+    check_budgets,
+    check_run_name,
+    exit_on_sigterm,
+    pivot_table,
+    resolve_paths,
+)
 from runners.mlflow_run import make_logger, record_error
-from runners.paths import CONF_DIR
-from sweeps.objectives import check_objectives
-from sweeps.trial import run_trial
+from runners.objectives import check_objectives
+from runners.trial import run_trial
 
 
 def evaluate(cfg: DictConfig) -> dict:
     """Check the checkpoint against the data and samplers (before compute), then run every sampler × budget."""
     resolve_paths(cfg)
+    check_run_name(cfg)
+    check_budgets(cfg.eval)
     meta = read_checkpoint_meta(cfg.ckpt_path)
     cls = import_class(meta["class_path"])
     evaluation: SamplingEvaluation = build(cfg.eval)
@@ -47,6 +69,7 @@ def evaluate(cfg: DictConfig) -> dict:
     check_arguments(cfg.trainer, "trainer")
     progress = progress_callbacks(cfg.trainer.get("enable_progress_bar", True), cfg.get("progress_every_s", 30))
     trainer: L.Trainer = build(cfg.trainer, callbacks=[evaluation, *progress], logger=False)
+    start_at_step(trainer, checkpoint_step(cfg.ckpt_path))
     logger = make_logger(cfg, None)  # the MLflow run is made once everything is built
     if logger is not None:
         trainer.loggers = [logger]
@@ -62,8 +85,35 @@ def evaluate(cfg: DictConfig) -> dict:
     except BaseException as err:
         if logger is not None and trainer.is_global_zero:
             record_error(logger, err)  # FAILED with its error (the run is new: no earlier error to clear)
+        exit_on_sigterm(err, f"the evaluation of {cfg.ckpt_path}; its results are incomplete")
         raise
     return {"rows": rows, "metric": evaluation.primary, "mlflow_run_id": getattr(logger, "run_id", None)}
+
+
+def checkpoint_step(path: str) -> int:
+    """The optimizer step a checkpoint was saved at: the ``global_step`` of a file (read as every checkpoint is,
+    memory-mapped), of a sharded folder's ``meta.pt`` or of an export's ``config.json``; 0 for a foreign model."""
+    local = resolve_source(path)
+    if is_sharded_checkpoint(local):
+        record = _read_sharded_meta(local)
+    elif local.is_file():
+        record = read_checkpoint(local)
+    elif is_export(local):
+        record = json.loads((local / EXPORT_CONFIG).read_text())
+    else:
+        return 0
+    step = record.get("global_step")
+    return step if isinstance(step, int) else 0
+
+
+def start_at_step(trainer: L.Trainer, step: int) -> None:
+    """Set a new Trainer's step counters to ``step`` before ``validate``: ``trainer.global_step`` (the progress
+    line, the evaluation's rows and artifact folders) and the step metrics are logged at. ``validate`` restores no
+    loop state, so a fresh Trainer evaluated a step-30 checkpoint "at step 0"."""
+    loop = trainer.fit_loop.epoch_loop
+    loop.automatic_optimization.optim_progress.optimizer.step.total.completed = step
+    loop.manual_optimization.optim_step_progress.total.completed = step
+    loop._batches_that_stepped = step  # the loggers' step outside fit
 
 
 def eval_data_config(cfg: DictConfig, meta: dict) -> DictConfig:

@@ -1,6 +1,6 @@
 """A run's record in MLflow, built in one place: the logger a training or evaluation run gets (``make_logger``),
 the tags and params the run carries (``run_tags``, ``run_params``; a sweep trial's own in ``trial_tags``,
-``trial_params``), and the error it ended with (``record_error``). sweeps/trial.py records a failed trial from the
+``trial_params``), and the error it ended with (``record_error``). runners/trial.py records a failed trial from the
 same builders.
 
 Tags of every run: ``mlflow.source.git.commit``, ``flowlm.name``, ``flowlm.run_dir`` (a training run), and
@@ -25,11 +25,11 @@ from pathlib import Path
 from lightning.pytorch.loggers import MLFlowLogger
 from omegaconf import DictConfig, OmegaConf
 
+from flowlm.experiment_kind import mark_model_training
+from flowlm.project import git_commit
 from runners.common import SUPERSEDED, is_rank_zero
-from runners.experiment_kind import mark_model_training
-from runners.paths import git_commit
+from runners.objectives import objective_keys
 from runners.tracking import ResilientMLFlowLogger, TrackingUnavailable
-from sweeps.objectives import objective_keys
 
 log = logging.getLogger(__name__)
 ERROR_TAG = "flowlm.error"  # the error a failed run ended with (also set on failed sweep trials)
@@ -158,7 +158,7 @@ def _describe_error(err: BaseException) -> str:
 
 def end_with_error(client, run_id: str, err: BaseException) -> None:
     """End the MLflow run FAILED (KILLED for an interrupt) with ``err`` in the tag ``flowlm.error`` (type and
-    message, truncated): a failed training run (``record_error``) or sweep trial (sweeps/trial.py)."""
+    message, truncated): a failed training run (``record_error``) or sweep trial (runners/trial.py)."""
     client.set_tag(run_id, ERROR_TAG, _describe_error(err)[:MAX_VALUE])
     client.set_terminated(run_id, "FAILED" if isinstance(err, Exception) else "KILLED")
 

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from analysis.report import Report, build_report, log_report
 from analysis.sudoku_tables import build_sudoku_report
-from runners.paths import CONF_DIR
+from flowlm.project import CONF_DIR
 
 
 def report(cfg: DictConfig) -> tuple[Report, str | None]:

@@ -16,25 +16,30 @@ from callbacks.checkpoint import check_folder
 from callbacks.convergence import Convergence
 from callbacks.progress import progress_callbacks
 from callbacks.sampling_eval import SamplingEvaluation
+from flowlm.project import CONF_DIR
 from lightning_modules.vocabulary import check_data_tokens
 from runners.common import (
     build,
     check_arguments,
+    check_budgets,
     check_run_dir,
+    check_run_name,
+    exit_on_sigterm,
     is_rank_zero,
     pivot_table,
     resolve_paths,
     write_run_config,
 )
 from runners.mlflow_run import make_logger, record_error
-from runners.paths import CONF_DIR
-from sweeps.objectives import check_objectives
-from sweeps.trial import run_trial
+from runners.objectives import check_objectives
+from runners.trial import run_trial
 
 
 def train(cfg: DictConfig) -> dict:
     """Build data, model, evaluation and trainer from ``cfg``; fit (or resume); evaluate; return the results."""
     resolve_paths(cfg)
+    check_run_name(cfg)
+    check_budgets(cfg.eval)
     run_dir = Path(cfg.paths.run_dir)
     # Every check that can fail runs before any compute and before anything is written: the run folder, its
     # run_config.yaml and the MLflow run are made only once data, model, evaluation and trainer are built.
@@ -76,6 +81,8 @@ def train(cfg: DictConfig) -> dict:
     except BaseException as err:
         if logger is not None and is_rank_zero():
             record_error(logger, err)  # FAILED with its error, wherever it failed (Lightning marks only fit's)
+        where = f"{run_dir} at step {trainer.global_step}"
+        exit_on_sigterm(err, f"{where}; the same command resumes it from its last checkpoint (afresh without one)")
         raise
     if logger is not None and is_rank_zero():
         record_error(logger, None)  # a relaunch that succeeded: the earlier launch's error no longer applies

@@ -167,7 +167,7 @@ def compose_config(config_name: str = "train", overrides: list[str] | None = Non
     """Compose a config from conf/ exactly as the console scripts would."""
     from hydra import compose, initialize_config_dir
 
-    from runners.paths import CONF_DIR
+    from flowlm.project import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose(config_name=config_name, overrides=overrides or [])

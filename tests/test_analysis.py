@@ -13,9 +13,9 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from analysis import NoRunsError, build_report, eval_table, load_runs, log_report, long_metrics
-from analysis.calibration import auroc, roc_curve
 from analysis.tables import fmt
 from callbacks.sampling_eval import CalibrationBuffer, save_calibration
+from flowlm.metrics.calibration import auroc, roc_curve
 from flowlm.samplers import AncestralSampler, ConfidenceSampler, PosteriorRefinementSampler
 
 UNCOND, COND, SWEEP = "sudoku_uncond_6x6", "sudoku_hard_6x6", "pr_sweep"
@@ -206,7 +206,7 @@ def test_report_is_logged_back_to_mlflow(store, report, tmp_path):
     client = MlflowClient(tracking_uri=store["uri"])
     run = client.get_run(run_id)
     assert run.data.tags["flowlm.kind"] == "report"
-    # the reports experiment is a model-training one for MLflow's UI (runners/experiment_kind.py)
+    # the reports experiment is a model-training one for MLflow's UI (flowlm/experiment_kind.py)
     assert client.get_experiment_by_name("reports").tags["mlflow.experimentKind"] == "custom_model_development"
     assert run.data.tags["flowlm.report.experiments"] == ",".join(sorted([COND, SWEEP, UNCOND]))
     files = {f.path for f in client.list_artifacts(run_id, "report")}
@@ -263,8 +263,8 @@ def test_cli_config_builds_and_logs_the_report(store, tmp_path):
 def test_demo_ends_with_the_report_of_its_experiments(store, tmp_path):
     from hydra import compose, initialize_config_dir
 
+    from flowlm.project import CONF_DIR
     from runners.demo import demo_report
-    from runners.paths import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         run_cfgs = [

@@ -1,11 +1,11 @@
-"""Compiled logit passes (``flowlm.compiled``): off by default, on inside ``compiled_tails()``, the same samples."""
+"""Compiled logit passes (``flowlm.ops.compiled``): off by default, on inside ``compiled_tails()``, the same samples."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flowlm.compiled import compilable, compiled_tails, tails_enabled
+from flowlm.ops.compiled import compilable, compiled_tails, tails_enabled
 from flowlm.samplers import ConfidenceSampler, MaskedDenoiser, PosteriorRefinementSampler
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import compose_config
 
-from runners.paths import cpu_precision
+from runners.resolvers import cpu_precision
 
 
 @pytest.mark.parametrize(("native", "expected"), [(True, "bf16-mixed"), (False, "32-true")])

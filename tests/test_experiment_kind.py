@@ -1,5 +1,5 @@
 """The suite's MLflow experiments carry the experiment kind MLflow 3's UI reads (``mlflow.experimentKind`` =
-``custom_model_development``, see runners/experiment_kind.py), wherever the suite creates one; a kind a user set is
+``custom_model_development``, see flowlm/experiment_kind.py), wherever the suite creates one; a kind a user set is
 kept."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
+from flowlm.experiment_kind import EXPERIMENT_KIND_TAG, MODEL_TRAINING, mark_model_training
 from runners.common import resolve_paths
-from runners.experiment_kind import EXPERIMENT_KIND_TAG, MODEL_TRAINING, mark_model_training
 from runners.mlflow_run import make_logger
-from sweeps.trial import record_failure
+from runners.trial import record_failure
 from tests.conftest import compose_config
 
 EXPERIMENT = ["experiment=sudoku_mdm_uncond", "scale=cpu"]

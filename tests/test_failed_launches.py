@@ -20,7 +20,8 @@ from lightning_modules.mdm import MDMModule
 from runners.common import RUN_CONFIG
 from runners.evaluate import evaluate
 from runners.train import train
-from sweeps.trial import FAILURES_ENV, SweepCallback, _note_failure
+from runners.trial import FAILURES_ENV, _note_failure
+from sweeps.multirun import SweepCallback
 
 RUN = ["experiment=sudoku_mdm_uncond", "scale=cpu", *FAST]
 TEXT = [

@@ -13,8 +13,8 @@ from conftest import FAST, compose_config, isolate_runs
 
 from flowlm.backbones.llama import BidirectionalLM, LlamaFlowNet, shift_logits
 from flowlm.objectives.flow import log_delta
+from flowlm.ops.summary import dense_summary
 from flowlm.processes.gaussian_flow import EmbeddingSpace, OneHotSpace
-from flowlm.samplers.summary import dense_summary
 from lightning_modules.checkpoints import load_module, read_checkpoint
 from lightning_modules.fmlm_plus import FMLMPlusModule
 from lightning_modules.mdm import MDMModule

@@ -1,4 +1,4 @@
-"""The fused blocked soft-capped cross-entropy (flowlm/objectives/fused_ce.py) against the dense log δ path.
+"""The fused blocked soft-capped cross-entropy (flowlm/ops/fused_ce.py) against the dense log δ path.
 
 per_token = −Σ_v q_v log δ_v with log δ = log_delta(features·Wᵀ + b) (flowlm/objectives/flow.py), q one-hot by the
 tokens except on the soft rows, and loss = Σ w · per_token for token weights w that are zero on some tokens (the
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from flowlm.objectives.flow import SOFT_CAP, log_delta
-from flowlm.objectives.fused_ce import fused_capped_ce
+from flowlm.ops.fused_ce import fused_capped_ce
 
 B, L, D, V = 4, 6, 12, 53
 

@@ -1,4 +1,4 @@
-"""The greedy summary (flowlm/samplers/summary.py): per position the argmax and log p there, without a (B, L, |V|)
+"""The greedy summary (flowlm/ops/summary.py): per position the argmax and log p there, without a (B, L, |V|)
 log δ. Against the dense path it replaces: the same argmax (ties: the first index, as ``torch.argmax``) and the same
 log p to float rounding, at every chunk width, under float32 and bf16 autocast; the same tokens, commits, NFE and
 confidences from every flow sampler; no (B, L, |V|) tensor made."""
@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import flowlm.samplers.summary as summary_module
+import flowlm.ops.summary as summary_module
 from flowlm.objectives.flow import SOFT_CAP, log_delta
+from flowlm.ops.summary import BLOCK, capped_head_summary, chunked_max_log_prob, head_expectation, row_max
 from flowlm.samplers import PosteriorRefinementSampler
 from flowlm.samplers.mdm_confidence import fused_max_log_prob, max_log_prob
-from flowlm.samplers.summary import BLOCK, capped_head_summary, chunked_max_log_prob, head_expectation, row_max
 from lightning_modules.fmlm_plus import FMLMPlusModule
 from tests.test_state_spaces import SAMPLERS, flow_module
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hydra import compose, initialize_config_dir
 
-from runners.paths import CONF_DIR
+from flowlm.project import CONF_DIR
 
 
 def hydra_cfg(overrides: list[str]):

@@ -125,5 +125,34 @@ def test_core_imports_no_framework():
 def test_leaf_modules_import_nothing_of_the_suite():
     """The project folder, the git commit and the experiment kind sit in leaves that anything may import."""
     graph = import_graph()
-    for leaf in ("runners.paths", "runners.experiment_kind"):
+    for leaf in ("flowlm.project", "flowlm.experiment_kind"):
         assert graph[leaf] == set(), f"{leaf} imports {sorted(graph[leaf])}"
+
+
+def test_the_floors_contract_holds():
+    """import-linter's contracts in pyproject.toml (the README's floors): no import runs back up a floor, the
+    siblings on a floor do not import each other, and the report reads the core only."""
+    import subprocess
+    import sys
+
+    linter = Path(sys.executable).with_name("lint-imports")
+    proc = subprocess.run([str(linter), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "2 kept, 0 broken" in proc.stdout
+
+
+def test_the_floors_contract_sees_an_import_back_up(tmp_path):
+    """The check itself: the same contracts over a copy with one import from flowlm/ up into runners/ break."""
+    import shutil
+    import subprocess
+    import sys
+
+    for name in ("pyproject.toml", *(p for p in PACKAGES)):
+        src = ROOT / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
+    target = tmp_path / "flowlm" / "project.py"
+    target.write_text(target.read_text() + "\nimport runners.trial  # noqa\n")
+    linter = Path(sys.executable).with_name("lint-imports")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([str(linter), "--no-cache"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert proc.returncode != 0 and "flowlm.project -> runners.trial" in proc.stdout, proc.stdout[-3000:]

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import flowlm.samplers.summary as summary_module
+import flowlm.ops.summary as summary_module
 from flowlm.samplers import MLFMSampler
 from lightning_modules.mlfm import MLFMModule
 from tests.test_greedy_summary import LargestTensor
@@ -130,14 +130,18 @@ def test_mlfm_sampler_same_both_ways(name, options, nfe, wide, monkeypatch):
         largest.append(watch.most)
         states.append(seen)
     assert len(states[0]) == len(states[1]) == outs[0].nfe
-    # bf16: the dense path's q·E runs under autocast (bf16 rounding, ≈ 4e-3 relative), the chunks' p·E in float32
+    # bf16: the dense path's q·E runs under autocast (bf16 rounding, ≈ 4e-3 relative), the chunks' p·E in float32;
+    # that rounding may flip a near-tie between two tokens of a row (measured: row 0 of "rounds" at its 4th call),
+    # after which that row legitimately differs. In float32 every row agrees; in bf16 at most one of the three rows
+    # may flip, and every row that ends with the same tokens had the same states at every call.
     tol = {"atol": 3e-3, "rtol": 1e-2} if wide else {"atol": 1e-5, "rtol": 1e-4}
+    same = (outs[0].tokens == outs[1].tokens).all(-1)
+    assert bool(same.all()) if not wide else int(same.sum()) >= b - 1, same
     for got, want in zip(*states, strict=True):
-        assert torch.allclose(got, want, **tol), (got - want).abs().max()
-    assert torch.equal(outs[0].tokens, outs[1].tokens)
+        assert torch.allclose(got[same], want[same], **tol), (got - want)[same].abs().max()
     assert outs[0].nfe == outs[1].nfe
-    # bf16: the states' rounding difference moves the final posteriors by a few per cent (the tokens stay)
-    assert torch.allclose(outs[0].confidence, outs[1].confidence, **({"rtol": 0.1} if wide else tol))
+    # bf16: the states' rounding difference moves the final posteriors by a few per cent
+    assert torch.allclose(outs[0].confidence[same], outs[1].confidence[same], **({"rtol": 0.1} if wide else tol))
     assert largest[1] >= b * length * vocab  # the dense path reads whole posteriors
     if name in GREEDY and wide:
         assert largest[0] < b * length * vocab, largest

@@ -461,7 +461,7 @@ def test_backbone_configs_build_or_fail_offline_saying_how_to_provide_the_source
     from omegaconf import OmegaConf
 
     from flowlm.pretrained.dream import DREAM_7B
-    from runners.paths import CONF_DIR
+    from flowlm.project import CONF_DIR
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))

@@ -25,11 +25,11 @@ from flowlm.backbones.dit import build_dit
 from flowlm.pretrained.formats import PAD_LOGIT
 from flowlm.pretrained.hub import SourceUnavailableError, resolve_source
 from flowlm.pretrained.mdlm import mdlm_backbone, mdlm_parameter_count
+from flowlm.project import CONF_DIR
 from lightning_modules.checkpoints import check_backbone_options, load_module, read_checkpoint
 from lightning_modules.fmlm_plus import FMLMPlusModule
 from lightning_modules.mdm import MDMModule
 from lightning_modules.mlfm import MLFMModule
-from runners.paths import CONF_DIR
 
 DATA = 10  # data tokens; MDLM's [MASK] is row DATA (vocab_size = DATA + 1, as GPT-2's 50 257 + 1)
 VOCAB, D, HEADS, COND, BLOCKS, L = DATA + 1, 32, 4, 16, 2, 8

@@ -14,6 +14,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 
+from flowlm.project import PROJECT_DIR
 from runners.common import (
     LOCK_FILE,
     RUN_CONFIG,
@@ -25,7 +26,6 @@ from runners.common import (
     release_run_dir,
     write_run_config,
 )
-from runners.paths import PROJECT_DIR
 from tests.conftest import FAST, compose_config
 
 pytest_plugins = ["pytester"]
@@ -134,7 +134,7 @@ def test_two_runs_lock_independently_and_a_process_may_retake_its_own(runs_env, 
 def test_a_finished_task_releases_its_run_folder(runs_env, holder):
     """run_trial (each console script's task, one sweep trial) drops the lock when the task ends, so a launcher
     that runs trial after trial in one process holds none of the finished ones."""
-    from sweeps.trial import run_trial
+    from runners.trial import run_trial
 
     cfg = compose_config(overrides=RUN)
     run_dir = _run_dir(cfg)

@@ -10,9 +10,10 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from flowlm.pretrained.hub import parse_hub_name
+from flowlm.project import CONF_DIR
 from runners.common import RunExistsError
 from runners.evaluate import evaluate
-from runners.paths import CONF_DIR, cpu_precision
+from runners.resolvers import cpu_precision
 from runners.train import train
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))

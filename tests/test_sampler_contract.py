@@ -19,9 +19,9 @@ import torch
 from omegaconf import OmegaConf
 
 import flowlm.samplers
+from flowlm.project import CONF_DIR
 from flowlm.samplers import CONFIDENCE_KINDS, Sampler
 from runners.common import build
-from runners.paths import CONF_DIR
 from tests.conftest import random_ar_module
 
 V, L = 6, 12  # data vocabulary ([MASK] = V where the family has one) and sequence length

@@ -10,7 +10,7 @@ from conftest import FAST, compose_config
 from omegaconf import OmegaConf
 
 from analysis.tables import reference_numbers
-from runners.paths import CONF_DIR
+from flowlm.project import CONF_DIR
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
 SCALES = sorted(p.stem for p in (Path(CONF_DIR) / "scale").glob("*.yaml"))

@@ -22,7 +22,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from runners.paths import PROJECT_DIR
+from flowlm.project import PROJECT_DIR
 from tests.conftest import compose_config
 
 BIN = Path(sys.executable).parent
@@ -311,7 +311,7 @@ def test_slurm_requeue_is_left_on_for_lightning_and_submitit(monkeypatch, tmp_pa
     from lightning.fabric.plugins.environments import SLURMEnvironment
     from omegaconf import OmegaConf
 
-    from runners.paths import CONF_DIR
+    from flowlm.project import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("train", overrides=["experiment=sudoku_mdm_medium", "launcher=slurm"], return_hydra_config=True)

@@ -10,8 +10,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from test_sweeps import run_sweep
 
-from runners.paths import CONF_DIR
-from sweeps.trial import sudoku_table_nfe
+from flowlm.project import CONF_DIR
+from runners.resolvers import sudoku_table_nfe
 
 # debug=fast without its NFE list (the sweep's budgets are what the tiny sweep checks), spelled out
 FAST_KEEP_NFE = [

@@ -15,10 +15,10 @@ from conftest import FAST, isolate_runs
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from runners.paths import CONF_DIR
+from flowlm.project import CONF_DIR
+from runners.objectives import ObjectiveError, objective_values
 from runners.train import train
-from sweeps.objectives import ObjectiveError, objective_values
-from sweeps.trial import check_directions
+from runners.trial import check_directions
 
 QUIET = ["trainer.enable_progress_bar=false"]
 

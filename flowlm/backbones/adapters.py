@@ -93,7 +93,7 @@ class MLFMAdapter(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor | None, tuple[Tensor, Tensor] | None]:
         """``forward``'s logits as (features, W, b, low-rank part) with logits = features·Wᵀ + b + u·Bᵀ (the head's
         LoRA: u = scaling · A(features), B (|V|, r); None without one), for callers that apply the head in
-        vocabulary chunks (``flowlm.samplers.summary.head_expectation``). Eval mode only: LoRA dropout would make
+        vocabulary chunks (``flowlm.ops.summary.head_expectation``). Eval mode only: LoRA dropout would make
         the chunks disagree."""
         if self.training:
             raise RuntimeError("head_parts is for evaluation (LoRA dropout is active in training mode)")

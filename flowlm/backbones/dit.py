@@ -474,7 +474,7 @@ class DiT(nn.Module):
         pinned: Tensor | None = None,
     ) -> Tensor:
         """``forward_embeddings`` up to the output head's input (B, L, d): the logits are ``final.linear`` of it,
-        for callers that apply the head in vocabulary chunks (flowlm/samplers/summary.py)."""
+        for callers that apply the head in vocabulary chunks (flowlm/ops/summary.py)."""
         b, length, _ = h.shape
         c = self.condition(s, t, b, length, pinned)
         if extra is not None and len(extra) != len(self.blocks) + 1:

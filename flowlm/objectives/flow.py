@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flowlm.compiled import compilable
+from flowlm.ops.compiled import compilable
 
 SOFT_CAP = 30.0
 

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from flowlm.objectives.base import LossOutput
 from flowlm.objectives.flow import SOFT_CAP
-from flowlm.objectives.fused_ce import fused_capped_ce
+from flowlm.ops.fused_ce import fused_capped_ce
 from flowlm.processes.gaussian_flow import DIAGONAL, DISTILL, KIND_NAMES, GaussianFlowProcess
 
 # student(x (B, L, |V|), s (B,), t (B,), pinned (B, L)) → log δ_{s,t}(x) (B, L, |V|): per-sequence times, the
@@ -174,7 +174,7 @@ def fmlm_plus_loss(
     ``loss_mask`` (B, L) leaves tokens out of the loss (text PAD). With ``parts``, each kind's mean per-token loss
     (one host read; a kind whose rows score no token is left out). With ``head`` = (W (|V|, d), b) of the output
     Linear, the student returns the head's input features (B, L, d) instead of log δ, and the loss is the fused
-    cross-entropy of its soft-capped logits, its gradient made in the same pass (flowlm/objectives/fused_ce.py: no
+    cross-entropy of its soft-capped logits, its gradient made in the same pass (flowlm/ops/fused_ce.py: no
     (B, L, |V|) tensor; the same values to float rounding; per_token is then for logging, without a gradient); the
     ``teacher`` (required then) still returns log δ. ``every_pass``: the teacher passes run on every call, on row 0
     when no row needs them (a sharded network: ``soft_targets``).

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flowlm.ops.summary import dense_summary
 from flowlm.processes.gaussian_flow import EmbeddingSpace, OneHotSpace
-from flowlm.samplers.summary import dense_summary
 
 
 @dataclass
@@ -49,7 +49,7 @@ class FlowDenoiser:
     ``lift``), so they run unchanged in either.
 
     ``summary_fn(x, s, t, pinned)``, when the model has it, returns in the pinned form only (max_v log δ, argmax_v)
-    per position, without a (B, L, |V|) log δ (``flowlm.samplers.summary``); greedy drafts call ``summary_at``.
+    per position, without a (B, L, |V|) log δ (``flowlm.ops.summary``); greedy drafts call ``summary_at``.
     ``lift_fn(x, s, t, pinned)``, likewise, returns the denoiser's mean as a state, δ·E (B, L, d), in the embedding
     space only; flow-map sub-steps call ``lifted_at``.
     """
@@ -97,6 +97,13 @@ def _sequence_times(x: Tensor, s: float | Tensor, t: float | Tensor) -> tuple[Te
 
 
 CONFIDENCE_KINDS = ("a-priori", "a-posteriori")
+# The largest NFE budget a sampler takes, per position it generates (``Sampler.check_budget``, given the positions).
+# The MDM confidence and semi-AR samplers commit at least one token per step: above one NFE per position (two with
+# guidance) they give the same samples (semi-AR: with idle calls). The MDM ancestral, flow and MLFM samplers refine on
+# a grid with no natural end, where a budget far beyond the sequence only lengthens the loop (10⁸ NFE on a 36-cell
+# board ran 18 minutes): a cap, not a bound, for every family. 16 allows grids 11× finer than the configs' largest
+# budget per position (128 NFE on 89 positions: the MDM and MLFM budgets of conditional 9×9 Sudoku at scale=paper).
+BUDGET_PER_POSITION = 16
 
 
 class Sampler(ABC):
@@ -137,9 +144,16 @@ class Sampler(ABC):
 
     def check_budget(self, nfe: int, *, free_positions: int | None = None) -> None:
         """Raise a clear error, before any compute, if this sampler cannot honour an NFE budget (for sequences
-        with ``free_positions`` non-prompt tokens, when the sampler's cost depends on it)."""
+        with ``free_positions`` non-prompt tokens, when the sampler's cost depends on it), or, with
+        ``free_positions``, if the budget is above ``BUDGET_PER_POSITION`` NFE per position."""
         if not isinstance(nfe, int) or nfe < 1:
             raise ValueError(f"{type(self).__name__}: NFE budget must be an integer ≥ 1, got {nfe!r}")
+        cap = BUDGET_PER_POSITION * max(free_positions or 0, 1)
+        if free_positions is not None and nfe > cap:
+            raise ValueError(
+                f"{type(self).__name__}: NFE budget {nfe} is above the cap of {cap} for {free_positions} positions "
+                f"to generate ({BUDGET_PER_POSITION} NFE per position, docs/reliability.md); lower it (eval.nfe)"
+            )
 
 
 def check_temperature(temperature: float) -> float:

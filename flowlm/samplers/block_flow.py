@@ -30,7 +30,7 @@ class BlockFlowSampler(Sampler):
 
     def plan(self, nfe: int, free_positions: int) -> tuple[int, int]:
         """(blocks, steps per block) for a budget, or a clear error."""
-        super().check_budget(nfe)
+        super().check_budget(nfe, free_positions=free_positions)
         n_blocks = max(1, math.ceil(free_positions / self.block_size))
         steps = self.steps_per_block or nfe // n_blocks
         if steps < 1 or n_blocks * steps > nfe:

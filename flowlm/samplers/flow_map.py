@@ -66,7 +66,7 @@ class FlowMapSampler(Sampler):
         generator: torch.Generator | None = None,
     ) -> SampleOutput:
         """Sample with exactly ``nfe`` network calls."""
-        self.check_budget(nfe)
+        self.check_budget(nfe, free_positions=prompt.shape[-1])  # at most the sequence: no host read
         space = model.states
         clean, noise = space.data(prompt), space.noise(prompt.shape, generator, prompt.device)
         log_max, tokens = flow_jumps_summary(

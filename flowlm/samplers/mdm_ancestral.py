@@ -45,7 +45,7 @@ class AncestralSampler(Sampler):
         self.cfg_scale = check_cfg_scale(cfg_scale)
 
     def check_budget(self, nfe: int, *, free_positions: int | None = None) -> None:  # noqa: D102
-        super().check_budget(nfe)
+        super().check_budget(nfe, free_positions=free_positions)
         guided_steps(type(self).__name__, nfe, self.cfg_scale)
 
     def __call__(
@@ -58,7 +58,7 @@ class AncestralSampler(Sampler):
         generator: torch.Generator | None = None,
     ) -> SampleOutput:
         """Sample with at most ``nfe`` network evaluations."""
-        self.check_budget(nfe)
+        self.check_budget(nfe, free_positions=prompt.shape[-1])  # at most the sequence: no host read
         steps, cost = guided_steps(type(self).__name__, nfe, self.cfg_scale), evaluations_per_step(self.cfg_scale)
         model = guided_denoiser(model, prompt_mask, self.cfg_scale)
         x, confidence = masked_start(prompt, prompt_mask, model.mask_id)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flowlm.compiled import compilable, tails_enabled
+from flowlm.ops.compiled import compilable, tails_enabled
+from flowlm.ops.summary import chunked_max_log_prob
 from flowlm.samplers.base import (
     MaskedDenoiser,
     SampleOutput,
@@ -18,7 +19,6 @@ from flowlm.samplers.base import (
     pick_tokens,
 )
 from flowlm.samplers.guidance import check_cfg_scale, evaluations_per_step, guided_denoiser, guided_steps
-from flowlm.samplers.summary import chunked_max_log_prob
 
 
 class ConfidenceSampler(Sampler):
@@ -54,7 +54,7 @@ class ConfidenceSampler(Sampler):
         self.cfg_scale = check_cfg_scale(cfg_scale)
 
     def check_budget(self, nfe: int, *, free_positions: int | None = None) -> None:  # noqa: D102
-        super().check_budget(nfe)
+        super().check_budget(nfe, free_positions=free_positions)
         guided_steps(type(self).__name__, nfe, self.cfg_scale)
 
     def __call__(
@@ -67,7 +67,7 @@ class ConfidenceSampler(Sampler):
         generator: torch.Generator | None = None,
     ) -> SampleOutput:
         """Sample with at most ``nfe`` network evaluations."""
-        self.check_budget(nfe)
+        self.check_budget(nfe, free_positions=prompt.shape[-1])  # at most the sequence: no host read
         steps, cost = guided_steps(type(self).__name__, nfe, self.cfg_scale), evaluations_per_step(self.cfg_scale)
         model = guided_denoiser(model, prompt_mask, self.cfg_scale)
         x, confidence = masked_start(prompt, prompt_mask, model.mask_id)

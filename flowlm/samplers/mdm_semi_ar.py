@@ -63,7 +63,7 @@ class SemiARConfidenceSampler(Sampler):
 
     def plan(self, nfe: int, free_positions: int) -> tuple[int, int]:
         """(blocks, steps per block) for a budget, or a clear error before any compute."""
-        super().check_budget(nfe)
+        super().check_budget(nfe, free_positions=free_positions)
         n_blocks = max(1, math.ceil(free_positions / self.block_length))
         if self.cfg_scale == 0 and nfe < n_blocks:
             raise ValueError(f"{n_blocks} blocks of {self.block_length} need at least {n_blocks} NFE, got {nfe}")

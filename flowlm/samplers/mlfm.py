@@ -153,7 +153,7 @@ class MLFMSampler(Sampler):
 
     def check_budget(self, nfe: int, *, free_positions: int | None = None) -> None:
         """At least one step per trajectory (at the step cost of a batch with context)."""
-        super().check_budget(nfe)
+        super().check_budget(nfe, free_positions=free_positions)
         need = self.cost_per_step * self.rounds
         if nfe < need:
             raise ValueError(
@@ -166,7 +166,7 @@ class MLFMSampler(Sampler):
         self, model: BridgeDenoiser, *, prompt: Tensor, prompt_mask: Tensor, nfe: int, generator: torch.Generator
     ) -> SampleOutput:
         """Sample completions of ``prompt``; returns tokens, per-token confidence and the NFE spent."""
-        self.check_budget(nfe)
+        self.check_budget(nfe, free_positions=prompt.shape[-1])  # at most the sequence: no host read
         fixed = prompt_mask.clone()
         tokens = torch.where(fixed, prompt, 0)  # free positions hold a placeholder id until decoded
         confidence = prompt_mask.float()

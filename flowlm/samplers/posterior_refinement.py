@@ -78,9 +78,9 @@ class PosteriorRefinementSampler(Sampler):
         """PR scores the finished draft (a-posteriori); the a-priori loop scores δ_{0,0} (a-priori)."""
         return "a-posteriori" if self.confidence == "posterior" else "a-priori"
 
-    def plan(self, nfe: int) -> tuple[int, int]:
+    def plan(self, nfe: int, free_positions: int | None = None) -> tuple[int, int]:
         """Rounds R and flow steps per round N for an NFE budget (R × N ≤ budget), or a clear error."""
-        self.check_budget(nfe)
+        self.check_budget(nfe, free_positions=free_positions)
         if self.rounds is not None and self.flow_steps is not None:
             return self.rounds, self.flow_steps
         if self.rounds is None:
@@ -88,7 +88,7 @@ class PosteriorRefinementSampler(Sampler):
         return self.rounds, nfe // self.rounds
 
     def check_budget(self, nfe: int, *, free_positions: int | None = None) -> None:  # noqa: D102
-        super().check_budget(nfe)
+        super().check_budget(nfe, free_positions=free_positions)
         if self.rounds is not None and self.flow_steps is not None and self.rounds * self.flow_steps > nfe:
             raise ValueError(
                 f"PR with R = {self.rounds} rounds × N = {self.flow_steps} flow steps spends "
@@ -109,7 +109,7 @@ class PosteriorRefinementSampler(Sampler):
         generator: torch.Generator | None = None,
     ) -> SampleOutput:
         """Sample with exactly R × N network calls."""
-        rounds, steps = self.plan(nfe)
+        rounds, steps = self.plan(nfe, prompt.shape[-1])  # at most the sequence: no host read
         space, device = model.states, prompt.device  # states over the vocabulary, or h = x·E (see FlowDenoiser)
         committed = prompt_mask.clone()
         tokens = prompt.clone()

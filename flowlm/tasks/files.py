@@ -8,8 +8,7 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-# The checkout's root (the folder holding flowlm/): shipped fixtures named in configs resolve under it.
-PROJECT_DIR = Path(__file__).resolve().parents[2]
+from flowlm.project import PROJECT_DIR  # shipped fixtures named in configs resolve under it
 
 
 def project_path(path: str | os.PathLike) -> Path:

@@ -1,0 +1,49 @@
+"""Every OmegaConf resolver the configs use (``${flowlm.<name>:...}``), registered once, when any runner module is
+imported (runners/__init__.py): an entry point, a test or a script that composes a config never depends on which
+other module happened to be imported first."""
+
+from __future__ import annotations
+
+import hashlib
+
+from omegaconf import OmegaConf
+
+from flowlm.tasks.sudoku import SudokuSpec, clues_for
+
+
+def cpu_precision() -> str:
+    """The CPU trainer's precision (conf/trainer/cpu.yaml): ``bf16-mixed`` where the CPU computes bf16 natively
+    (oneDNN's bf16 kernels: AVX-512 or AMX), else ``32-true`` (torch emulates bf16 products on an AVX2-only CPU:
+    docs/performance.md#cpu-precision)."""
+    import torch  # here, not at the top: `--help` and `--cfg` need no torch
+
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch without the query: the safe choice
+        native = False
+    return "bf16-mixed" if native else "32-true"
+
+
+def short_hash(text: object) -> str:
+    """First 10 hex digits of the SHA-1 of ``str(text)``: a stable, filesystem-safe name for a config value."""
+    return hashlib.sha1(str(text).encode()).hexdigest()[:10]
+
+
+def sudoku_table_nfe(conditional: bool, box_rows: int, box_cols: int, difficulty: str | None) -> list[int]:
+    """The NFE budgets of the papers' Sudoku tables (docs/results.md): conditional 4 (PR's R = 4, N = 1) and the
+    number of empty cells (full); unconditional 1, 3, 9, 27 and n² (the paper's 1 / 3 / 9 / 27 / 81 on 9×9)."""
+    spec = SudokuSpec(int(box_rows), int(box_cols))
+    cells = spec.n**2
+    if not conditional:
+        return sorted({*(b for b in (1, 3, 9, 27) if b < cells), cells})
+    return sorted({4, cells - clues_for(spec, str(difficulty))})
+
+
+# `${flowlm.cpu_precision:}` in conf/trainer/cpu.yaml; `trainer.precision=bf16-mixed` (or 32-true) still sets it.
+OmegaConf.register_new_resolver("flowlm.cpu_precision", cpu_precision, replace=True)
+# `${flowlm.hash:...}` in configs: trial folders (conf/hydra/default.yaml), one sweep name per checkpoint.
+OmegaConf.register_new_resolver("flowlm.hash", short_hash, replace=True)
+# `${flowlm.sudoku_table_nfe:...}`: the budgets of hparams_search=sudoku_tables, from the task's data config.
+OmegaConf.register_new_resolver(
+    "flowlm.sudoku_table_nfe", lambda *args: OmegaConf.create(sudoku_table_nfe(*args)), replace=True
+)  # a ListConfig: OmegaConf.resolve writes the value back into the config
