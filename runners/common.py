@@ -8,7 +8,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import sys
@@ -18,6 +17,8 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
+
+from runners.resolvers import check_run_parts
 
 log = logging.getLogger(__name__)
 # `flowlm-eval`'s default data (conf/eval.yaml): the checkpoint's recorded data config. An open (non-struct) node, so
@@ -44,24 +45,12 @@ def is_rank_zero() -> bool:
     return rank_zero_only.rank == 0
 
 
-# One folder name of a run's path (``name``, each ``/``-separated part of ``run_name``): word characters and
-# ``. - + = , @``, starting with a word character: no ``..`` or ``/`` to leave or nest the runs folder, no hidden name.
-RUN_NAME_PART = re.compile(r"\w[\w.+=,@-]*")
-RUN_NAME_RULE = "letters, digits and _ . - + = , @, starting with a letter, digit or _ (no '/', '..' or hidden name)"
-
-
 def check_run_name(cfg: DictConfig) -> None:
     """Refuse, before the run writes anything, a ``name`` that is not one folder name, or a ``run_name`` with a part
     that is not (``runs/<name>/<run_name>``: ``name=../escape`` put the run outside the runs folder, ``name=a/b``
-    nested it, ``name=.hidden`` hid it). ``run_name`` may hold several parts (``cpu/seed0``, a sweep's trials)."""
-    parts = [("name", str(cfg.name))] + [("run_name", part) for part in str(cfg.run_name).split("/")]
-    for key, part in parts:
-        if not RUN_NAME_PART.fullmatch(part):
-            what = "name" if key == "name" else f"run_name's part {part!r}"
-            raise ValueError(
-                f"{key}={cfg[key]!r} is refused: {what} must be one folder name under the runs folder, made of "
-                f"{RUN_NAME_RULE}"
-            )
+    nested it, ``name=.hidden`` hid it). ``run_name`` may hold several parts (``cpu/seed0``, a sweep's trials). The
+    same rule guards ``paths.run_dir`` as it is composed (``${flowlm.run_dir:...}``), before Hydra makes the folder."""
+    check_run_parts(str(cfg.name), str(cfg.run_name))
 
 
 def check_budgets(eval_cfg: DictConfig) -> None:

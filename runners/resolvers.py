@@ -5,6 +5,7 @@ other module happened to be imported first."""
 from __future__ import annotations
 
 import hashlib
+import re
 
 from omegaconf import OmegaConf
 
@@ -39,6 +40,33 @@ def sudoku_table_nfe(conditional: bool, box_rows: int, box_cols: int, difficulty
     return sorted({4, cells - clues_for(spec, str(difficulty))})
 
 
+# One folder name of a run's path (``name``, each ``/``-separated part of ``run_name``): word characters and
+# ``. - + = , @``, starting with a word character: no ``..`` or ``/`` to leave or nest the runs folder, no hidden name.
+RUN_NAME_PART = re.compile(r"\w[\w.+=,@-]*")
+RUN_NAME_RULE = "letters, digits and _ . - + = , @, starting with a letter, digit or _ (no '/', '..' or hidden name)"
+
+
+def check_run_parts(name: str, run_name: str) -> None:
+    """Refuse a ``name`` that is not one folder name, or a ``run_name`` with a part that is not (RUN_NAME_RULE)."""
+    for key, part in [("name", name)] + [("run_name", part) for part in run_name.split("/")]:
+        if not RUN_NAME_PART.fullmatch(part):
+            what = "name" if key == "name" else f"run_name's part {part!r}"
+            value = name if key == "name" else run_name
+            raise ValueError(
+                f"{key}={value!r} is refused: {what} must be one folder name under the runs folder, made of "
+                f"{RUN_NAME_RULE}"
+            )
+
+
+def run_dir(root: str, name: str, run_name: str) -> str:
+    """``<root>/<name>/<run_name>``, once ``name`` and ``run_name`` pass ``check_run_parts``."""
+    check_run_parts(str(name), str(run_name))
+    return f"{root}/{name}/{run_name}"
+
+
+# `${flowlm.run_dir:${paths.root},${name},${run_name}}` in conf/paths/default.yaml: the run folder, refused before
+# Hydra creates it (its output folder is the run folder) when the name would leave, nest or hide it.
+OmegaConf.register_new_resolver("flowlm.run_dir", run_dir, replace=True)
 # `${flowlm.cpu_precision:}` in conf/trainer/cpu.yaml; `trainer.precision=bf16-mixed` (or 32-true) still sets it.
 OmegaConf.register_new_resolver("flowlm.cpu_precision", cpu_precision, replace=True)
 # `${flowlm.hash:...}` in configs: trial folders (conf/hydra/default.yaml), one sweep name per checkpoint.

@@ -213,6 +213,17 @@ def test_an_unsafe_run_name_is_refused_before_anything_is_written(override, matc
     assert list(runs_env.iterdir()) == []
 
 
+def test_the_cli_refuses_an_escaping_name_before_hydra_makes_its_folder(tmp_path):
+    """Hydra creates its output folder (the run folder, ``paths.run_dir``) before the task runs: the rule guards the
+    folder's composition (``${flowlm.run_dir:...}``), so nothing appears outside the runs folder (it wrote
+    ``escape/cpu/seed0/.hydra`` and ``train.log`` before)."""
+    cmd = [str(BIN / "flowlm-train"), *RUN, "name=../escape"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "name='../escape' is refused" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "escape").exists() and not (tmp_path / "runs").exists(), sorted(tmp_path.rglob("*"))
+
+
 @pytest.mark.parametrize("run_name", ["cpu/seed0", "20240131-235959", "sudoku/trial-0123abcdef", "lr=0.1,bs=8", "é"])
 def test_the_run_names_in_use_are_accepted(run_name):
     check_run_name(OmegaConf.create({"name": "sudoku_mdm_uncond", "run_name": run_name}))
