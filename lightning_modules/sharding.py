@@ -7,6 +7,11 @@ time MLPs, final layer, adapter parameters). Frozen parameters stay replicated (
 no gradient reduction, and methods read some of them outside a forward pass (MLFM's embedding table builds its
 bridge states), where a sharded parameter would be a DTensor shard.
 
+A pretrained LLaMA-family source is read by rank 0 alone: the other ranks build the model on the meta device
+(``flowlm.pretrained.files.tensors_from_rank_zero``, entered by ``runners/train.py``), and ``shard`` broadcasts rank 0's
+full weights and buffers into the sharded model (torch's ``set_model_state_dict(broadcast_from_rank0=True)``), so an
+8 B source costs one host copy on the node instead of one per rank.
+
 Activation checkpointing (``activation_checkpointing: true`` in the run config) recomputes each such unit's
 activations in backward instead of storing them (torch's composable non-reentrant ``checkpoint``: parameter names,
 hence checkpoints, unchanged); it is applied before sharding, as torch's FSDP2 examples do.
@@ -21,6 +26,8 @@ import warnings
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from flowlm.backbones.dit import DiTBlock
@@ -116,6 +123,8 @@ def shard(module: nn.Module, mesh, *, precision: str | None = None) -> bool:
     blocks = shard_units(module)
     if not blocks:
         raise ValueError(f"{type(module).__name__} holds no DiT block or decoder layer: nothing to shard")
+    from_rank_zero = _weights_deferred(module, dp_mesh)
+    full = module.state_dict() if from_rank_zero and dist.get_rank() == 0 else {}  # the full tensors, kept alive
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, ignored_params=frozen)
     for child in module.children():
@@ -124,7 +133,46 @@ def shard(module: nn.Module, mesh, *, precision: str | None = None) -> bool:
     unmanaged = [name for name, p in module.named_parameters() if p.requires_grad and not is_dtensor(p)]
     if unmanaged:  # their gradients would never be reduced: ranks would drift apart silently
         raise RuntimeError(f"trainable parameters outside every sharded module: {unmanaged[:4]}")
+    if from_rank_zero:
+        broadcast_from_rank_zero(module, full, torch.device(dp_mesh.device_type))
     return True
+
+
+def _weights_deferred(module: nn.Module, mesh) -> bool:
+    """Whether some rank built ``module`` on the meta device (its weights to come from rank 0), agreed by every rank
+    (a MAX all-reduce). Rank 0 itself must hold real weights."""
+    here = any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+    if here and dist.get_rank() == 0:
+        raise RuntimeError("rank 0 holds meta-device weights: it must read the pretrained source itself")
+    flag = torch.tensor([int(here)], device=torch.device(mesh.device_type))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+@torch.no_grad()
+def broadcast_from_rank_zero(module: nn.Module, full: dict, device: torch.device) -> None:
+    """Fill every rank's (sharded) ``module`` with rank 0's weights: ``full`` is rank 0's ``state_dict()`` taken
+    before sharding (empty elsewhere). Every parameter and persistent buffer comes through torch's
+    ``set_model_state_dict(full_state_dict, broadcast_from_rank0)`` (each rank keeps its shard; meta tensors are
+    assigned), the non-persistent buffers (RoPE's inverse frequencies) by a broadcast of their own. Nothing is left on
+    the meta device, so Lightning's ``_materialize_distributed_module`` has nothing to re-initialise."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    module._apply(lambda t: t if t.is_meta else t.to(device))  # one device besides meta, as torch's broadcast needs
+    set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    persistent = set(module.state_dict().keys())
+    for owner_name, owner in module.named_modules():
+        for name, buffer in list(owner._buffers.items()):
+            key = f"{owner_name}.{name}" if owner_name else name
+            if buffer is None or key in persistent:
+                continue
+            value = torch.empty_like(buffer, device=device) if buffer.is_meta else buffer.to(device)
+            dist.broadcast(value, src=0)
+            owner._buffers[name] = value
+    left = [name for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"still on the meta device after the broadcast from rank 0: {left[:4]}")
+    rank_zero_info(f"weights broadcast from rank 0 into the sharded model ({len(full)} tensors)")
 
 
 def compile_blocks(module: nn.Module) -> bool:

@@ -16,6 +16,7 @@ from callbacks.checkpoint import check_folder
 from callbacks.convergence import Convergence
 from callbacks.progress import progress_callbacks
 from callbacks.sampling_eval import SamplingEvaluation
+from flowlm.pretrained.files import tensors_from_rank_zero
 from flowlm.project import CONF_DIR
 from lightning_modules.vocabulary import check_data_tokens
 from runners.common import (
@@ -46,7 +47,8 @@ def train(cfg: DictConfig) -> dict:
     ckpt_path = check_run_dir(cfg) if is_rank_zero() else _last_ckpt(run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = build(cfg.data)
-    module = build(cfg.method, data_vocab_size=datamodule.vocab_size, seq_len=datamodule.seq_len)
+    with tensors_from_rank_zero(weights_from_rank_zero(cfg.trainer)):  # FSDP2: one read of a pretrained source
+        module = build(cfg.method, data_vocab_size=datamodule.vocab_size, seq_len=datamodule.seq_len)
     check_data_tokens(datamodule, module)
     module.run_config = OmegaConf.to_container(cfg, resolve=True)
     module.validate_inputs()
@@ -127,6 +129,15 @@ def accumulation_for(global_batch: int, world_size: int, micro_batch_size: int) 
             else f"data.batch_size = {global_batch} is not divisible by the world size {world_size}"
         )
     return global_batch // per_step
+
+
+def weights_from_rank_zero(trainer_cfg: DictConfig) -> bool:
+    """True on a rank other than 0 of an FSDP2 run (trainer=fsdp2: ``ModelParallelStrategy``): it builds the model
+    without reading a pretrained LLaMA-family source (meta tensors), and ``lightning_modules.sharding.shard``
+    broadcasts rank 0's weights into it. Other strategies (DDP keeps a full replica per rank) read on every rank."""
+    strategy = trainer_cfg.get("strategy")
+    target = strategy.get("_target_", "") if isinstance(strategy, (DictConfig, dict)) else str(strategy or "")
+    return not is_rank_zero() and target.rsplit(".", 1)[-1] == "ModelParallelStrategy"
 
 
 def _last_ckpt(run_dir: Path) -> Path | None:

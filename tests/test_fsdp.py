@@ -369,6 +369,7 @@ def test_fmlm_plus_on_a_pretrained_llama_trains_under_fsdp2_while_ranks_draw_dif
         pytest.fail("FSDP2 FMLM+ run hung (ranks ran different forwards): " + err[-2000:])
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in out + err
+    assert "weights broadcast from rank 0" in out + err  # rank 1 never read the LLaDA folder
     assert "| tinygsm_fmlm_plus_init_llada | pr |" in out
     last = tmp_path / "runs" / "tinygsm_fmlm_plus_init_llada" / "cpu" / "seed0" / "checkpoints" / "last.ckpt"
     assert last.is_dir() and len(list(last.glob("*.distcp"))) == 2  # sharded: one file per rank

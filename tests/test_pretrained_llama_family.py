@@ -547,6 +547,122 @@ def test_fsdp2_on_two_cpu_processes_trains_the_adapted_llama_like_one_process(tm
         assert float(diff) < 1e-5 and int(n_dtensor) > 0, (rank, diff, n_dtensor)
 
 
+# ------------------------------------------------------------------------------ FSDP2: weights from rank 0 alone
+def _deferred_sources(tmp_path):
+    """A tiny SMDM .pth, LLaDA and Dream folder, each with its loader (float32 LLaDA, stored dtypes otherwise)."""
+    llada = _write_llada(tmp_path / "llada", _reference("llama", 64, 2, 5e5, 1e-5), _llada_config(64, D, INTER, 2))
+    dream = write_shards(tmp_path / "dream", dict(_reference("qwen2", 64, 2, 1e6, 1e-6).state_dict()), _dream_config(64))
+    cfg = _smdm_cfg(2)
+    pth = _write_smdm(tmp_path / "smdm.pth", _reference("llama", 65, 2, 1e4, 1e-5), cfg, fmt="pth")
+    return {
+        "llada": lambda: load_llada(llada, dtype="float32"),
+        "dream": lambda: load_dream(dream),
+        "smdm": lambda: load_smdm(pth, config=cfg),
+    }
+
+
+def test_a_deferred_load_reads_no_data_but_checks_the_files(tmp_path, monkeypatch):
+    """Inside tensors_from_rank_zero(True) the three loaders build the same model on the meta device (same names,
+    shapes and dtypes, RoPE buffers too) without reading a tensor; a wrong file is still refused there."""
+    import safetensors
+    from safetensors import safe_open
+
+    from flowlm.pretrained.files import load_tensors, reads_deferred, tensors_from_rank_zero
+
+    loaders = _deferred_sources(tmp_path)
+    for name, load in loaders.items():
+        real = load()
+        with tensors_from_rank_zero(True):
+            assert reads_deferred()
+            deferred = load()
+        assert not reads_deferred()
+        got = {k: (tuple(v.shape), v.dtype, v.is_meta) for k, v in deferred.state_dict(keep_vars=True).items()}
+        want = {k: (tuple(v.shape), v.dtype, True) for k, v in real.state_dict().items()}
+        assert got == want, name
+        assert all(b.is_meta for b in deferred.buffers()) and not any(b.is_meta for b in real.buffers()), name
+    # no tensor data is read at all: safetensors' get_tensor is never called
+    class HeadersOnly:
+        def __init__(self, *args, **kwargs):
+            self._file = safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self._file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._file.__exit__(*exc)
+
+        def keys(self):
+            return self._file.keys()
+
+        def get_slice(self, key):
+            return self._file.get_slice(key)
+
+        def get_tensor(self, key):
+            raise AssertionError(f"a deferred load read {key}")
+
+    monkeypatch.setattr(safetensors, "safe_open", HeadersOnly)
+    with tensors_from_rank_zero(True):
+        loaders["llada"]()
+        loaders["dream"]()
+    with pytest.raises(AssertionError, match="a deferred load read"):
+        loaders["llada"]()  # the guard bites outside the context
+    monkeypatch.undo()
+    # a caller that does not opt in still reads, inside the context
+    files = {"w": tmp_path / "one.safetensors"}
+    save_file({"w": torch.ones(3)}, str(files["w"]))
+    with tensors_from_rank_zero(True):
+        assert load_tensors(files)["w"].sum() == 3 and load_tensors(files, deferrable=True)["w"].is_meta
+        config = json.loads((tmp_path / "llada" / "config.json").read_text())
+        (tmp_path / "llada" / "config.json").write_text(json.dumps({**config, "d_model": 2 * D}))
+        with pytest.raises(ValueError, match="wrong shapes"):
+            loaders["llada"]()
+
+
+def _broadcast_worker(rank: int, init_file: str, out_dir: str) -> None:
+    """Rank 0 loads the tiny LLaDA; rank 1 builds it on the meta device (no data read); after ``shard`` both hold
+    rank 0's weights and buffers, and the sharded forward gives the unsharded model's logits."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from flowlm.pretrained.files import tensors_from_rank_zero
+    from lightning_modules.sharding import shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        folder = Path(out_dir, "llada")
+        reference = load_llada(folder, dtype="float32")
+        with tensors_from_rank_zero(rank != 0):
+            holder = torch.nn.Module()
+            holder.net = load_llada(folder, dtype="float32")
+        meta_before = all(t.is_meta for t in (*holder.parameters(), *holder.buffers()))
+        assert shard(holder, init_device_mesh("cpu", (2,)))
+        diffs, n_dtensor = [], 0
+        want = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
+        for name, t in (*holder.named_parameters(), *holder.named_buffers()):
+            n_dtensor += isinstance(t, DTensor)
+            value = t.full_tensor() if isinstance(t, DTensor) else t
+            diffs.append((value - want[name.removeprefix("net.")]).abs().max().item())
+        ids = _ids(64, 60)
+        with torch.no_grad():
+            diffs.append((holder.net(ids) - reference(ids)).abs().max().item())
+        Path(out_dir, f"rank{rank}").write_text(f"{max(diffs):.3e} {n_dtensor} {int(meta_before)}")
+        dist.barrier()  # no rank tears gloo down while the other still has collectives in flight
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_rank_one_gets_rank_zeros_weights_without_reading_the_source(tmp_path):
+    _write_llada(tmp_path / "llada", _reference("llama", 64, 2, 5e5, 1e-5), _llada_config(64, D, INTER, 2))
+    spawn_ranks(_broadcast_worker, tmp_path, timeout_s=180, what="FSDP2 broadcast ranks")
+    for rank in (0, 1):
+        diff, n_dtensor, meta_before = (tmp_path / f"rank{rank}").read_text().split()
+        assert float(diff) == 0.0 and int(n_dtensor) > 0 and int(meta_before) == (rank == 1), (rank, diff)
+
+
 def test_a_padding_mask_keeps_padded_keys_out(llada_model):
     # in float32: the loaded bf16 weights exactly, without bf16 activations, whose rounding depends on the kernel
     # path (masked vs short attention differ by ≈ 0.05 in bf16 on a CPU without bf16 kernels)

@@ -118,12 +118,15 @@ class BidirectionalLM(nn.Module):
     @classmethod
     def from_state(cls, spec: dict, state: dict[str, Tensor], dtype: torch.dtype | None = None) -> BidirectionalLM:
         """A model of ``spec`` holding ``state`` (this class's names: ``model.*``, ``lm_head.weight``), built on the
-        meta device and filled strictly without a random initialisation (8 B parameters load without a copy)."""
+        meta device and filled strictly without a random initialisation (8 B parameters load without a copy). A
+        ``state`` of meta tensors (a rank whose weights rank 0 broadcasts under FSDP2) leaves the whole model on the
+        meta device, RoPE buffers included, in the stored dtypes (``lightning_modules.sharding.shard`` fills it)."""
         model = cls(**spec, device="meta")
         if dtype is not None:
             state = {key: value.to(dtype) for key, value in state.items()}
         model.load_state_dict(state, strict=True, assign=True)
-        model.materialize_rotary()
+        if not any(value.is_meta for value in state.values()):
+            model.materialize_rotary()
         return model.eval()
 
     @property

@@ -1,11 +1,18 @@
 """Reading pretrained checkpoints: where a source is (local path or Hugging Face cache), what tensors it holds
 (one safetensors file, a sharded folder with its index, or a torch ``.pth``), and a key/shape check that names what
-does not match, all before any tensor is read."""
+does not match, all before any tensor is read.
+
+Under FSDP2 only rank 0 needs to read the weights: the runner builds the model inside
+``tensors_from_rank_zero(True)`` on the other ranks, where the LLaMA-family loaders get tensors on the meta device
+(the stored shapes and dtypes, read from the headers) instead of the data, and ``lightning_modules.sharding.shard``
+broadcasts rank 0's weights into the sharded model."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -15,6 +22,31 @@ from flowlm.pretrained import hub
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+
+_DEFERRED: ContextVar[bool] = ContextVar("flowlm_tensors_from_rank_zero", default=False)
+# safetensors' dtype names (the header's "dtype" field) → torch dtypes
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
+@contextlib.contextmanager
+def tensors_from_rank_zero(active: bool = True) -> Iterator[None]:
+    """Inside (when ``active``), ``load_tensors(..., deferrable=True)`` reads no data: it returns meta-device
+    tensors of the stored shapes and dtypes, for a rank whose weights rank 0 will broadcast once the model is
+    sharded. Configs, names and shapes are still checked from the files' headers."""
+    token = _DEFERRED.set(bool(active))
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def reads_deferred() -> bool:
+    """True inside ``tensors_from_rank_zero(True)``."""
+    return _DEFERRED.get()
 
 
 def resolve_source(source: str | Path, *, filename: str | None = None, allow_patterns: list[str] | None = None) -> Path:
@@ -74,18 +106,31 @@ def tensor_shapes(files: Mapping[str, Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_tensors(files: Mapping[str, Path], keys: Iterable[str] | None = None) -> dict[str, Tensor]:
-    """The tensors (all, or ``keys``) on the CPU, in their stored dtype."""
+def load_tensors(
+    files: Mapping[str, Path], keys: Iterable[str] | None = None, *, deferrable: bool = False
+) -> dict[str, Tensor]:
+    """The tensors (all, or ``keys``) on the CPU, in their stored dtype. With ``deferrable`` inside
+    ``tensors_from_rank_zero(True)``: meta-device tensors of the stored shapes and dtypes, no data read (a caller
+    passes ``deferrable`` only when everything it does with them works on the meta device)."""
     wanted = set(files) if keys is None else set(keys)
+    meta = deferrable and reads_deferred()
     out: dict[str, Tensor] = {}
     for path in sorted({files[key] for key in wanted}):
         if path.suffix == ".safetensors":
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt") as f:
-                out.update({key: f.get_tensor(key) for key in f.keys() if key in wanted})
+                for key in (k for k in f.keys() if k in wanted):
+                    if meta:
+                        info = f.get_slice(key)
+                        dtype = SAFETENSORS_DTYPES[info.get_dtype()]
+                        out[key] = torch.empty(info.get_shape(), dtype=dtype, device="meta")
+                    else:
+                        out[key] = f.get_tensor(key)
         else:
-            out.update({key: value for key, value in _torch_state(path).items() if key in wanted})
+            for key, value in _torch_state(path).items():  # memory-mapped: a meta copy touches no data
+                if key in wanted:
+                    out[key] = torch.empty_like(value, device="meta") if meta else value
     return out
 
 

@@ -148,4 +148,5 @@ def load_smdm(
     files = checkpoint_files(path)
     check_state(tensor_shapes(files), expected_keys(cfg), source=str(path), config=f"SMDM {config}")
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    return BidirectionalLM.from_state(backbone_spec(cfg), to_backbone_state(load_tensors(files), cfg), dtype)
+    state = load_tensors(files, deferrable=True)  # on the meta device where rank 0 broadcasts them (FSDP2)
+    return BidirectionalLM.from_state(backbone_spec(cfg), to_backbone_state(state, cfg), dtype)
