@@ -377,7 +377,7 @@ def fmlm_cost_report(
     heads, the flow map's δ·E lift of the embedding space); measured / that limit is the step's work outside its
     matrix products.
     """
-    from flowlm.processes.gaussian_flow import split_counts
+    from flowlm.objectives.fmlm_plus import split_counts
 
     fm = modules[flow]
     n_diag, n_bound, n_off, _ = split_counts(

@@ -30,18 +30,22 @@ from torch import Tensor
 
 from flowlm.objectives.base import LossOutput
 from flowlm.objectives.flow import SOFT_CAP, log_delta, log_delta_
-from flowlm.objectives.fmlm_plus import MDM_TEACHER_TIMES, context_set, fmlm_plus_loss
+from flowlm.objectives.fmlm_plus import (
+    DIAGONAL,
+    KIND_NAMES,
+    MDM_TEACHER_TIMES,
+    batch_kinds_and_times,
+    context_rates,
+    context_set,
+    fmlm_plus_loss,
+)
 from flowlm.ops.compiled import compiled_tails, tails_enabled
 from flowlm.ops.summary import head_expectation
 from flowlm.processes.gaussian_flow import (
-    DIAGONAL,
-    KIND_NAMES,
     STATE_SPACES,
     EmbeddingSpace,
     GaussianFlowProcess,
     OneHotSpace,
-    batch_kinds_and_times,
-    batch_uniforms,
     choose_space,
 )
 from flowlm.samplers.base import FlowDenoiser
@@ -388,7 +392,7 @@ class FMLMPlusModule(FlowLMModule):
         ``antithetic``, as the released code draws them), on the host."""
         n_global, offset = self.global_batch_slice(local_batch, batch_idx)
         gen = self.step_generator(2, batch_idx, shared=True)
-        return batch_uniforms(n_global, generator=gen, antithetic=self.antithetic)[offset : offset + local_batch]
+        return context_rates(n_global, offset=offset, count=local_batch, generator=gen, antithetic=self.antithetic)
 
     def training_step(self, batch: dict, batch_idx: int) -> Tensor:
         """Diagonal CE + semigroup self-distillation (+ MDM distillation) on active tokens."""

@@ -76,7 +76,7 @@ def test_compiled_training_loss_and_gradients_match_eager(monkeypatch):
     backward, the teachers' no-grad passes) and every parameter's gradient equal the eager ones to float rounding;
     the compiled step's student and teacher log δ run inside ``compiled_tails``, the eager step's outside."""
     import lightning_modules.fmlm_plus as fmlm_plus
-    from flowlm.processes.gaussian_flow import batch_kinds_and_times
+    from flowlm.objectives.fmlm_plus import batch_kinds_and_times
     from tests.test_state_spaces import B, L, V, flow_module
 
     seen, original = [], fmlm_plus.log_delta

@@ -4,16 +4,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flowlm.objectives.fmlm_plus import semigroup_gamma, semigroup_target
-from flowlm.processes.gaussian_flow import (
+from flowlm.objectives.fmlm_plus import (
     BOUNDARY,
     DIAGONAL,
     DISTILL,
     OFF_DIAGONAL,
     batch_kinds_and_times,
-    flow_map,
+    semigroup_gamma,
+    semigroup_target,
     split_counts,
 )
+from flowlm.processes.gaussian_flow import flow_map
 from flowlm.samplers import FlowDenoiser, FlowMapSampler, PosteriorRefinementSampler
 from lightning_modules.fmlm_plus import FMLMPlusModule
 from lightning_modules.mdm import MDMModule

@@ -17,8 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flowlm.objectives.fmlm_plus import targets
-from flowlm.processes.gaussian_flow import BOUNDARY, DIAGONAL, DISTILL, OFF_DIAGONAL
+from flowlm.objectives.fmlm_plus import BOUNDARY, DIAGONAL, DISTILL, OFF_DIAGONAL, targets
 from lightning_modules.fmlm_plus import FMLMPlusModule
 from lightning_modules.mdm import MDMModule
 

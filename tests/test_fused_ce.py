@@ -199,7 +199,7 @@ def test_module_fused_loss_matches_dense(state_space, monkeypatch):
     FMLM+ loss, its parts and every parameter's gradient equal the dense path's to float rounding; the student
     pass never calls log_delta with the fused loss (the teachers still do)."""
     import lightning_modules.fmlm_plus as fmlm_plus
-    from flowlm.processes.gaussian_flow import batch_kinds_and_times
+    from flowlm.objectives.fmlm_plus import batch_kinds_and_times
 
     calls, original = [], fmlm_plus.log_delta
     monkeypatch.setattr(fmlm_plus, "log_delta", lambda x: calls.append(torch.is_grad_enabled()) or original(x))
@@ -249,8 +249,7 @@ def test_objective_fused_head_matches_dense_with_distill_rows():
     """``fmlm_plus_loss(head=...)`` with every pair kind, distill rows included (an MDM teacher's softmax targets,
     here a fixed random linear map of the ids): the loss and its gradients equal the dense student's; a fused head
     without a separate teacher is refused (the student then returns features, not log δ)."""
-    from flowlm.objectives.fmlm_plus import fmlm_plus_loss
-    from flowlm.processes.gaussian_flow import BOUNDARY, DIAGONAL, DISTILL, OFF_DIAGONAL
+    from flowlm.objectives.fmlm_plus import BOUNDARY, DIAGONAL, DISTILL, OFF_DIAGONAL, fmlm_plus_loss
 
     module = _module("onehot", False)
     gen = torch.Generator().manual_seed(3)

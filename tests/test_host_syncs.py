@@ -10,7 +10,7 @@ from torch.optim.swa_utils import AveragedModel
 
 import flowlm.objectives.fmlm_plus as objective
 from callbacks.ema import EMA, HostCountedAverage
-from flowlm.processes.gaussian_flow import BOUNDARY, DIAGONAL, DISTILL, KIND_NAMES, OFF_DIAGONAL
+from flowlm.objectives.fmlm_plus import BOUNDARY, DIAGONAL, DISTILL, KIND_NAMES, OFF_DIAGONAL
 from flowlm.samplers import (
     AncestralSampler,
     BlockFlowSampler,

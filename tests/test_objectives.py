@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from flowlm.objectives.base import LossOutput
-from flowlm.objectives.fmlm_plus import context_set, fmlm_plus_loss
-from flowlm.processes.gaussian_flow import BOUNDARY, DIAGONAL, DISTILL, OFF_DIAGONAL, GaussianFlowProcess
+from flowlm.objectives.fmlm_plus import BOUNDARY, DIAGONAL, DISTILL, OFF_DIAGONAL, context_set, fmlm_plus_loss
+from flowlm.processes.gaussian_flow import GaussianFlowProcess
 
 V, MASK = 3, 3
 FLOW = GaussianFlowProcess(vocab_size=V)

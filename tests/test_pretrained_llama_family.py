@@ -551,7 +551,9 @@ def test_fsdp2_on_two_cpu_processes_trains_the_adapted_llama_like_one_process(tm
 def _deferred_sources(tmp_path):
     """A tiny SMDM .pth, LLaDA and Dream folder, each with its loader (float32 LLaDA, stored dtypes otherwise)."""
     llada = _write_llada(tmp_path / "llada", _reference("llama", 64, 2, 5e5, 1e-5), _llada_config(64, D, INTER, 2))
-    dream = write_shards(tmp_path / "dream", dict(_reference("qwen2", 64, 2, 1e6, 1e-6).state_dict()), _dream_config(64))
+    dream = write_shards(
+        tmp_path / "dream", dict(_reference("qwen2", 64, 2, 1e6, 1e-6).state_dict()), _dream_config(64)
+    )
     cfg = _smdm_cfg(2)
     pth = _write_smdm(tmp_path / "smdm.pth", _reference("llama", 65, 2, 1e4, 1e-5), cfg, fmt="pth")
     return {
@@ -580,6 +582,7 @@ def test_a_deferred_load_reads_no_data_but_checks_the_files(tmp_path, monkeypatc
         want = {k: (tuple(v.shape), v.dtype, True) for k, v in real.state_dict().items()}
         assert got == want, name
         assert all(b.is_meta for b in deferred.buffers()) and not any(b.is_meta for b in real.buffers()), name
+
     # no tensor data is read at all: safetensors' get_tensor is never called
     class HeadersOnly:
         def __init__(self, *args, **kwargs):

@@ -392,7 +392,7 @@ def test_a_source_checkpoint_with_another_attention_cap_is_refused(tmp_path):
 
 
 def test_batch_uniforms_take_one_draw_per_stratum_in_random_order():
-    from flowlm.processes.gaussian_flow import batch_uniforms
+    from flowlm.objectives.fmlm_plus import batch_uniforms
 
     u = batch_uniforms(256, generator=torch.Generator().manual_seed(0))
     assert u.dtype == torch.float64 and torch.equal(torch.sort((u * 256).floor()).values, torch.arange(256.0))

@@ -1,6 +1,15 @@
 """The FMLM+ objective (and FMLM's, FLM's): semigroup self-distillation of a two-time flow map (methods.md §3–4).
 
-One batch, given every random draw (the caller draws them: pair kinds and times, the context set, the noise ε):
+The batch's draws, one global draw per step (identical on every rank; a rank takes its slice):
+
+    kinds         exact counts (``split_counts``, the released recipe): ⌊distill·B⌋ distill rows, of the rest R
+                  ⌊½R⌋ diagonal and ⌊R/64⌋ boundary, the remainder off-diagonal; shuffled
+    times         diagonal s = t ~ U(0, 1); boundary s = 0, t = 1; off-diagonal t − s ~ U(0, 1), s ~ U(0, 1 − (t − s));
+                  distill s = t = 0 (``batch_kinds_and_times``; both uniforms stratified over the batch)
+    context rate  f ~ U(0, 1) per sequence, stratified (``context_rates``); each non-prompt token is context with
+                  probability f (``context_set``)
+
+One batch, given every random draw (the draws above, the noise ε):
 
     active A      non-prompt tokens outside the context set; prompt and context are pinned at s = t = 1
     x_s           (1 − s)·ε + s·onehot(y) on A, onehot(y) elsewhere                     (t = 0 noise, t = 1 data)
@@ -20,6 +29,7 @@ states are h = x·E, the noise z·R, the student and teacher read h (exact in la
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -29,7 +39,7 @@ from torch import Tensor
 from flowlm.objectives.base import LossOutput
 from flowlm.objectives.flow import SOFT_CAP
 from flowlm.ops.fused_ce import fused_capped_ce
-from flowlm.processes.gaussian_flow import DIAGONAL, DISTILL, KIND_NAMES, GaussianFlowProcess
+from flowlm.processes.gaussian_flow import GaussianFlowProcess
 
 # student(x (B, L, |V|), s (B,), t (B,), pinned (B, L)) → log δ_{s,t}(x) (B, L, |V|): per-sequence times, the
 # pinned tokens at s = t = 1.
@@ -39,6 +49,84 @@ MDMTeacher = Callable[[Tensor, Tensor], Tensor]
 # The time the MDM teacher of the distill rows is fed: "zero" (the released ``_teacher_log_q`` feeds 0) or "rate" (the
 # masking rate |A| / #non-prompt of the row, the suite's earlier choice). The same for a time-agnostic teacher.
 MDM_TEACHER_TIMES = ("zero", "rate")
+
+# ------------------------------------------------------------------------------------ the batch: pairs and draws
+# Kinds of training pairs (s, t) in one batch.
+DIAGONAL, BOUNDARY, OFF_DIAGONAL, DISTILL = 0, 1, 2, 3
+KIND_NAMES = ("diagonal", "boundary", "off_diagonal", "distill")
+
+
+def split_counts(global_batch: int, *, diagonal: float = 0.5, boundary: float = 1 / 64, distill: float = 0.0):
+    """Exact counts of (diagonal, boundary, off-diagonal, distill) sequences in a global batch.
+
+    As in the released code: ⌊distill·B⌋ distill rows first; of the rest R, ⌊diagonal·R⌋ diagonal and
+    ⌊boundary·R⌋ boundary rows; the remainder is off-diagonal (B = 256: 128 / 4 / 124 / 0).
+    """
+    for name, share in (("diagonal", diagonal), ("boundary", boundary), ("distill", distill)):
+        if not 0 <= share <= 1:
+            raise ValueError(f"the {name} share must lie in [0, 1], got {share}")
+    if diagonal + boundary > 1:
+        raise ValueError(f"diagonal {diagonal} + boundary {boundary} shares exceed the batch")
+    n_dist = math.floor(distill * global_batch)
+    rest = global_batch - n_dist
+    n_diag = math.floor(diagonal * rest)
+    n_bound = math.floor(boundary * rest)
+    return n_diag, n_bound, rest - n_diag - n_bound, n_dist
+
+
+def batch_uniforms(n: int, *, generator: torch.Generator, antithetic: bool = True) -> Tensor:
+    """n float64 U(0, 1) draws: i.i.d., or ``antithetic`` (the released code's ``training.antithetic_sampling``):
+    one per stratum [i/n, (i+1)/n) of [0, 1), in random order, so each draw is still U(0, 1) but the batch covers
+    the interval evenly."""
+    u = torch.rand(n, generator=generator, dtype=torch.float64)
+    if not antithetic:
+        return u
+    return ((torch.arange(n, dtype=torch.float64) + u) / n)[torch.randperm(n, generator=generator)]
+
+
+def batch_kinds_and_times(
+    global_batch: int,
+    *,
+    offset: int,
+    count: int,
+    generator: torch.Generator,
+    diagonal: float = 0.5,
+    boundary: float = 1 / 64,
+    distill: float = 0.0,
+    antithetic: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Kinds and (s, t) for a slice [offset, offset+count) of one global draw (identical on every rank).
+
+    diagonal: s = t ~ U(0, 1); boundary: s = 0, t = 1; off-diagonal: t−s ~ U(0, 1), s ~ U(0, 1−(t−s));
+    distill: s = t = 0 (δ_{0,0} against an MDM teacher). The two uniforms behind the times are stratified over the
+    global batch with ``antithetic`` (``batch_uniforms``), as in the released code.
+    """
+    counts = split_counts(global_batch, diagonal=diagonal, boundary=boundary, distill=distill)
+    kinds = torch.repeat_interleave(torch.arange(4), torch.tensor(counts), output_size=global_batch)
+    kinds = kinds[torch.randperm(global_batch, generator=generator)]
+    u1 = batch_uniforms(global_batch, generator=generator, antithetic=antithetic)
+    u2 = batch_uniforms(global_batch, generator=generator, antithetic=antithetic)
+    gap = u1
+    s_off = u2 * (1 - gap)
+    s = torch.where(kinds == DIAGONAL, u1, torch.where(kinds == OFF_DIAGONAL, s_off, torch.zeros_like(u1)))
+    t = torch.where(
+        kinds == DIAGONAL,
+        u1,
+        torch.where(kinds == OFF_DIAGONAL, s_off + gap, torch.where(kinds == BOUNDARY, 1.0, 0.0)),
+    )
+    sl = slice(offset, offset + count)
+    return kinds[sl], s[sl].float(), t[sl].float()
+
+
+def context_rates(
+    global_batch: int, *, offset: int, count: int, generator: torch.Generator, antithetic: bool = True
+) -> Tensor:
+    """Context rates f ~ U(0, 1) for a slice [offset, offset+count) of one global draw (stratified with
+    ``antithetic``, as the released code draws them), float64 on the host."""
+    return batch_uniforms(global_batch, generator=generator, antithetic=antithetic)[offset : offset + count]
+
+
+# ------------------------------------------------------------------------------------------ targets and the loss
 
 
 def context_set(rates: Tensor, uniforms: Tensor, prompt: Tensor) -> Tensor:

@@ -1,21 +1,17 @@
-"""Gaussian → one-hot flow (t = 0 noise, t = 1 data), its two-time flow map and the batch split (methods.md §3–4).
+"""Gaussian → one-hot flow (t = 0 noise, t = 1 data) and its two-time flow map (methods.md §3–4).
 
-The loss built on them (semigroup targets, context set) is flowlm/objectives/fmlm_plus.py.
+The recipe built on them (pair kinds, time and context-rate draws, semigroup targets, the loss) is
+flowlm/objectives/fmlm_plus.py.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from flowlm.processes.base import NoisedBatch, NoiseProcess
-
-# Kinds of training pairs (s, t) in one batch.
-DIAGONAL, BOUNDARY, OFF_DIAGONAL, DISTILL = 0, 1, 2, 3
-KIND_NAMES = ("diagonal", "boundary", "off_diagonal", "distill")
 
 
 def one_hot(ids: Tensor, num_classes: int) -> Tensor:
@@ -189,65 +185,3 @@ class GaussianFlowProcess(NoiseProcess):
     def flow_map(self, x: Tensor, delta: Tensor, s: Tensor, t: Tensor) -> Tensor:
         """X_{s,t}(x) (``flow_map``), δ a point of the simplex (lifted to δ·E in the embedding space)."""
         return flow_map(x, self.states.lift(delta), s, t)
-
-
-def split_counts(global_batch: int, *, diagonal: float = 0.5, boundary: float = 1 / 64, distill: float = 0.0):
-    """Exact counts of (diagonal, boundary, off-diagonal, distill) sequences in a global batch.
-
-    As in the released code: ⌊distill·B⌋ distill rows first; of the rest R, ⌊diagonal·R⌋ diagonal and
-    ⌊boundary·R⌋ boundary rows; the remainder is off-diagonal (B = 256: 128 / 4 / 124 / 0).
-    """
-    for name, share in (("diagonal", diagonal), ("boundary", boundary), ("distill", distill)):
-        if not 0 <= share <= 1:
-            raise ValueError(f"the {name} share must lie in [0, 1], got {share}")
-    if diagonal + boundary > 1:
-        raise ValueError(f"diagonal {diagonal} + boundary {boundary} shares exceed the batch")
-    n_dist = math.floor(distill * global_batch)
-    rest = global_batch - n_dist
-    n_diag = math.floor(diagonal * rest)
-    n_bound = math.floor(boundary * rest)
-    return n_diag, n_bound, rest - n_diag - n_bound, n_dist
-
-
-def batch_uniforms(n: int, *, generator: torch.Generator, antithetic: bool = True) -> Tensor:
-    """n float64 U(0, 1) draws: i.i.d., or ``antithetic`` (the released code's ``training.antithetic_sampling``):
-    one per stratum [i/n, (i+1)/n) of [0, 1), in random order, so each draw is still U(0, 1) but the batch covers
-    the interval evenly."""
-    u = torch.rand(n, generator=generator, dtype=torch.float64)
-    if not antithetic:
-        return u
-    return ((torch.arange(n, dtype=torch.float64) + u) / n)[torch.randperm(n, generator=generator)]
-
-
-def batch_kinds_and_times(
-    global_batch: int,
-    *,
-    offset: int,
-    count: int,
-    generator: torch.Generator,
-    diagonal: float = 0.5,
-    boundary: float = 1 / 64,
-    distill: float = 0.0,
-    antithetic: bool = True,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Kinds and (s, t) for a slice [offset, offset+count) of one global draw (identical on every rank).
-
-    diagonal: s = t ~ U(0, 1); boundary: s = 0, t = 1; off-diagonal: t−s ~ U(0, 1), s ~ U(0, 1−(t−s));
-    distill: s = t = 0 (δ_{0,0} against an MDM teacher). The two uniforms behind the times are stratified over the
-    global batch with ``antithetic`` (``batch_uniforms``), as in the released code.
-    """
-    counts = split_counts(global_batch, diagonal=diagonal, boundary=boundary, distill=distill)
-    kinds = torch.repeat_interleave(torch.arange(4), torch.tensor(counts), output_size=global_batch)
-    kinds = kinds[torch.randperm(global_batch, generator=generator)]
-    u1 = batch_uniforms(global_batch, generator=generator, antithetic=antithetic)
-    u2 = batch_uniforms(global_batch, generator=generator, antithetic=antithetic)
-    gap = u1
-    s_off = u2 * (1 - gap)
-    s = torch.where(kinds == DIAGONAL, u1, torch.where(kinds == OFF_DIAGONAL, s_off, torch.zeros_like(u1)))
-    t = torch.where(
-        kinds == DIAGONAL,
-        u1,
-        torch.where(kinds == OFF_DIAGONAL, s_off + gap, torch.where(kinds == BOUNDARY, 1.0, 0.0)),
-    )
-    sl = slice(offset, offset + count)
-    return kinds[sl], s[sl].float(), t[sl].float()
