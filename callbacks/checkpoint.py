@@ -16,7 +16,7 @@ from fsspec.core import url_to_fs
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_warn
 
 # A file save in progress: ``.<target name>.tmp-<host>-<pid>``, beside its target (the rename never crosses a
@@ -45,7 +45,7 @@ class RunCheckpoint(ModelCheckpoint):
       ``/tmp``, a shared ``runs/``) the rename fails and it truncates the target and copies over it, so a crash or a
       full disk during the copy destroyed the only ``last.ckpt``. A failed save raises ``CheckpointSaveError`` (the
       run stops: it does not go on without checkpoints) and leaves the previous file intact;
-    - atomic sharded saves: a sharded checkpoint (trainer=fsdp2 / fsdp) is a folder that every rank writes into. Here
+    - atomic sharded saves: a sharded checkpoint (trainer=fsdp2) is a folder that every rank writes into. Here
       it goes to a new folder ``<name>.step<N>`` and, once every rank is done, ``<name>`` (a relative symlink) is
       switched to it with one ``os.replace``; the previous folder is removed after the switch;
     - the checkpoint of a step that is validated is written after that validation, so it holds what the validation
@@ -283,8 +283,6 @@ def writes_folders(strategy) -> bool:
     """Whether this strategy saves a checkpoint as a folder of per-rank shards."""
     if isinstance(strategy, ModelParallelStrategy):
         return bool(strategy._save_distributed_checkpoint)
-    if isinstance(strategy, FSDPStrategy):
-        return strategy._state_dict_type == "sharded"
     return False
 
 

@@ -1,7 +1,7 @@
 """EMA of the weights through Lightning's WeightAveraging (swapped in for validation, saved as state_dict).
 
 Under FSDP2 (trainer=fsdp2: ModelParallelStrategy) the average is kept shard for shard beside the sharded weights
-(``ShardedAverage``) and written into the sharded checkpoint with them; FSDP1 (trainer=fsdp) is refused.
+(``ShardedAverage``) and written into the sharded checkpoint with them;
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import WeightAveraging
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
@@ -38,14 +38,8 @@ class EMA(WeightAveraging):
         super().__init__(multi_avg_fn=self._update, use_buffers=True)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        """Refuse FSDP1 before any compute; under FSDP2 build the average once the model is sharded
-        (``on_fit_start``); otherwise WeightAveraging's copy of the plain module."""
-        if isinstance(trainer.strategy, FSDPStrategy):
-            raise ValueError(
-                "the EMA callback does not support trainer=fsdp (FSDP1 flattens and shards the parameters it would "
-                "average): use trainer=fsdp2, whose EMA is sharded with the weights, or drop EMA with "
-                "callbacks.ema=null"
-            )
+        """Under FSDP2 build the average once the model is sharded (``on_fit_start``); otherwise WeightAveraging's
+        copy of the plain module."""
         self._sharded = isinstance(trainer.strategy, ModelParallelStrategy)
         if stage != "fit" or self._sharded:
             return

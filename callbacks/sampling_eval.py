@@ -13,13 +13,12 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import MLFlowLogger
-from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import MeanMetric, Metric
 
 from flowlm.ops.compiled import compiled_tails
 from flowlm.samplers.base import CONFIDENCE_KINDS, Sampler
-from lightning_modules.sharding import full_parameters, unsharded_replica
+from lightning_modules.sharding import full_parameters
 
 
 class Unloaded:
@@ -104,7 +103,6 @@ class SamplingEvaluation(Callback):
         self.primary: str | None = None  # the task metric's headline key (first one it reports)
         self._states: dict[tuple[str, int], dict] = {}
         self._sampling = True  # whether the current validation samples (``every_n_steps``)
-        self._replica = None  # under FSDP1: an unsharded copy of the model for one validation epoch
 
     def check_model(self, pl_module) -> None:
         """Refuse, before any compute, a sampler that does not fit this model family."""
@@ -151,9 +149,6 @@ class SamplingEvaluation(Callback):
         self._sampling = self.samples_now(trainer)
         if not self._sampling:  # the validation loss only: results and states stay those of the last sampling
             return
-        # FSDP1 (trainer=fsdp) cannot run a wrapped model outside its own forward: sample from a full replica
-        fsdp1 = isinstance(getattr(trainer, "strategy", None), FSDPStrategy)
-        self._replica = unsharded_replica(trainer, pl_module) if fsdp1 else None
         self._states = {
             (name, budget): {
                 "metric": self.metric_factory(datamodule=self._datamodule).to(pl_module.device),
@@ -173,8 +168,7 @@ class SamplingEvaluation(Callback):
             return
         # A sharded (FSDP2) model is gathered once for all samplers: ranks may run different numbers of forwards.
         with full_parameters(pl_module):
-            model = self._replica if self._replica is not None else pl_module
-            self._sample_batch(trainer, model, batch, batch_idx)
+            self._sample_batch(trainer, pl_module, batch, batch_idx)
 
     def _sample_batch(self, trainer, pl_module, batch, batch_idx: int) -> None:
         model = pl_module.denoiser()
@@ -198,7 +192,6 @@ class SamplingEvaluation(Callback):
                 calibration.add(out.confidence, correct, scored)
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:  # noqa: D102
-        self._replica = None
         if not self._sampling or not self._states or trainer.sanity_checking:
             return
         self.results = []

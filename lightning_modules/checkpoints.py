@@ -255,9 +255,10 @@ def consolidate_checkpoint(path: str | os.PathLike, *, optimizer: bool = False, 
     """A sharded checkpoint folder as one checkpoint dict of full tensors, the layout of a file checkpoint.
 
     Works for ModelParallelStrategy (FSDP2) folders, whose weights are under ``state_dict``, and FSDPStrategy ones
-    (``model``). The EMA's live weights (``state_dict.current_model_state``) move to the top-level
-    ``current_model_state``. Optimizer states (FQN-keyed, as the sharded strategies save them) are read only with
-    ``optimizer=True``, as ``optimizer_states``. Everything is held in CPU memory on this process.
+    (``model``; FSDP1, no longer trained with, its folders still read). The EMA's live weights
+    (``state_dict.current_model_state``) move to the top-level ``current_model_state``. Optimizer states (FQN-keyed,
+    as the sharded strategies save them) are read only with ``optimizer=True``, as ``optimizer_states``. Everything
+    is held in CPU memory on this process.
     """
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict

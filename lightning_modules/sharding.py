@@ -232,22 +232,6 @@ def full_parameters(module: nn.Module) -> Iterator[None]:
             unit.set_reshard_after_forward(not any(unit is top for top in tops), recurse=False)
 
 
-def unsharded_replica(trainer, pl_module: nn.Module) -> nn.Module:
-    """A plain copy of ``pl_module`` holding the full weights, for evaluation under FSDP1 (trainer=fsdp).
-
-    FSDP1 cannot keep its units gathered across forward calls the way ``full_parameters`` does for FSDP2, and every
-    call of a wrapped block all-gathers, so ranks running different numbers of sampler steps would wait on each
-    other. Instead the full state dict is gathered once (a collective every rank joins at the same point) into a
-    module of the same class and hyper-parameters, which then runs with no communication at all.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(trainer.strategy.model, options=StateDictOptions(full_state_dict=True))
-    replica = type(pl_module)(**pl_module.hparams)
-    replica.load_state_dict(state)
-    return replica.to(pl_module.device).eval()
-
-
 def reshard_all(module: nn.Module) -> None:
     """Bring every FSDP2 unit back to its sharded parameters (an outermost unit keeps its parameters gathered after
     a forward pass without backward, e.g. validation); a no-op for an unsharded module."""

@@ -256,10 +256,10 @@ def check_run_dir(cfg: DictConfig) -> Path | None:
                 f"{last.parent} (rename it to last.ckpt), or delete it to restart the run."
             ) from err
         strategy = str(OmegaConf.select(cfg, "trainer.strategy._target_", default=""))
-        if last.is_dir() and not strategy.endswith(("ModelParallelStrategy", "FSDPStrategy")):
+        if last.is_dir() and not strategy.endswith("ModelParallelStrategy"):
             raise RunExistsError(
                 f"cannot resume {run_dir} with this trainer: its {last.name} is a folder of shards written by a "
-                "sharded trainer; resume with that trainer (trainer=fsdp2 or trainer=fsdp), or evaluate the "
+                "sharded trainer; resume with that trainer (trainer=fsdp2), or evaluate the "
                 "checkpoint in one process with flowlm-eval"
             )
         return last

@@ -66,38 +66,15 @@ def _run(cmd: list[str], root: Path) -> subprocess.CompletedProcess:
 
 
 # ---------------------------------------------------------------------------------------------------- configs
-def test_fsdp_config_builds_its_strategy_without_a_gpu():
+def test_fsdp2_config_builds_its_strategy_without_a_gpu():
     from conftest import compose_config
     from hydra.utils import instantiate
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-
-    from flowlm.backbones.dit import DiTBlock
-
-    cfg = compose_config("train", ["trainer=fsdp"])
-    assert cfg.trainer.accelerator == "gpu" and cfg.trainer.precision == "bf16-mixed"
-    strategy = instantiate(cfg.trainer.strategy)
-    assert isinstance(strategy, FSDPStrategy)
-    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {DiTBlock}
-    assert strategy.mixed_precision.param_dtype == torch.bfloat16
-    assert strategy.mixed_precision.reduce_dtype == torch.float32
-    assert strategy.mixed_precision.buffer_dtype is None  # buffers (sinusoidal frequencies) keep fp32
-    assert strategy._state_dict_type == "sharded"
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
     cfg = compose_config("train", [*FSDP2_CPU, "trainer.devices=3"])
     strategy = instantiate(cfg.trainer.strategy)
     assert isinstance(strategy, ModelParallelStrategy)
     assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (3, 1)
-
-
-def test_ema_refuses_fsdp1_before_compute():
-    from types import SimpleNamespace
-
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    from callbacks.ema import EMA
-
-    with pytest.raises(ValueError, match="trainer=fsdp2"):
-        EMA().setup(SimpleNamespace(strategy=FSDPStrategy()), None, "fit")
 
 
 # ------------------------------------------------------------------------------- sharding in one process
@@ -160,23 +137,6 @@ def test_compile_is_in_place_and_idempotent():
     module.configure_model()
     assert [b._compiled_call_impl for b in module.net.blocks] == compiled
     assert list(module.state_dict()) == names
-
-
-def test_replica_holds_the_full_weights_of_a_sharded_module(one_process_group):
-    from types import SimpleNamespace
-
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from lightning_modules.sharding import unsharded_replica
-
-    module = _tiny_mdm()
-    reference = {k: v.clone() for k, v in module.state_dict().items()}
-    module._device_mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
-    module.configure_model()
-    replica = unsharded_replica(SimpleNamespace(strategy=SimpleNamespace(model=module)), module)
-    assert type(replica) is type(module) and not replica.training
-    for name, value in replica.state_dict().items():
-        assert type(value) is torch.Tensor and torch.equal(value, reference[name]), name
 
 
 def _unequal_forwards(rank: int, init_file: str, out_dir: str) -> None:
