@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from flowlm.samplers import AncestralSampler, ConfidenceSampler, MaskedDenoiser, SemiARConfidenceSampler, base
+from flowlm.ops import draws
+from flowlm.samplers import AncestralSampler, ConfidenceSampler, MaskedDenoiser, SemiARConfidenceSampler
 
 V, MASK, N = 3, 3, 60_000
 BASE = torch.tensor([[1.2, 0.1, -0.5], [0.0, 0.4, 0.9]])  # logits of positions 0, 1 when the other is masked
@@ -213,7 +214,7 @@ def test_two_level_draw_law_and_log_prob(monkeypatch, temperature):
     0; a narrower last chunk; rows drawn through ``rows``, one chunk per tile at this many rows): the frequencies of
     each selected row's law lie within 4.5 standard errors of softmax(logits / T), a zero-probability token is never
     drawn, and the log-probability returned is the untempered log-softmax at the token."""
-    monkeypatch.setattr(base, "CDF_CHUNK", 4)
+    monkeypatch.setattr(draws, "CDF_CHUNK", 4)
     logits = torch.tensor(
         [
             [0.3, -1.0, 2.0, 0.0, *[float("-inf")] * 4, 1.1, -0.4, float("-inf")],
@@ -222,7 +223,7 @@ def test_two_level_draw_law_and_log_prob(monkeypatch, temperature):
     )
     n = 100_000
     rows = torch.arange(2 * n) % 2
-    drawn, log_p = base.draw_rows(logits, temperature, torch.Generator().manual_seed(8), rows=rows)
+    drawn, log_p = draws.draw_rows(logits, temperature, torch.Generator().manual_seed(8), rows=rows)
     for r in (0, 1):
         freq = drawn[rows == r].bincount(minlength=11).double() / n
         p = torch.softmax(logits[r].double() / temperature, -1)
@@ -241,9 +242,9 @@ def test_two_level_draw_picks_the_one_level_token(temperature):
     logits = (2 * torch.randn(40, 50_258, generator=torch.Generator().manual_seed(9))).bfloat16()
     u = torch.rand((40, 1), generator=torch.Generator().manual_seed(10), dtype=torch.float64)
     want = one_level_draw(logits, temperature, u)
-    drawn, _ = base.draw_rows(logits, temperature, torch.Generator().manual_seed(10))
+    drawn, _ = draws.draw_rows(logits, temperature, torch.Generator().manual_seed(10))
     assert torch.equal(drawn, want)
-    assert torch.equal(base.sample_categorical(logits, temperature, torch.Generator().manual_seed(10)), want)
+    assert torch.equal(draws.sample_categorical(logits, temperature, torch.Generator().manual_seed(10)), want)
 
 
 def test_greedy_paths_agree_and_draws_are_checked():
@@ -285,7 +286,7 @@ def test_greedy_paths_agree_and_draws_are_checked():
 def test_inverse_cdf_draw_frequencies(temperature):
     """``sample_categorical``: over 200 000 rows the frequencies of a 5-token law (one token at probability 0) lie
     within 4.5 standard errors of softmax(logits / T); the zero-probability token is never drawn; T = 0: argmax."""
-    from flowlm.samplers.base import sample_categorical
+    from flowlm.ops.draws import sample_categorical
 
     logits = torch.tensor([0.3, -1.0, float("-inf"), 2.0, 0.0])
     n = 200_000

@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flowlm.ops.draws import gumbel_argmax, pick_tokens
 from flowlm.processes.gaussian_flow import OneHotSpace
 from flowlm.samplers import AncestralSampler, ConfidenceSampler, MaskedDenoiser, PosteriorRefinementSampler
-from flowlm.samplers.base import FlowDenoiser, gumbel_argmax, pick_tokens
+from flowlm.samplers.base import FlowDenoiser
 from lightning_modules.mdm import MDMModule
 
 BACKBONE = {"d_model": 16, "n_layers": 1, "n_heads": 2, "cond_dim": 16}

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowlm.samplers.base import SampleOutput, Sampler, check_temperature, pick_tokens
+from flowlm.ops.draws import pick_tokens
+from flowlm.samplers.base import SampleOutput, Sampler, check_temperature
 
 
 @dataclass(frozen=True)

@@ -5,16 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flowlm.samplers.base import (
-    MaskedDenoiser,
-    SampleOutput,
-    Sampler,
-    check_draws,
-    check_temperature,
-    draw_rows,
-    masked_start,
-    pick_tokens,
-)
+from flowlm.ops.draws import draw_rows, pick_tokens
+from flowlm.samplers.base import MaskedDenoiser, SampleOutput, Sampler, check_draws, check_temperature, masked_start
 from flowlm.samplers.guidance import check_cfg_scale, evaluations_per_step, guided_denoiser, guided_steps
 
 

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from flowlm.ops.compiled import compilable, tails_enabled
+from flowlm.ops.draws import draw_rows, pick_tokens
 from flowlm.ops.summary import chunked_max_log_prob
 from flowlm.samplers.base import (
     MaskedDenoiser,
@@ -14,9 +15,7 @@ from flowlm.samplers.base import (
     check_draws,
     check_score,
     check_temperature,
-    draw_rows,
     masked_start,
-    pick_tokens,
 )
 from flowlm.samplers.guidance import check_cfg_scale, evaluations_per_step, guided_denoiser, guided_steps
 

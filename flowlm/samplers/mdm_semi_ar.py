@@ -8,6 +8,7 @@ import math
 import torch
 from torch import Tensor
 
+from flowlm.ops.draws import draw_rows, pick_tokens
 from flowlm.samplers.base import (
     MaskedDenoiser,
     SampleOutput,
@@ -15,9 +16,7 @@ from flowlm.samplers.base import (
     check_draws,
     check_score,
     check_temperature,
-    draw_rows,
     masked_start,
-    pick_tokens,
 )
 from flowlm.samplers.guidance import check_cfg_scale, evaluations_per_step, guided_denoiser, guided_steps
 from flowlm.samplers.mdm_confidence import commit_slots, max_log_prob, slots

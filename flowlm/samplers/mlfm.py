@@ -41,8 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flowlm.ops.draws import pick_tokens
 from flowlm.processes.bridge import BridgeProcess
-from flowlm.samplers.base import SampleOutput, Sampler, check_temperature, pick_tokens
+from flowlm.samplers.base import SampleOutput, Sampler, check_temperature
 
 GUIDANCE_SCOPES = ("prompt", "context")
 OTP_MODES = ("trajectory", "rounds")

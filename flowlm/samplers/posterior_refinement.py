@@ -7,14 +7,8 @@ import math
 import torch
 from torch import Tensor
 
-from flowlm.samplers.base import (
-    FlowDenoiser,
-    SampleOutput,
-    Sampler,
-    check_score,
-    check_temperature,
-    pick_tokens,
-)
+from flowlm.ops.draws import pick_tokens
+from flowlm.samplers.base import FlowDenoiser, SampleOutput, Sampler, check_score, check_temperature
 from flowlm.samplers.flow_map import flow_jumps, flow_jumps_summary
 
 
