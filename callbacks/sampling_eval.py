@@ -181,7 +181,7 @@ class SamplingEvaluation(Callback):
                 out = self.samplers[name](model, prompt=tokens, prompt_mask=prompt_mask, nfe=budget, generator=gen)
             seconds = _now(tokens.device) - start
             state["metric"].update(out.tokens, tokens)
-            state["nfe"].update(float(out.nfe))
+            state["nfe"].update(out.mean_nfe(), weight=tokens.shape[0])  # per row (adaptive samplers: each its own)
             state["seconds"].update(seconds / tokens.shape[0], weight=tokens.shape[0])
             room = self.num_logged_samples - len(state["samples"])
             if room > 0:

@@ -4,20 +4,25 @@ from flowlm.samplers.autoregressive import AutoregressiveSampler, CausalDenoiser
 from flowlm.samplers.base import CONFIDENCE_KINDS, FlowDenoiser, MaskedDenoiser, SampleOutput, Sampler
 from flowlm.samplers.block_flow import BlockFlowSampler
 from flowlm.samplers.flow_map import FlowMapSampler
+from flowlm.samplers.mdm_adaptive import AdaptiveMDMSampler
 from flowlm.samplers.mdm_ancestral import AncestralSampler
 from flowlm.samplers.mdm_confidence import ConfidenceSampler
+from flowlm.samplers.mdm_eb import EBSampler
 from flowlm.samplers.mdm_semi_ar import SemiARConfidenceSampler
+from flowlm.samplers.mdm_threshold import ThresholdSampler
 from flowlm.samplers.mlfm import BridgeDenoiser, MLFMSampler
 from flowlm.samplers.posterior_refinement import PosteriorRefinementSampler
 
 __all__ = [
     "CONFIDENCE_KINDS",
+    "AdaptiveMDMSampler",
     "AncestralSampler",
     "AutoregressiveSampler",
     "BlockFlowSampler",
     "BridgeDenoiser",
     "CausalDenoiser",
     "ConfidenceSampler",
+    "EBSampler",
     "FlowDenoiser",
     "FlowMapSampler",
     "MLFMSampler",
@@ -26,4 +31,5 @@ __all__ = [
     "SampleOutput",
     "Sampler",
     "SemiARConfidenceSampler",
+    "ThresholdSampler",
 ]

@@ -15,11 +15,17 @@ from flowlm.processes.gaussian_flow import EmbeddingSpace, OneHotSpace
 
 @dataclass
 class SampleOutput:
-    """Tokens (B, L), per-token confidence (B, L) of the committed token, and the NFE really spent."""
+    """Tokens (B, L), per-token confidence (B, L) of the committed token, and the NFE really spent; ``row_nfe`` (B,):
+    the calls each row needed, where an adaptive sampler finishes rows at different calls (None: every row ``nfe``)."""
 
     tokens: Tensor
     confidence: Tensor
     nfe: int
+    row_nfe: Tensor | None = None
+
+    def mean_nfe(self) -> float:
+        """The NFE per row, averaged over the batch: where adaptive samplers meet fixed-step ones on one axis."""
+        return float(self.nfe) if self.row_nfe is None else float(self.row_nfe.float().mean())
 
 
 @dataclass(frozen=True)
