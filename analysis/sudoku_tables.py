@@ -339,6 +339,7 @@ PAPER, SUITE = "paper", "suite"  # a verdict's scope: where the paper states the
 # The claims judged, by id; where the papers state each: the `claims` of reference.yaml's tasks.
 CLAIMS = {
     "pr_beats_mdm": "FMLM+ PR at 4 NFE beats the MDM at full NFE (its better sampler)",
+    "pr_beats_fast_mdm": "FMLM+ PR at 4 NFE beats the MDM's best decoder at ≤ 4 mean NFE (adaptive ones included)",
     "pr_beats_a_priori": "PR beats the a-priori loop on the same checkpoint at low NFE ({nfe})",
     "init_distill_scratch": "MDM-initialised > distilled > scratch (PR at {nfe} NFE)",
     "mlfm_guidance": "MLFM: CCFG + OTP > CCFG > no guidance (NFE {nfe})",
@@ -408,6 +409,11 @@ def verdicts(agg: pd.DataFrame) -> pd.DataFrame:
             best = max(mdm, key=lambda c: c.mean) if mdm else None
             for v in ("scratch", "distill", "init"):
                 add("pr_beats_mdm", LOW_NFE, d, f"FMLM+ {v} PR@4", at("FMLM+", v, "pr", LOW_NFE), f"MDM@{full}", best)
+            fast = best_within_nfe(part, metric, "MDM", LOW_NFE)
+            if fast is not None:
+                for v in ("scratch", "distill", "init"):
+                    pr = at("FMLM+", v, "pr", LOW_NFE)
+                    add("pr_beats_fast_mdm", LOW_NFE, d, f"FMLM+ {v} PR@4", pr, fast[0], fast[1])
         for nfe in (LOW_NFE,) if d != "uncond" else (3, 9):
             for v in ("scratch", "distill", "init"):
                 add(
@@ -425,6 +431,20 @@ def verdicts(agg: pd.DataFrame) -> pd.DataFrame:
         for hi, lo in (("mlfm_ccfg_otp", "mlfm_ccfg"), ("mlfm_ccfg", "mlfm")):
             add("mlfm_guidance", full, d, hi, at("MLFM", "init", hi, full), lo, at("MLFM", "init", lo, full))
     return pd.DataFrame(lines, columns=["claim", "task", "compared", "verdict", "scope", "stated"])
+
+
+def best_within_nfe(part: pd.DataFrame, metric: str, method: str, nfe: int) -> tuple[str, Cell] | None:
+    """The ``method``'s best line (any sampler and budget) whose mean NFE spent is at most ``nfe``: a fixed-step
+    sampler at that budget, or an adaptive one (threshold, EB) whose rows needed no more on average; its label
+    ('MDM eb@18 (3.9 NFE)') and cell. None when none is measured."""
+    lines = part[(part["method"] == method) & (part["nfe_mean"] <= nfe + 1e-9)] if "nfe_mean" in part else part[:0]
+    best: tuple[str, Cell] | None = None
+    for _, line in lines.iterrows():
+        got = cell(part, metric, method=method, sampler=line["sampler"], nfe_budget=line["nfe_budget"])
+        if got is not None and (best is None or got.mean > best[1].mean):
+            label = f"{method} {line['sampler']}@{line['nfe_budget']} ({line['nfe_mean']:.1f} NFE)"
+            best = (label, got)
+    return best
 
 
 def verdict_counts(table: pd.DataFrame) -> dict[str, int]:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import csv
 import json
+from pathlib import Path
 
 import hydra
 import lightning as L
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigKeyError
 
+from callbacks.convergence import CONVERGENCE_FILE
 from callbacks.progress import progress_callbacks
+from callbacks.results_csv import ResultsCSV, write_rows
 from callbacks.sampling_eval import SamplingEvaluation
 from flowlm.pretrained.export import CONFIG as EXPORT_CONFIG
 from flowlm.pretrained.export import is_export
@@ -82,12 +86,49 @@ def evaluate(cfg: DictConfig) -> dict:
             print(f"\n{evaluation.primary} by NFE budget (NFE spent)\n{table}\n", flush=True)
             if logger is not None:
                 logger.experiment.log_text(logger.run_id, table, "eval/final_table.md")
+        if trainer.is_global_zero and cfg.get("results_csv"):
+            path = write_results_csv(cfg, meta, module, evaluation)
+            print(f"rows written to {path}", flush=True)
     except BaseException as err:
         if logger is not None and trainer.is_global_zero:
             record_error(logger, err)  # FAILED with its error (the run is new: no earlier error to clear)
         exit_on_sigterm(err, f"the evaluation of {cfg.ckpt_path}; its results are incomplete")
         raise
     return {"rows": rows, "metric": evaluation.primary, "mlflow_run_id": getattr(logger, "run_id", None)}
+
+
+class _RecordedConvergence:
+    """The convergence facts of the checkpoint's run, as its ``convergence.json`` holds them (``Convergence.record``
+    of the run that trained it); none for a checkpoint outside a run folder."""
+
+    def __init__(self, ckpt_path: str) -> None:
+        record = Path(ckpt_path).resolve().parent.parent / CONVERGENCE_FILE
+        self._record = json.loads(record.read_text()) if record.is_file() else {}
+
+    def record(self) -> dict:
+        return self._record
+
+
+def write_results_csv(cfg: DictConfig, meta: dict, module, evaluation: SamplingEvaluation) -> Path:
+    """The evaluation's rows in the results-CSV schema (callbacks/results_csv.py) at
+    ``<results_csv>/<task>/<name>_seed<seed>_eval.csv``: the run's identity and convergence facts, this evaluation's
+    samplers and settings; the training precision from the run's config, the device from the run's own rows
+    beside it (blank when they are not there)."""
+    run = dict(meta.get("config") or {})
+    if not run.get("task") or not run.get("name"):
+        raise ValueError(f"{cfg.ckpt_path} records no run name and task: its rows cannot join a results folder")
+    run["eval"] = OmegaConf.to_container(cfg.eval, resolve=True)
+    folder = Path(cfg.results_csv) / str(run["task"])
+    trained = folder / f"{run['name']}_seed{run.get('seed', 0)}.csv"
+    device = ""
+    if trained.is_file():
+        with trained.open(newline="") as f:
+            device = next(csv.DictReader(f), {}).get("device", "") or ""
+    machine = {"precision": str((run.get("trainer") or {}).get("precision", "")), "device": device}
+    rows = ResultsCSV.rows(run, type(module).__name__, evaluation, _RecordedConvergence(cfg.ckpt_path), machine)
+    path = folder / f"{run['name']}_seed{run.get('seed', 0)}_eval.csv"
+    write_rows(path, rows)
+    return path
 
 
 def checkpoint_step(path: str) -> int:

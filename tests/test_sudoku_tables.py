@@ -371,15 +371,18 @@ def test_each_verdict_says_whether_the_paper_states_it_there(results, tmp_path):
     assert prior.loc["easy", "verdict"] == "reproduces"  # judged all the same, as the suite's own finding
     assert prior.loc["uncond", "scope"].tolist() == [PAPER, PAPER]  # NFE 3 and 9
     assert prior.loc["easy", "stated"].startswith("sudoku_uncond: FMLM+ PR (δ₀,₁) @3/9/27 > FMLM+ a-priori")
-    pr_vs_mdm = table[table["claim"].str.startswith("FMLM+ PR at 4 NFE")]
+    pr_vs_mdm = table[table["claim"].str.startswith("FMLM+ PR at 4 NFE beats the MDM at full NFE")]
     assert set(pr_vs_mdm["scope"]) == {PAPER}
+    fast = table[table["claim"].str.contains("best decoder at ≤ 4 mean NFE")]
+    assert len(fast) and set(fast["scope"]) == {SUITE}  # the papers compare against the MDM at full NFE only
     assert pr_vs_mdm["stated"].iloc[0].startswith("sudoku_easy, sudoku_medium, sudoku_hard: FMLM+ PR @4 > MDLM @128")
     order = table[table["claim"].str.startswith("MDM-initialised")]
     mlfm = table[table["claim"].str.startswith("MLFM")]
     assert set(order["scope"]) == set(mlfm["scope"]) == {SUITE}  # the papers state both on GSM8K
     assert order["stated"].iloc[0].startswith("gsm8k: FMLM+ init PR @32 > FMLM+ distill PR @32")
     text = build_sudoku_report(results, tmp_path / "report").markdown.read_text()
-    assert "Reproduction verdicts: reproduces: 3, " in text and "The suite's own findings: reproduces: 4, " in text
+    assert "Reproduction verdicts: reproduces: 3, " in text
+    assert "The suite's own findings: reproduces: 7, " in text  # 4, and PR@4 vs the MDM's best at ≤ 4 NFE ×3
     assert "| PR beats the a-priori loop on the same checkpoint at low NFE (4) | easy |" in text
 
 
@@ -390,3 +393,30 @@ def test_scope_reads_task_and_nfe():
     assert scope("pr_beats_mdm", "hard", 4) == PAPER
     assert scope("pr_beats_mdm", "uncond", 4) == SUITE
     assert scope("mlfm_guidance", "easy", 18) == SUITE
+
+
+def test_the_mdms_best_decoder_within_a_budget_counts_the_nfe_spent():
+    """An adaptive decoder joins the comparison at the NFE it spent: eb@18 spent 4.9 on average, so at ≤ 4 the best
+    is eb@4 (3.9), not eb@18 or the confidence sampler at full NFE."""
+    import pandas as pd
+
+    from analysis.sudoku_tables import best_within_nfe
+
+    lines = [
+        ("confidence", 4, 4.0, 35.0),
+        ("confidence", 18, 18.0, 90.0),
+        ("eb", 4, 3.9, 75.0),
+        ("threshold", 18, 3.5, 68.0),
+        ("eb", 18, 4.9, 83.0),
+    ]
+    part = pd.DataFrame(
+        [
+            {"method": "MDM", "variant": "scratch", "sampler": s, "nfe_budget": b, "nfe_mean": spent,
+             "accuracy_mean": acc, "accuracy_std": 0.0, "n": 1}
+            for s, b, spent, acc in lines
+        ]
+    )  # fmt: skip
+    label, got = best_within_nfe(part, "accuracy", "MDM", 4)
+    assert label == "MDM eb@4 (3.9 NFE)" and got.mean == 75.0
+    assert best_within_nfe(part, "accuracy", "MDM", 3) is None
+    assert best_within_nfe(part, "accuracy", "MDM", 18)[1].mean == 90.0
