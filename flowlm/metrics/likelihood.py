@@ -1,0 +1,176 @@
+"""Log-likelihoods of a continuation given pinned context: the MDM's ELBO (Monte Carlo, and exact by enumerating
+masks for a few tokens) and an AR model's exact chain rule; what an lm-evaluation-harness model scores with
+(runners/lm_harness.py, docs/evaluation.md).
+
+A row is ``tokens`` (B, L) with ``pinned`` positions (the context, kept verbatim), ``scored`` positions (the
+continuation) and the rest, which an MDM sees as [MASK] at every draw (the text after the continuation, marginalised).
+With n scored positions and M ⊆ scored the masked set, the MDM's continuous-time ELBO (methods.md §2, α_t = 1 − t) is
+
+    ELBO = E_{t ~ U(0, 1]} E_{M ~ Bernoulli(t)^n} [ (1/t) Σ_{i∈M} log p_θ(x_i | x with M and the rest masked) ]
+         = Σ_{k=1}^{n} (1/k) E_{|M| = k} [ Σ_{i∈M} log p_θ(x_i | …) ]       (∫₀¹ t^{k−1}(1−t)^{n−k} dt = 1/(k·C(n,k)))
+
+≤ log p_θ(continuation | context); two unbiased estimators of it:
+
+- ``time`` (MDLM's): t_j = (j + 1 − u_j)/S for j < S (stratified, MDLM's antithetic sampling; t ∈ (0, 1]), each
+  scored position masked when v < t_j, weight 1/t_j. Its variance grows like log(S) terms from the smallest t.
+- ``count`` (LLaDA's): k_j = ⌊(j + u_j)·n/S⌋ + 1 (stratified, uniform on 1…n), a uniform k-subset masked, weight
+  n/k_j; bounded weights, and exact (zero variance) for one scored token.
+
+The network reads the time t_j (``time``) or k_j/n (``count``); a time-conditioned MDM is refused by ``count`` (its
+ELBO integrates over t) and by the enumeration.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from flowlm.samplers.autoregressive import CausalDenoiser
+from flowlm.samplers.base import MaskedDenoiser
+
+ESTIMATORS = ("time", "count")
+# The most scored positions ``mdm_elbo_exact`` enumerates (2^n − 1 network rows).
+MAX_ENUMERATED = 16
+
+
+def check_estimator(estimator: str, model: MaskedDenoiser) -> str:
+    """One of ``ESTIMATORS``; ``count`` only for a time-agnostic MDM."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    if estimator == "count" and model.time_conditioned:
+        raise ValueError(
+            "estimator=count feeds the network k/n, not a time of the ELBO's integral: a time-conditioned MDM needs "
+            "estimator=time"
+        )
+    return estimator
+
+
+def elbo_draws(
+    scored: Tensor, samples: int, generator: torch.Generator, estimator: str = "time"
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One row's draws for ``samples`` ELBO terms: masked positions (S, L) bool (a subset of ``scored`` (L,)), the
+    time each network call reads (S,) and each term's weight (S,), float64; on ``scored``'s device, drawn on the
+    generator's (see the module docstring)."""
+    if samples < 1:
+        raise ValueError(f"samples must be ≥ 1, got {samples}")
+    device = generator.device
+    scored = scored.to(device)
+    strata = torch.arange(samples, device=device, dtype=torch.float64)
+    u = torch.rand(samples, generator=generator, device=device, dtype=torch.float64)
+    v = torch.rand((samples, scored.shape[0]), generator=generator, device=device, dtype=torch.float64)
+    if estimator == "time":
+        times = (strata + 1.0 - u) / samples  # (0, 1]: 1 − u > 0
+        masked = (v < times[:, None]) & scored
+        weights = 1.0 / times
+    elif estimator == "count":
+        n = int(scored.sum())
+        if n == 0:
+            zeros = torch.zeros(samples, device=device, dtype=torch.float64)
+            return torch.zeros((samples, scored.shape[0]), dtype=torch.bool, device=device), zeros + 1, zeros
+        k = ((strata + u) * n / samples).floor().clamp_(0, n - 1) + 1  # uniform on 1…n
+        v = v.masked_fill(~scored, 2.0)  # unscored positions rank last
+        rank = v.argsort(-1).argsort(-1)
+        masked = rank < k[:, None]
+        times, weights = k / n, n / k
+    else:
+        raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")
+    return masked, times, weights
+
+
+def _visible(tokens: Tensor, pinned: Tensor, scored: Tensor, masked: Tensor, mask_id: int) -> Tensor:
+    """The network input: pinned and unmasked scored positions show their token, everything else [MASK]."""
+    keep = pinned | (scored & ~masked)
+    return torch.where(keep, tokens, mask_id)
+
+
+def _masked_log_probs(model: MaskedDenoiser, x: Tensor, times: Tensor, targets: Tensor, masked: Tensor) -> Tensor:
+    """Σ over ``masked`` positions of log p_θ(target | x) per row, float64 (B,)."""
+    logits = model.fn(x, times.to(torch.float32))
+    log_p = torch.log_softmax(logits.float(), dim=-1)
+    picked = log_p.gather(-1, torch.where(masked, targets, 0)[..., None]).squeeze(-1).double()
+    return torch.where(masked, picked, 0.0).sum(-1)
+
+
+@torch.no_grad()
+def mdm_elbo_samples(
+    model: MaskedDenoiser,
+    tokens: Tensor,
+    pinned: Tensor,
+    scored: Tensor,
+    *,
+    samples: int,
+    generators: Sequence[torch.Generator],
+    estimator: str = "time",
+    batch_size: int | None = None,
+) -> Tensor:
+    """``samples`` unbiased terms of each row's ELBO (B, S) float64 (their mean estimates it, their spread gives
+    its standard error); row b draws from ``generators[b]`` alone, so its terms do not depend on the other rows.
+    ``batch_size``: network rows per call (all B·S at once when None)."""
+    check_estimator(estimator, model)
+    if len(generators) != tokens.shape[0]:
+        raise ValueError(f"one generator per row: {len(generators)} for {tokens.shape[0]} rows")
+    draws = [elbo_draws(scored[b], samples, generators[b], estimator) for b in range(tokens.shape[0])]
+    device = tokens.device
+    masked = torch.stack([d[0] for d in draws]).to(device)  # (B, S, L)
+    times = torch.stack([d[1] for d in draws]).to(device).flatten()
+    weights = torch.stack([d[2] for d in draws]).to(device).flatten()
+    rows = tokens[:, None].expand(-1, samples, -1)
+    x = _visible(rows, pinned[:, None], scored[:, None], masked, model.mask_id).flatten(0, 1)
+    targets, masked = rows.flatten(0, 1), masked.flatten(0, 1)
+    step = batch_size or x.shape[0]
+    terms = torch.cat(
+        [
+            _masked_log_probs(model, x[i : i + step], times[i : i + step], targets[i : i + step], masked[i : i + step])
+            for i in range(0, x.shape[0], step)
+        ]
+    )
+    return (terms * weights).view(tokens.shape[0], samples)
+
+
+@torch.no_grad()
+def mdm_elbo_exact(model: MaskedDenoiser, tokens: Tensor, pinned: Tensor, scored: Tensor) -> Tensor:
+    """Each row's ELBO (B,) float64, exactly: Σ over the 2^n − 1 non-empty masked sets M of the scored positions of
+    Σ_{i∈M} log p_θ(x_i | …) / (|M|·C(n, |M|)); one network call per row, n ≤ ``MAX_ENUMERATED``. Time-agnostic
+    MDMs only (a time-conditioned one's ELBO integrates over the time it reads)."""
+    if model.time_conditioned:
+        raise ValueError("the enumerated ELBO is that of a time-agnostic MDM; this one reads its time")
+    out = torch.zeros(tokens.shape[0], dtype=torch.float64, device=tokens.device)
+    for b in range(tokens.shape[0]):
+        where = scored[b].nonzero().squeeze(-1)
+        n = where.numel()
+        if n == 0:
+            continue
+        if n > MAX_ENUMERATED:
+            raise ValueError(f"{n} scored positions: the enumeration stops at {MAX_ENUMERATED} (2^n network rows)")
+        bits = (torch.arange(1, 2**n, device=tokens.device)[:, None] >> torch.arange(n, device=tokens.device)) & 1
+        masked = torch.zeros((bits.shape[0], tokens.shape[1]), dtype=torch.bool, device=tokens.device)
+        masked[:, where] = bits.bool()
+        k = bits.sum(-1).double()
+        weights = 1.0 / (k * torch.tensor([math.comb(n, int(j)) for j in k], dtype=torch.float64, device=k.device))
+        rows = tokens[b].expand(bits.shape[0], -1)
+        x = _visible(rows, pinned[b], scored[b], masked, model.mask_id)
+        times = k / n  # read by no network here
+        out[b] = (_masked_log_probs(model, x, times, rows, masked) * weights).sum()
+    return out
+
+
+@torch.no_grad()
+def mdm_greedy(model: MaskedDenoiser, tokens: Tensor, pinned: Tensor, scored: Tensor) -> Tensor:
+    """Whether each row's scored tokens are all the argmax of one call with every scored position masked (B,) bool:
+    the continuation a one-step greedy decoding gives."""
+    x = _visible(tokens, pinned, scored, scored, model.mask_id)
+    logits = model.fn(x, torch.ones(tokens.shape[0], device=tokens.device))
+    return ((logits.argmax(-1) == tokens) | ~scored).all(-1)
+
+
+@torch.no_grad()
+def causal_log_likelihood(model: CausalDenoiser, tokens: Tensor, scored: Tensor) -> tuple[Tensor, Tensor]:
+    """An AR model's exact Σ_{i scored} log p(x_i | x_<i) per row (B,) float64, and whether every scored token is
+    the argmax of its prediction (B,) bool (greedy decoding reproduces the continuation)."""
+    log_p = torch.log_softmax(model.fn(tokens).float(), dim=-1)
+    picked = log_p.gather(-1, tokens[..., None]).squeeze(-1).double()
+    greedy = ((log_p.argmax(-1) == tokens) | ~scored).all(-1)
+    return torch.where(scored, picked, 0.0).sum(-1), greedy

@@ -1,0 +1,517 @@
+"""The suite's checkpoints as an lm-evaluation-harness model, ``flowlm`` (docs/evaluation.md).
+
+    python -m runners.lm_harness --model flowlm --model_args checkpoint=PATH,sampler=confidence,nfe=64 --tasks T
+
+lm-eval 0.4.13 knows a model only once its module is imported (it has no plugin entry points): importing this module
+registers ``flowlm``, and ``python -m runners.lm_harness`` (``main``) is lm-eval's own command line after that import.
+From Python: ``import runners.lm_harness`` then ``lm_eval.simple_evaluate(model="flowlm", model_args=...)``.
+
+- ``generate_until``: the checkpoint's family's sampler (a ``conf/sampler`` config) at an NFE budget; the NFE each
+  request spent is kept, their mean reported (``get_model_info``: ``results["config"]["flowlm"]``, and logged).
+- ``loglikelihood`` / ``loglikelihood_rolling``: an MDM's Monte-Carlo ELBO, an AR model's exact chain rule
+  (flowlm/metrics/likelihood.py); flow-map and MLFM checkpoints define no likelihood and refuse them.
+
+Rows have the checkpoint's layout (datamodules/gsm8k.py, datamodules/text.py): ``[BOS] context`` pinned, then the
+positions the model fills, ``max_length`` positions in all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor
+from tqdm import tqdm
+
+from datamodules.sources import load_tokenizer
+from flowlm.metrics.likelihood import (
+    ESTIMATORS,
+    causal_log_likelihood,
+    check_estimator,
+    mdm_elbo_samples,
+    mdm_greedy,
+)
+from flowlm.project import CONF_DIR
+from flowlm.samplers.base import Sampler
+from lightning_modules.checkpoints import import_class, load_module, read_checkpoint_meta
+from lightning_modules.vocabulary import check_data_tokens
+from runners.common import build
+
+log = logging.getLogger(__name__)
+
+MODEL_NAME = "flowlm"
+SAMPLER_DIR = Path(CONF_DIR) / "sampler"
+# The sampler a family generates with when model_args give none (the configs its evaluations use first).
+DEFAULT_SAMPLERS = {"mdm": "confidence", "flow": "pr", "mlfm": "mlfm", "ar": "ar"}
+# Families that score text: an MDM by its ELBO, AR exactly; the others say why not.
+NO_LIKELIHOOD = {
+    "flow": "a flow-map model (FMLM, FMLM+, FLM) maps noise to text and defines no likelihood of a text",
+    "mlfm": "an MLFM (masked language flow model) maps a bridge to text and defines no likelihood of a text",
+}
+DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SAMPLER_PREFIX = "sampler."
+
+
+def sampler_names() -> list[str]:
+    """The sampler configs under conf/sampler."""
+    return sorted(p.stem for p in SAMPLER_DIR.glob("*.yaml"))
+
+
+def samplers_of(family: str) -> list[str]:
+    """The sampler configs whose sampler samples ``family`` models (configs whose class does not import: left out)."""
+    names = []
+    for name in sampler_names():
+        try:
+            cls = import_class(sampler_config(name)._target_)
+        except (ImportError, AttributeError):
+            continue
+        if getattr(cls, "family", None) == family:
+            names.append(name)
+    return names
+
+
+def sampler_config(name: str) -> DictConfig:
+    """conf/sampler/<name>.yaml; an unknown name is a ValueError listing the known ones."""
+    path = SAMPLER_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"unknown sampler {name!r}: conf/sampler holds {', '.join(sampler_names())}")
+    return OmegaConf.load(path)
+
+
+def build_sampler(name: str, overrides: dict[str, Any], family: str) -> Sampler:
+    """The sampler of conf/sampler/<name>.yaml with ``overrides`` (keys of that config), refused unless it samples
+    ``family`` models; interpolations of the run config (``a_priori_temperature``) take their defaults."""
+    cfg = sampler_config(name)
+    unknown = sorted(set(overrides) - set(cfg) - {"_target_"})
+    if unknown:
+        settings = ", ".join(k for k in cfg if k != "_target_")
+        raise ValueError(
+            f"sampler.{unknown[0]} is not a setting of conf/sampler/{name}.yaml (its settings: {settings})"
+        )
+    cls = import_class(cfg._target_)
+    if cls.family != family:
+        raise ValueError(
+            f"sampler {name!r} ({cls.__name__}) samples '{cls.family}' models, but the checkpoint is a '{family}' "
+            f"model; its samplers: {', '.join(samplers_of(family))}"
+        )
+    for key, value in overrides.items():
+        cfg[key] = value
+    return build(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
+
+
+def request_seed(seed: int, *parts: list[int]) -> int:
+    """A generator seed from ``seed`` and a request's token ids: the same request draws the same numbers in any order,
+    batch and process."""
+    digest = hashlib.sha256(repr((seed, *parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def cut_at_stops(text: str, until: list[str]) -> str:
+    """``text`` up to the earliest occurrence of any non-empty stop sequence."""
+    ends = [i for stop in until if stop and (i := text.find(stop)) >= 0]
+    return text[: min(ends)] if ends else text
+
+
+@register_model(MODEL_NAME)
+class FlowLM(LM):
+    """A flowlm checkpoint (file, sharded folder, export or foreign MDM) for lm-eval; model_args (docs/evaluation.md):
+
+    ``checkpoint``; ``sampler`` (a conf/sampler name of the checkpoint's family; default per family) with
+    ``sampler.<key>=value`` settings of that config, ``nfe`` (budget per generation call), ``gen_length`` (positions
+    generated after the context; default: the rest of the row); ``max_length`` (row length; default the checkpoint's
+    seq_len); ``mc_samples``, ``estimator`` (time | count) for an MDM's ELBO; ``seed``; ``tokenizer``, ``add_bos``
+    (default: the checkpoint's data config); ``dtype`` (float32 | bfloat16 | float16 autocast); ``trust_pickle``.
+    ``batch_size``: rows per network call (generation: requests per sampler call; the ELBO: Monte-Carlo rows).
+    """
+
+    def __init__(
+        self,
+        checkpoint: str,
+        sampler: str | None = None,
+        nfe: int | None = None,
+        gen_length: int | None = None,
+        max_length: int | None = None,
+        mc_samples: int = 128,
+        estimator: str = "time",
+        seed: int = 0,
+        tokenizer: str | None = None,
+        add_bos: bool | None = None,
+        dtype: str = "float32",
+        trust_pickle: bool = False,
+        batch_size: int | str = 1,
+        max_batch_size: int | None = None,
+        device: str | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        overrides = {k[len(SAMPLER_PREFIX) :]: v for k, v in options.items() if k.startswith(SAMPLER_PREFIX)}
+        unknown = sorted(k for k in options if not k.startswith(SAMPLER_PREFIX))
+        if unknown:
+            raise TypeError(
+                f"flowlm: unknown model_args {', '.join(unknown)} (known: checkpoint, sampler, sampler.<key>, nfe, "
+                "gen_length, max_length, mc_samples, estimator, seed, tokenizer, add_bos, dtype, trust_pickle)"
+            )
+        self.checkpoint = str(checkpoint)
+        self.batch_size = _positive_int("batch_size", batch_size)
+        self.mc_samples = _positive_int("mc_samples", mc_samples)
+        self.seed = int(seed)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+        self.dtype = dtype
+        self._device = _resolve_device(device)
+
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"flowlm: estimator must be one of {ESTIMATORS}, got {estimator!r}")
+        self.estimator = estimator
+
+        # everything model_args decide is checked from the checkpoint's record before its weights are read
+        meta = read_checkpoint_meta(self.checkpoint, trust_pickle=trust_pickle)
+        self.family = meta.get("family")
+        data = dict((meta.get("config") or {}).get("data") or {})
+        spec = tokenizer or data.get("tokenizer")
+        if spec is None:
+            raise ValueError(
+                f"{self.checkpoint} records no tokenizer (data without one, e.g. Sudoku, or a foreign checkpoint): "
+                "lm-eval tasks are text; give model_args tokenizer=NAME_OR_DIR for a text model"
+            )
+        self.tokenizer_spec = str(spec)
+        self.tokenizer = tok = load_tokenizer(spec, data.get("pad_token", "add"))
+        self.bos_id = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+        self.eos_id = tok.eos_token_id if tok.eos_token_id is not None else tok.bos_token_id
+        self.pad_id = int(tok.pad_token_id)
+        if add_bos is None:
+            add_bos = bool(data.get("add_bos_eos", True) or data.get("packing") == "wrap") and self.bos_id is not None
+        if add_bos and self.bos_id is None:
+            raise ValueError(f"add_bos=true but tokenizer {spec!r} has no BOS/EOS token")
+        self.head = [self.bos_id] if add_bos else []
+        self.max_length = _positive_int("max_length", max_length or meta.get("seq_len"))
+        if gen_length is not None:
+            gen_length = _positive_int("gen_length", gen_length)
+            if gen_length > self.max_length - len(self.head):
+                raise ValueError(
+                    f"gen_length={gen_length} leaves no room in a row of max_length={self.max_length} positions "
+                    f"({len(self.head)} for BOS)"
+                )
+        self.gen_length = gen_length
+        self.sampler_name = sampler or DEFAULT_SAMPLERS.get(self.family)
+        if self.sampler_name is None:
+            raise ValueError(f"no default sampler for the '{self.family}' family: give sampler=NAME")
+        self.sampler = build_sampler(self.sampler_name, overrides, self.family)
+        self.nfe = None if nfe is None else _positive_int("nfe", nfe)
+        if self.nfe is not None:
+            self.sampler.check_budget(self.nfe, free_positions=gen_length)
+
+        vocab = len(tok)
+        self.module = load_module(
+            self.checkpoint, map_location=self._device, data_vocab_size=vocab, trust_pickle=trust_pickle
+        ).eval()
+        if self.module.data_vocab_size != vocab:
+            raise ValueError(
+                f"{self.checkpoint} was trained on {self.module.data_vocab_size} data tokens; tokenizer {spec!r} "
+                f"(with its PAD) has {vocab}: give the run's tokenizer"
+            )
+        data_tokens = SimpleNamespace(
+            tokenizer=tok,
+            tokenizer_name=self.tokenizer_spec,
+            vocab_size=vocab,
+            pad_id=self.pad_id,
+            mask_token_id=tok.mask_token_id,
+        )
+        check_data_tokens(data_tokens, self.module)
+        if self.family == "mdm":
+            check_estimator(estimator, self.module.denoiser())
+        self._nfe: list[int] = []  # NFE spent per generated request
+        self._stderr: list[float] = []  # Monte-Carlo standard error per ELBO scored
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------------------------------------ lm-eval
+    @property
+    def eot_token_id(self) -> int | None:
+        """EOS: where a generated answer ends."""
+        return self.eos_id
+
+    @property
+    def tokenizer_name(self) -> str:
+        """The tokenizer as given (lm-eval fingerprints caches with it)."""
+        return self.tokenizer_spec
+
+    def get_model_info(self) -> dict:
+        """What lm-eval adds to ``results["config"]``: the checkpoint, sampler and budget, the NFE spent."""
+        return {MODEL_NAME: self.summary()}
+
+    def summary(self) -> dict:
+        """The checkpoint, sampler, budget, row layout, and the NFE / Monte-Carlo statistics so far."""
+        info: dict[str, Any] = {
+            "checkpoint": self.checkpoint,
+            "family": self.family,
+            "sampler": self.sampler_name,
+            "nfe_budget": self.nfe,
+            "gen_length": self.gen_length,
+            "max_length": self.max_length,
+            "generated": len(self._nfe),
+        }
+        if self._nfe:
+            info |= {"mean_nfe": sum(self._nfe) / len(self._nfe), "max_nfe": max(self._nfe)}
+        if self.family == "mdm":
+            info |= {"estimator": self.estimator, "mc_samples": self.mc_samples}
+        if self._stderr:
+            info |= {"scored": len(self._stderr), "mean_mc_stderr": sum(self._stderr) / len(self._stderr)}
+        return info
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Each context's answer: the sampler fills the generation window at the NFE budget; the text is cut at EOS
+        and at the task's ``until`` stop sequences. The task's other generation settings are the sampler's."""
+        if not requests:
+            return []
+        if self.nfe is None:
+            raise ValueError("flowlm: generate_until needs an NFE budget: give model_args nfe=N")
+        rows = [self._generation_row(context) for context, _ in (r.args for r in requests)]
+        batches = [range(i, min(i + self.batch_size, len(rows))) for i in range(0, len(rows), self.batch_size)]
+        layouts = [self._generation_batch([rows[j] for j in batch]) for batch in batches]
+        for _, prompt_mask in layouts:  # every budget checked before any sampling
+            self.sampler.check_budget(self.nfe, free_positions=int((~prompt_mask).any(0).sum()))
+        self._note_generation_kwargs(requests)
+        answers: list[str] = []
+        denoiser = self.module.denoiser()
+        for i, (batch, (tokens, prompt_mask)) in enumerate(
+            tqdm(list(zip(batches, layouts, strict=True)), desc="flowlm generate_until", disable=disable_tqdm)
+        ):
+            gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + i)
+            with torch.no_grad(), self._precision():
+                out = self.sampler(denoiser, prompt=tokens, prompt_mask=prompt_mask, nfe=self.nfe, generator=gen)
+            spent = [int(out.nfe)] * len(batch) if out.row_nfe is None else out.row_nfe.tolist()
+            self._nfe.extend(spent)  # the calls each row needed (adaptive samplers: per row)
+            for b, j in enumerate(batch):
+                start, stop = len(rows[j][0]), len(rows[j][0]) + rows[j][1]
+                context, gen_kwargs = requests[j].args
+                text = cut_at_stops(self._decode_answer(out.tokens[b, start:stop].tolist()), _stops(gen_kwargs))
+                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+                answers.append(text)
+        log.info(
+            "flowlm: %d answers by %s at NFE budget %d, mean NFE spent %.2f",
+            len(self._nfe),
+            self.sampler_name,
+            self.nfe,
+            sum(self._nfe) / len(self._nfe),
+        )
+        return answers
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """log p(continuation | context): an MDM's ELBO (Monte Carlo), an AR model's exact value; and whether greedy
+        decoding gives the continuation."""
+        self._refuse("loglikelihood")
+        pairs = [self._encode_pair(context, continuation) for context, continuation in (r.args for r in requests)]
+        results = self._score(pairs, disable_tqdm=disable_tqdm)
+        for request, result in zip(requests, results, strict=True):
+            self.cache_hook.add_partial("loglikelihood", request.args, result)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """log p(text) as the sum over disjoint windows of ``max_length`` − 1 tokens, each scored as ``loglikelihood``
+        scores given the token before it (the first: given BOS, or nothing; the last: given as many as fill the row;
+        lm-eval's rolling windows with context 1)."""
+        self._refuse("loglikelihood_rolling")
+        windows, owners = [], []
+        prefix = self.bos_id if self.bos_id is not None else 0
+        for k, (text,) in enumerate(r.args for r in requests):
+            ids = self._encode(text)
+            for n, pair in enumerate(get_rolling_token_windows(ids, prefix, self.max_length - 1, 1)):
+                context, continuation = make_disjoint_window(pair)
+                if n == 0:
+                    context = self.head  # the row's own start: [BOS], or nothing
+                windows.append((context, continuation))
+                owners.append(k)
+        totals = [0.0] * len(requests)
+        for k, (value, _) in zip(owners, self._score(windows, disable_tqdm=disable_tqdm), strict=True):
+            totals[k] += value
+        for request, total in zip(requests, totals, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
+
+    # ------------------------------------------------------------------------------------------------ rows
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """(``[BOS] context`` ids, continuation ids) as lm-eval's causal models split them: trailing spaces of the
+        context move to the continuation, which is the tail of the whole text's ids."""
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        if not context:
+            return list(self.head), self._encode(continuation)
+        whole, ctx = self._encode(context + continuation), self._encode(context)
+        return self.head + ctx, whole[len(ctx) :]
+
+    def _fit(self, prefix: list[int], room: int, what: str) -> list[int]:
+        """``prefix`` ([BOS] context) cut from the left to ``room`` positions, BOS kept (a warning, once)."""
+        if len(prefix) <= room:
+            return prefix
+        if f"cut:{what}" not in self._warned:
+            self._warned.add(f"cut:{what}")
+            log.warning("flowlm: %s contexts longer than the row allows are cut from the left (kept: BOS)", what)
+        head = prefix[: len(self.head)]
+        keep = room - len(head)
+        return head + (prefix[len(prefix) - keep :] if keep > 0 else [])
+
+    def _generation_row(self, context: str) -> tuple[list[int], int]:
+        """(``[BOS] context`` ids, positions to generate) of one request."""
+        prefix = self.head + self._encode(context)
+        window = self.gen_length or self.max_length - len(prefix)
+        if window < 1:
+            raise ValueError(
+                f"flowlm: a context of {len(prefix)} tokens fills the row of max_length={self.max_length} positions; "
+                "give gen_length=N (the context is then cut from the left to make room)"
+            )
+        return self._fit(prefix, self.max_length - window, "generation"), window
+
+    def _generation_batch(self, rows: list[tuple[list[int], int]]) -> tuple[Tensor, Tensor]:
+        """(tokens, prompt_mask) (B, max_length): the context pinned, the window free, PAD pinned after it."""
+        tokens = torch.full((len(rows), self.max_length), self.pad_id, dtype=torch.long)
+        prompt_mask = torch.ones((len(rows), self.max_length), dtype=torch.bool)
+        for b, (prefix, window) in enumerate(rows):
+            tokens[b, : len(prefix)] = torch.tensor(prefix, dtype=torch.long)
+            prompt_mask[b, len(prefix) : len(prefix) + window] = False
+        return tokens.to(self.device), prompt_mask.to(self.device)
+
+    def _decode_answer(self, ids: list[int]) -> str:
+        """The text of generated ids up to the first EOS or PAD (the end of an answer in the training rows)."""
+        ends = [i for i, t in enumerate(ids) if t in (self.eos_id, self.pad_id)]
+        return self.tokenizer.decode(ids[: ends[0]] if ends else ids, skip_special_tokens=True)
+
+    def _note_generation_kwargs(self, requests) -> None:
+        ignored = sorted({k for r in requests for k in (r.args[1] or {}) if k != "until"} - self._warned)
+        if ignored:
+            self._warned.update(ignored)
+            log.warning(
+                "flowlm ignores the tasks' generation settings %s: the sampler's are conf/sampler/%s.yaml's "
+                "(model_args sampler.<key>=...), the window is gen_length",
+                ignored,
+                self.sampler_name,
+            )
+
+    # ------------------------------------------------------------------------------------------------ scoring
+    def _refuse(self, request_type: str) -> None:
+        if self.family in NO_LIKELIHOOD:
+            raise NotImplementedError(
+                f"flowlm: {self.checkpoint} is a '{self.family}' checkpoint: {NO_LIKELIHOOD[self.family]}, so "
+                f"lm-eval's {request_type} requests (multiple-choice and perplexity tasks) cannot be scored; evaluate "
+                "it on generate_until tasks (an MDM or AR checkpoint scores likelihoods)"
+            )
+        if self.family not in ("mdm", "ar"):
+            raise NotImplementedError(f"flowlm: no likelihood for the '{self.family}' family")
+
+    def _score(self, pairs: list[tuple[list[int], list[int]]], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """(log-likelihood, greedy) of each ([BOS] context ids, continuation ids)."""
+        fitted = []
+        for prefix, continuation in pairs:
+            if len(continuation) + len(self.head) > self.max_length:
+                raise ValueError(
+                    f"flowlm: a continuation of {len(continuation)} tokens does not fit a row of max_length="
+                    f"{self.max_length} positions"
+                )
+            fitted.append((self._fit(prefix, self.max_length - len(continuation), "scored"), continuation))
+        group = self.batch_size if self.family == "ar" else max(1, self.batch_size // self.mc_samples)
+        out: list[tuple[float, bool]] = []
+        chunks = [fitted[i : i + group] for i in range(0, len(fitted), group)]
+        for chunk in tqdm(chunks, desc=f"flowlm {self.family} likelihood", disable=disable_tqdm):
+            out += self._score_mdm(chunk) if self.family == "mdm" else self._score_ar(chunk)
+        return out
+
+    def _rows(self, pairs, length: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(tokens, pinned, scored) (B, length): context pinned, continuation scored, PAD after."""
+        tokens = torch.full((len(pairs), length), self.pad_id, dtype=torch.long)
+        pinned = torch.zeros((len(pairs), length), dtype=torch.bool)
+        scored = torch.zeros_like(pinned)
+        for b, (prefix, continuation) in enumerate(pairs):
+            tokens[b, : len(prefix) + len(continuation)] = torch.tensor(prefix + continuation, dtype=torch.long)
+            pinned[b, : len(prefix)] = True
+            scored[b, len(prefix) : len(prefix) + len(continuation)] = True
+        return tokens.to(self.device), pinned.to(self.device), scored.to(self.device)
+
+    def _score_mdm(self, pairs) -> list[tuple[float, bool]]:
+        """The ELBO's Monte-Carlo mean over ``mc_samples`` terms (rows of ``max_length``, the text after the
+        continuation masked), seeded per request; greedy: one call with the continuation masked."""
+        tokens, pinned, scored = self._rows(pairs, self.max_length)
+        generators = [torch.Generator().manual_seed(request_seed(self.seed, *pair)) for pair in pairs]
+        denoiser = self.module.denoiser()
+        with torch.no_grad(), self._precision():
+            terms = mdm_elbo_samples(
+                denoiser,
+                tokens,
+                pinned,
+                scored,
+                samples=self.mc_samples,
+                generators=generators,
+                estimator=self.estimator,
+                batch_size=self.batch_size,
+            )
+            greedy = torch.cat(
+                [
+                    mdm_greedy(denoiser, *(t[i : i + self.batch_size] for t in (tokens, pinned, scored)))
+                    for i in range(0, len(pairs), self.batch_size)
+                ]
+            )
+        means = terms.mean(1)
+        if self.mc_samples > 1:
+            self._stderr += (terms.std(1) / math.sqrt(self.mc_samples)).tolist()
+        return [(float(m), bool(g)) for m, g in zip(means.tolist(), greedy.tolist(), strict=True)]
+
+    def _score_ar(self, pairs) -> list[tuple[float, bool]]:
+        """The exact chain rule over the continuation (rows as long as the longest pair; causal: PAD after is
+        never read)."""
+        tokens, _, scored = self._rows(pairs, max(len(p) + len(c) for p, c in pairs))
+        with torch.no_grad(), self._precision():
+            values, greedy = causal_log_likelihood(self.module.denoiser(), tokens, scored)
+        return [(float(v), bool(g)) for v, g in zip(values.tolist(), greedy.tolist(), strict=True)]
+
+    def _precision(self):
+        dtype = DTYPES[self.dtype]
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"flowlm: {name} must be an integer ≥ 1, got {value!r}")
+    return value
+
+
+def _resolve_device(device: str | None) -> torch.device:
+    """``device`` (lm-eval's CLI passes cuda:0 by default); a CUDA device on a machine without one: the CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        log.warning("flowlm: device %s is not available here; running on the CPU", device)
+        return torch.device("cpu")
+    return resolved
+
+
+def _stops(gen_kwargs: dict | None) -> list[str]:
+    until = (gen_kwargs or {}).get("until") or []
+    return [until] if isinstance(until, str) else list(until)
+
+
+def main() -> None:
+    """lm-eval's command line with ``flowlm`` registered (the same arguments as ``lm_eval``)."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
