@@ -61,16 +61,22 @@ else
   fi
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
 fi
-mkdir -p "$out/logs"
+mkdir -p "$out/logs" "$out/done"
 out="$(cd "$out" && pwd)"
 deadline=$(($(date +%s) + budget))
 
 run_one() {  # experiment seed: train (or resume) one run, its log in <out>/logs/
   local left=$((deadline - $(date +%s)))
   if [ "$left" -le 10 ]; then echo "skipped (budget spent): $1 seed $2"; return 0; fi
+  local source
+  source="$(sed -n 's/^source: *\([A-Za-z0-9_]*\).*/\1/p' "conf/experiment/$1.yaml")"
+  if [ -n "$source" ] && [ ! -e "$out/done/${source}_seed$2" ]; then
+    echo "skipped: $1 seed $2 (its source $source did not finish)"; return 0
+  fi
   if timeout "$left" env FLOWLM_RUNS="$out/runs" FLOWLM_DATA="$out/data" FLOWLM_RESULTS="$out/results" \
     OMP_NUM_THREADS=1 "$PY" -m runners.train -m hparams_search=sudoku_tables "experiment=$1" "seed=$2" \
     "hydra.sweep.dir=$out/multirun/$1_seed$2" "${extra[@]}" >"$out/logs/$1_seed$2.log" 2>&1; then
+    touch "$out/done/$1_seed$2"
     echo "done: $1 seed $2"
   else
     echo "NOT finished (rc $?): $1 seed $2 — see $out/logs/$1_seed$2.log"

@@ -1,7 +1,7 @@
 """EMA of the weights through Lightning's WeightAveraging (swapped in for validation, saved as state_dict).
 
 Under FSDP2 (trainer=fsdp2: ModelParallelStrategy) the average is kept shard for shard beside the sharded weights
-(``ShardedAverage``) and written into the sharded checkpoint with them;
+(``ShardedAverage``) and written into the sharded checkpoint with them.
 """
 
 from __future__ import annotations

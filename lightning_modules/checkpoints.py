@@ -260,6 +260,7 @@ def consolidate_checkpoint(path: str | os.PathLike, *, optimizer: bool = False, 
     as the sharded strategies save them) are read only with ``optimizer=True``, as ``optimizer_states``. Everything
     is held in CPU memory on this process.
     """
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -274,10 +275,20 @@ def consolidate_checkpoint(path: str | os.PathLike, *, optimizer: bool = False, 
         _load_state_dict(
             state,
             storage_reader=shard_reader(path, trust_pickle=trust_pickle),
-            planner=_EmptyStateDictLoadPlanner(keys=None if optimizer else {weights_key}),
+            planner=(_EmptyStateDictLoadPlanner if trust_pickle or is_trusted(path) else _SafeBytesPlanner)(
+                keys=None if optimizer else {weights_key}
+            ),
             no_dist=True,
         )
-    except Exception as err:  # noqa: BLE001 - a damaged shard fails in many ways; all mean the same here
+    except UntrustedCheckpointError:
+        raise
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - a damaged shard fails in many ways
+        # torch wraps a reader's error into a CheckpointException (a BaseException) naming it in its text
+        if "UntrustedCheckpointError" in str(err):
+            raise UntrustedCheckpointError(
+                f"{path} holds a shard entry of pickled objects beyond tensors and the allowed types: not loaded; "
+                f"if you trust where it came from, load it with trust_pickle=True or name it in {TRUST_ENV}"
+            ) from None
         raise ValueError(f"{path} is not a readable sharded checkpoint ({type(err).__name__}: {err})") from err
     weights = state.pop(weights_key)
     live = weights.pop(LIVE_KEY, None)
@@ -288,6 +299,41 @@ def consolidate_checkpoint(path: str | os.PathLike, *, optimizer: bool = False, 
         count = sum(1 for key in state if key.startswith("optimizer_"))
         ckpt["optimizer_states"] = [state.pop(f"optimizer_{i}") for i in range(count)]
     return ckpt
+
+
+def _safe_bytes_planner():
+    """torch's ``_EmptyStateDictLoadPlanner`` whose non-tensor entries (pickled bytes in the shards: Lightning's
+    loop and callback states) are unpickled with ``weights_only=True`` and ``allowed_globals``: torch's own
+    ``load_bytes`` unpickles them in full, so a crafted shard would run code."""
+    import io
+
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    class SafeBytesPlanner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            with torch.serialization.safe_globals(allowed_globals()):
+                try:
+                    loaded = torch.load(value, weights_only=True)
+                except pickle.UnpicklingError as err:
+                    raise UntrustedCheckpointError(
+                        f"a shard entry ({read_item.dest_index.fqn}) holds pickled objects beyond tensors and the "
+                        f"allowed types ({err}): not loaded; trust the folder by name to read it (trust_pickle=True, "
+                        f"or {TRUST_ENV})"
+                    ) from None
+            _restore_resolver_caches(loaded)
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element  # where torch's planner takes it
+
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return SafeBytesPlanner
+
+
+def _SafeBytesPlanner(**kwargs):  # noqa: N802 - used as the planner's class
+    return _safe_bytes_planner()(**kwargs)
 
 
 def load_module(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import warnings
 
 import torch
 from lightning.pytorch.loggers import MLFlowLogger
@@ -250,6 +251,14 @@ class FMLMPlusModule(FlowLMModule):
             # a file, a sharded or export folder, or a foreign pretrained MDM (path or hub name)
             teacher = load_module(self.teacher_path, map_location=self.device, data_vocab_size=self.data_vocab_size)
             teacher.eval().requires_grad_(False)
+            if getattr(teacher, "time_conditioning", False) and self.mdm_teacher_time == "zero":
+                warnings.warn(
+                    f"the MDM teacher {self.teacher_path} is time-conditioned and is fed time 0 (nothing masked) on "
+                    "rows with [MASK]s: the released code's choice, made for a time-agnostic teacher; "
+                    "method.mdm_teacher_time=rate feeds it each row's masking rate",
+                    UserWarning,
+                    stacklevel=2,
+                )
             object.__setattr__(self, "_teacher", teacher)  # not a submodule: never saved, never optimised
 
     def initialise_from(self, state: dict[str, Tensor]) -> dict[str, list[str]]:

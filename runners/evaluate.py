@@ -118,6 +118,7 @@ def write_results_csv(cfg: DictConfig, meta: dict, module, evaluation: SamplingE
     if not run.get("task") or not run.get("name"):
         raise ValueError(f"{cfg.ckpt_path} records no run name and task: its rows cannot join a results folder")
     run["eval"] = OmegaConf.to_container(cfg.eval, resolve=True)
+    run["data"] = OmegaConf.to_container(cfg.data, resolve=True)  # the data evaluated on (their task columns)
     folder = Path(cfg.results_csv) / str(run["task"])
     trained = folder / f"{run['name']}_seed{run.get('seed', 0)}.csv"
     device = ""

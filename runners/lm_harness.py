@@ -231,7 +231,7 @@ class FlowLM(LM):
         if self.family == "mdm":
             check_estimator(estimator, self.module.denoiser())
         self._nfe: list[int] = []  # NFE spent per generated request
-        self._stderr: list[float] = []  # Monte-Carlo standard error per ELBO scored
+        self._stderr: list[float] = []  # Monte-Carlo standard error per ELBO scored (i.i.d. formula: an upper bound)
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------------------------------------ lm-eval

@@ -125,7 +125,7 @@ status)
         record="$CAMPAIGN/runs/$exp/cpu/seed$seed/convergence.json"
         if is_done "$exp" "$seed"; then state="done"
         elif [[ -f "$record" ]]; then
-            state="$("$PYTHON" -c 'import json,sys; r=json.load(open(sys.argv[1])); print("running: step {}, val loss {:.4f}, {:.0f} min".format(r["steps"], r["final_val_loss"], r["wall_s"] / 60))' "$record")"
+            state="$("$PYTHON" -c 'import json,sys; r=json.load(open(sys.argv[1])); v=r["final_val_loss"]; print("running: step {}, val loss {}, {:.0f} min".format(r["steps"], v if v is None else round(v, 4), r["wall_s"] / 60))' "$record")" || state="running (record unreadable)"
         elif [[ -n "$(committed_csv "$exp" "$seed")" ]]; then state="rows committed earlier"
         else state="waiting"; fi
         printf '  %-36s seed %s  %s\n' "$exp" "$seed" "$state"

@@ -165,3 +165,13 @@ def test_bad_settings_are_refused_before_any_call():
     ]:
         with pytest.raises(ValueError, match=match):
             make()
+
+
+def test_a_minus_infinite_logit_leaves_every_rank_finite():
+    """LLaMA-family MDMs put the [MASK] logit at −inf: 0·(−inf) must not make the entropy rank NaN (it ordered every
+    position by index)."""
+    logits = torch.tensor([[[2.0, 0.0, -torch.inf], [0.0, 0.0, -torch.inf]]], dtype=torch.float64)
+    log_p = torch.log_softmax(logits, -1)
+    for score in ("max_prob", "margin", "entropy"):
+        got = position_scores(log_p, score)
+        assert torch.isfinite(got).all() and got[0, 0] > got[0, 1], score

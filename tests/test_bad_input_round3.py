@@ -239,3 +239,23 @@ def test_flowlm_eval_reports_the_checkpoints_step(step2_ckpt, runs_env, capsys):
         result["mlflow_run_id"], "eval/ancestral/nfe2/nfe"
     )
     assert [m.step for m in history] == [2]  # its metrics are logged at the checkpoint's step
+
+
+def test_flowlm_eval_writes_its_rows_beside_the_runs_own(step2_ckpt, runs_env, tmp_path):
+    """``results_csv``: the rows of a re-evaluated checkpoint land in <folder>/<task>/<name>_seed<seed>_eval.csv with
+    the run's identity and convergence facts, labelled with the data evaluated on."""
+    import csv
+
+    from callbacks.results_csv import COLUMNS
+
+    folder = tmp_path / "results"
+    _eval(step2_ckpt, f"results_csv={folder}", "logger=none")
+    (path,) = folder.rglob("*_eval.csv")
+    assert path.name == "sudoku_mdm_uncond_seed0_eval.csv"
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == COLUMNS and {r["sampler"] for r in rows} == {"ancestral", "confidence"}
+    assert {(r["name"], r["method"], r["difficulty"], r["nfe_budget"], r["eval_step"]) for r in rows} == {
+        ("sudoku_mdm_uncond", "MDM", "uncond", "2", "2")
+    }
+    assert rows[0]["steps"] == "2" and rows[0]["precision"] in {"32-true", "bf16-mixed"}

@@ -319,6 +319,14 @@ def test_time_conditioning_is_float32_under_autocast_by_default():
         assert torch.equal(c, exact) == fp32
         if not fp32:
             assert (c.float() - exact).abs().max() > 1e-4
+    # weights gathered in bf16 (FSDP2's mixed-precision policy): still computed in float32, from those weights
+    import copy
+
+    net16 = _tiny(two_times=True).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        c16 = net16.condition(s, t, 2, 3)
+    assert c16.dtype == torch.float32
+    assert torch.equal(c16, copy.deepcopy(net16).float().condition(s, t, 2, 3))
 
 
 @pytest.mark.slow

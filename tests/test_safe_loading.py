@@ -164,3 +164,34 @@ def test_a_sharded_folder_with_a_crafted_meta_or_index_is_refused(tmp_path, monk
     assert not marker.exists()
     monkeypatch.setenv(TRUST_ENV, str(index))
     assert torch.equal(read_checkpoint(index)["state_dict"]["net.w"], torch.ones(3, 2)) and marker.exists()
+
+
+class _RunsCode:
+    """Unpickling it runs code: it touches a marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_sharded_folder_with_a_crafted_shard_entry_is_refused_before_it_runs(tmp_path):
+    """torch's own planner unpickles a shard's non-tensor entries in full (``load_bytes``): the consolidation reads
+    them weights-only, so a crafted entry is refused and runs nothing; trusted by name, it loads."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_modules.checkpoints import SHARDED_META, UntrustedCheckpointError, consolidate_checkpoint
+
+    marker = tmp_path / "ran"
+    folder = tmp_path / "last.ckpt"
+    with pytest.warns(UserWarning):  # torch: no process group, a single-process save
+        dcp.save({"state_dict": {"w": torch.ones(2), "x": _RunsCode(marker)}}, checkpoint_id=str(folder), no_dist=True)
+    torch.save({"flowlm": {}, "global_step": 1}, folder / SHARDED_META)
+    with pytest.raises(UntrustedCheckpointError, match="shard entry"):
+        consolidate_checkpoint(folder)
+    assert not marker.exists()
+    consolidate_checkpoint(folder, trust_pickle=True)  # the user's explicit trust
+    assert marker.exists()

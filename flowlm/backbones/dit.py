@@ -71,10 +71,16 @@ class TimeEmbedding(nn.Module):
         self.register_buffer("freqs", freqs, persistent=False)
         self.mlp = nn.Sequential(nn.Linear(freq_dim, cond_dim), nn.SiLU(), nn.Linear(cond_dim, cond_dim))
 
-    def forward(self, t: Tensor) -> Tensor:
+    def forward(self, t: Tensor, *, fp32: bool = False) -> Tensor:
+        """The embedding of times ``t``; ``fp32``: computed in float32 whatever the weights' dtype (FSDP2 gathers
+        them in bf16 under its mixed-precision policy) and outside autocast (the caller disables it)."""
         args = (self.scale * t.float())[..., None] * self.freqs
         features = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
-        return self.mlp(features.to(self.mlp[0].weight.dtype))  # float32 unless the weights are cast (FSDP2's policy)
+        if not fp32:
+            return self.mlp(features.to(self.mlp[0].weight.dtype))
+        first, last = self.mlp[0], self.mlp[2]
+        hidden = F.silu(F.linear(features, first.weight.float(), first.bias.float()))
+        return F.linear(hidden, last.weight.float(), last.bias.float())
 
 
 class Rotary(nn.Module):
@@ -420,9 +426,9 @@ class DiT(nn.Module):
             if t.shape != s.shape:  # one per token, the other per sequence
                 s, t = s.expand(batch, length), t.expand(batch, length)
         with torch.autocast(device_type=s.device.type, enabled=False) if self.time_fp32 else contextlib.nullcontext():
-            c = self.emb_s(s)
+            c = self.emb_s(s, fp32=self.time_fp32)
             if t is not None:
-                c = c + self.emb_t(t)
+                c = c + self.emb_t(t, fp32=self.time_fp32)
             return F.silu(c)
 
     @property

@@ -106,8 +106,9 @@ def mdm_elbo_samples(
     estimator: str = "time",
     batch_size: int | None = None,
 ) -> Tensor:
-    """``samples`` unbiased terms of each row's ELBO (B, S) float64 (their mean estimates it, their spread gives
-    its standard error); row b draws from ``generators[b]`` alone, so its terms do not depend on the other rows.
+    """``samples`` terms of each row's ELBO (B, S) float64, drawn stratified over the times: their mean is unbiased,
+    each term alone is not (it is its stratum's), so their i.i.d. standard error std/√S is an upper bound on the
+    mean's; row b draws from ``generators[b]`` alone, so its terms do not depend on the other rows.
     ``batch_size``: network rows per call (all B·S at once when None)."""
     check_estimator(estimator, model)
     if len(generators) != tokens.shape[0]:

@@ -1,4 +1,5 @@
-"""What every sampler returns, the model views samplers see, and shared draws (methods.md §2, §5)."""
+"""What every sampler returns, the model views samplers see, and the option checks (methods.md §2, §5); the draws
+are flowlm/ops/draws.py."""
 
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ CONFIDENCE_KINDS = ("a-priori", "a-posteriori")
 # a grid with no natural end, where a budget far beyond the sequence only lengthens the loop (10⁸ NFE on a 36-cell
 # board ran 18 minutes): a cap, not a bound, for every family. 16 allows grids 11× finer than the configs' largest
 # budget per position (128 NFE on 89 positions: the MDM and MLFM budgets of conditional 9×9 Sudoku at scale=paper).
-BUDGET_PER_POSITION = 16
+BUDGET_PER_POSITION = 16  # × the positions a caller passes: the whole row (prompt included), a loose cap
 
 
 class Sampler(ABC):

@@ -43,7 +43,7 @@ def position_scores(log_p: Tensor, score: str) -> Tensor:
     if score == "margin":
         top2 = log_p.topk(2, dim=-1).values.exp()
         return top2[..., 0] - top2[..., 1]
-    return (log_p.exp() * log_p).sum(-1)  # −H(p): 0 for a certain position, −log |V| for a uniform one
+    return -entropy(log_p)  # 0 for a certain position, −log |V| for a uniform one; a −inf logit (a [MASK] row) adds 0
 
 
 def entropy(log_p: Tensor) -> Tensor:
