@@ -14,8 +14,8 @@ from flowlm.samplers.mdm_adaptive import AdaptiveMDMSampler, sorted_eligible
 class ThresholdSampler(AdaptiveMDMSampler):
     """Commit every eligible position with max_v p > ``threshold`` (τ; at least one per call), or with ``factor`` f
     the largest n with (n + 1)(1 − c₍ₙ₎) < f. With ``score`` margin or entropy the rule's count n is kept and the n
-    best positions by that rank commit (which may differ from those above τ). τ above every confidence commits the budget schedule's ⌈#masked /
-    calls left⌉ (the confidence sampler's); τ ≤ 0 commits a whole block per call."""
+    best positions by that rank commit (which may differ from those above τ). τ above every confidence commits the
+    budget schedule's ⌈#masked / calls left⌉ (the confidence sampler's); τ ≤ 0 commits a whole block per call."""
 
     def __init__(
         self,
