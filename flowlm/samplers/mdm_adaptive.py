@@ -19,6 +19,8 @@ holds no [MASK]); ``nfe`` is the calls the batch made.
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 from torch import Tensor
 
@@ -64,10 +66,10 @@ class AdaptiveMDMSampler(Sampler):
         self.block_length = block_length
         self.temperature = check_temperature(temperature)
 
+    @abstractmethod
     def select(self, log_p: Tensor, ordered: Tensor, eligible: Tensor) -> Tensor:
         """How many of each row's eligible positions the rule commits (B,), given log p (B, L, |V|) and the
         positions ``ordered`` best first (B, L; the eligible ones lead)."""
-        raise NotImplementedError
 
     def __call__(
         self,
