@@ -6,7 +6,7 @@ same optimiser (the module's ``configure_optimizers``: AdamW + warm-up schedule)
   - Lightning: the suite's trainer config (conf/trainer/cpu|gpu.yaml) with no logger, no checkpointing, no progress
     bar and no validation; the module's own ``training_step``.
   - bare: ``zero_grad → autocast(loss) → backward → clip_grad_norm_ → step → scheduler``, where the loss is the
-    module's loss function called directly (``mdm_loss`` / ``flow_loss`` / ``mlfm_loss``, with the same time and
+    module's ``loss`` hook called directly (at ``draws_at`` with the same time and
     noise draws ``training_step`` makes; no ``self.log``).
 
 The variants are interleaved (Lightning, bare, bare, Lightning, …, every method in each repetition) and the medians
@@ -27,20 +27,8 @@ import warnings
 from collections.abc import Callable
 
 import torch
-from common import (
-    add_model_args,
-    autocast,
-    build_module,
-    clock,
-    elapsed,
-    load_group_config,
-    matmul_flops,
-    median,
-    peak_memory,
-    require_device,
-    resolve_precision,
-    synthetic_batch,
-)
+from common import autocast, build_module, load_group_config, model_parser, parse_model_args, synthetic_batch
+from probes import clock, elapsed, matmul_flops, median, peak_memory
 from torch import Tensor
 
 METHODS = ("mdm", "fmlm_plus", "mlfm", "fmlm_plus_dense", "fmlm_plus_onehot", "fmlm_plus_compiled", "fmlm_plus_fused")
@@ -65,18 +53,20 @@ def loss_function(method: str, module) -> Callable[[dict, int], Tensor]:
 
     def mdm(batch: dict, i: int) -> Tensor:
         t = module.sample_times(batch["tokens"].shape[0], i).to(module.device, non_blocking=True)
-        return module.mdm_loss(batch, t, module.step_generator(1, i, shared=False, device=module.device)).loss
+        return module.loss(
+            batch, module.draws_at(batch, t, module.step_generator(1, i, shared=False, device=module.device))
+        ).loss
 
     def fmlm_plus(batch: dict, i: int) -> Tensor:
         kinds, s, t = module.sample_pairs(batch["tokens"].shape[0], i)  # kinds stay on the host
         gen = module.step_generator(1, i, shared=False, device=module.device)
         s, t = (x.to(module.device, non_blocking=True) for x in (s, t))
-        return module.flow_loss(batch, kinds, s, t, gen).loss
+        return module.loss(batch, module.draws_at(batch, kinds, s, t, gen)).loss
 
     def mlfm(batch: dict, i: int) -> Tensor:
         gen_cpu = module.step_generator(0, i, shared=False)
         gen = module.step_generator(1, i, shared=False, device=module.device)
-        return module.mlfm_loss(batch, gen_cpu, gen).loss
+        return module.loss(batch, module.draws_at(batch, gen_cpu, gen)).loss
 
     return {"mdm": mdm, "fmlm_plus": fmlm_plus, "mlfm": mlfm}[VARIANTS.get(method, (method,))[0]]
 
@@ -201,7 +191,7 @@ def net_inputs(method: str, module, batch: dict) -> tuple[tuple, dict]:
     if method == "mdm":
         return (tokens, torch.zeros(b, device=tokens.device)), {}
     if method.startswith("fmlm_plus"):  # the states of its training process: x over the vocabulary, or h = x·E
-        process = module.training_process()
+        process = module.view.training_process()
         x = torch.randn(process.draw_shape(tokens), generator=gen, device=tokens.device)
         s = torch.rand(b, generator=gen, device=tokens.device)
         pinned = torch.rand(b, length, generator=gen, device=tokens.device) < 0.5
@@ -399,7 +389,7 @@ def fmlm_cost_report(
     k_fm = fm_c["fwdbwd"] / fm_c["fwd"] - 1
     theory_measured = (fm_c["fwdbwd"] + 2 * share * fm_c["nograd"]) / mdm_c["fwdbwd"]
     clock_name = "process CPU time" if device.type == "cpu" else "wall time"
-    states = "h = x·E input" if fm.training_process().embedded else "dense |V| input"
+    states = "h = x·E input" if fm.view.training_process().embedded else "dense |V| input"
     log(
         f"ratio {flow}/mdm step cost: {measured['bare']:.3f} (bare loop), {measured['lightning']:.3f} (Lightning) "
         f"[{clock_name}]; theory {theory:.3f}"
@@ -440,8 +430,7 @@ def fmlm_cost_report(
 
 def parser() -> argparse.ArgumentParser:
     """Command-line options (shared with gpu_check.py)."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(ap, batch=256)  # the demo's training batch
+    ap = model_parser(__doc__, batch=256)  # the demo's training batch
     ap.add_argument("--methods", nargs="+", default=list(METHODS[:5]), choices=METHODS)
     ap.add_argument("--steps", type=int, default=20, help="optimiser steps per run")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of each run")
@@ -452,9 +441,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     """Parse, check the device, measure."""
-    args = parser().parse_args()
-    require_device("throughput.py", args.device)
-    resolve_precision(args)
+    args = parse_model_args(parser(), "throughput.py")
     if args.steps < 2:
         raise SystemExit("throughput.py: --steps must be ≥ 2 (at least one timed step after the first)")
     quiet_lightning()

@@ -24,9 +24,14 @@ from callbacks.sampling_eval import SamplingEvaluation, confidence_kind
 from flowlm.metrics.calibration import auroc
 from flowlm.project import git_commit
 
-# Model family of a LightningModule class, as the tables name it.
-METHODS = {"MDMModule": "MDM", "FMLMPlusModule": "FMLM+", "MLFMModule": "MLFM", "ARModule": "AR"}
 METRICS = ("accuracy", "exact_match", "valid_pct", "distinct_valid", "train_copy_pct")
+
+
+def method_label(module: object) -> str:
+    """The method's name in the tables: its module's ``label`` (the class name for a module without one)."""
+    return getattr(module, "label", "") or type(module).__name__
+
+
 COLUMNS = [
     "task", "board", "difficulty", "conditional", "method", "variant", "name", "sampler", "confidence_kind",
     "sampler_settings", "nfe_budget", "nfe", "seed", *METRICS, "auroc", "wrong_pct", "calibration_tokens",
@@ -61,7 +66,7 @@ class ResultsCSV(Callback):
             return  # the rows keep the training facts of the step their metrics were measured at
         convergence = next((c for c in trainer.callbacks if isinstance(c, Convergence)), None)
         machine = {"precision": str(trainer.precision), "device": device_kind(pl_module.device)}
-        rows = self.rows(pl_module.run_config, type(pl_module).__name__, evaluation, convergence, machine)
+        rows = self.rows(pl_module.run_config, method_label(pl_module), evaluation, convergence, machine)
         cfg = pl_module.run_config
         self.path = self.dir / str(cfg["task"]) / f"{cfg['name']}_seed{cfg['seed']}.csv"
         write_rows(self.path, rows)
@@ -69,7 +74,7 @@ class ResultsCSV(Callback):
     @staticmethod
     def rows(
         cfg: dict,
-        module_class: str,
+        method_label: str,
         evaluation: SamplingEvaluation,
         convergence: Convergence | None,
         machine: dict | None = None,
@@ -84,7 +89,7 @@ class ResultsCSV(Callback):
             "board": f"{n}x{n}" if n else "",
             "difficulty": data.get("difficulty") if data.get("conditional", True) else "uncond",
             "conditional": bool(data.get("conditional", True)),
-            "method": METHODS.get(module_class, module_class),
+            "method": method_label,  # the module's ``label``
             "variant": variant_of(method),
             "name": cfg.get("name"),
             "seed": cfg.get("seed"),

@@ -8,12 +8,14 @@ from typing import Any, ClassVar
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import MLFlowLogger
+from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from flowlm.backbones.adapters import MLFMAdapter
 from flowlm.backbones.dit import RELEASED_OPTIONS, build_dit
-from flowlm.backbones.llama import BidirectionalLM, LlamaFlowNet, LlamaMLFMAdapter
+from flowlm.backbones.llama import BidirectionalLM, LlamaFlowNet
+from flowlm.objectives.base import LossOutput
 from flowlm.project import git_commit
 from lightning_modules.checkpoints import copy_backbone
 from lightning_modules.sharding import checkpoint_activations, compile_blocks, shard
@@ -25,20 +27,18 @@ code_commit = functools.cache(git_commit)
 NO_DECAY_KEYS = ("norm", "adaLN", "emb_s.", "emb_t.", "time_embed.", "block_mods.", "final_mod.", "layer_mods.")
 
 
+def check_choice(name: str, value: Any, choices: tuple) -> Any:
+    """``value`` if it is one of ``choices``, else a ValueError naming the option."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
 def plain(obj: Any) -> Any:
     """DictConfig/ListConfig → plain containers, so hyper-parameters pickle without OmegaConf."""
     if isinstance(obj, DictConfig) or OmegaConf.is_list(obj):
         return OmegaConf.to_container(obj, resolve=True)
     return obj
-
-
-def drop_mask_logit(logits: Tensor, data_vocab_size: int, mask_id: int) -> Tensor:
-    """Logits over the data vocabulary (B, L, V), [MASK] removed (SUBS, methods.md §2): a DiT's extra last column
-    dropped (a slice), a [MASK] inside the vocabulary (LLaDA/Dream) set to −∞."""
-    logits = logits[..., :data_vocab_size]
-    if mask_id < data_vocab_size:
-        logits = logits.index_fill(-1, torch.tensor([mask_id], device=logits.device), -torch.inf)
-    return logits
 
 
 # ---------------------------------------------------------------------------------------------------- backbones
@@ -62,10 +62,6 @@ class BackboneKind(ABC):
         """The [MASK] input id of ``net``."""
 
     @abstractmethod
-    def mlfm_adapter(self, net: nn.Module, **options: Any) -> nn.Module:
-        """``net`` frozen inside MLFM's adapter (time adaLN + LoRA, §6): ``forward(z, time, base_time) → logits``."""
-
-    @abstractmethod
     def record(self, cfg: dict, net: nn.Module) -> dict:
         """The backbone config a checkpoint saves: rebuilding from it gives a network of the same function."""
 
@@ -73,6 +69,16 @@ class BackboneKind(ABC):
         """How many leading positions ``net`` predicts nothing at (0; Dream's shifted logits: 1, position 0 has no
         preceding output): the losses keep them clean and unscored, as the prompt."""
         return 0
+
+    def check_same_family(self, source: dict, path: str) -> None:
+        """Refuse an ``init_from`` whose backbone config ``source`` is of another family than this one (a DiT MDM
+        into a LLaMA-family FMLM+, or the reverse) before any compute: their tensors share no names."""
+        if type(backbone_kind(source)) is not type(self):
+            there = source.get("_target_", "the suite's DiT")
+            raise ValueError(
+                f"init_from {path} was trained on another backbone family ({there}) than this run's backbone: "
+                "initialise from an MDM of the same backbone (backbone=<its config>)"
+            )
 
     def copy_into(self, net: nn.Module, state: dict[str, Tensor]) -> dict[str, list[str]]:
         """Copy a source checkpoint's backbone (``state``: ``net.*`` tensors of an MDM or a flow model) into ``net``
@@ -98,9 +104,6 @@ class DiTKind(BackboneKind):
 
     def mask_id(self, net: nn.Module, data_vocab_size: int) -> int:  # noqa: D102
         return data_vocab_size
-
-    def mlfm_adapter(self, net: nn.Module, **options: Any) -> nn.Module:  # noqa: D102
-        return MLFMAdapter(net, **options)
 
     def record(self, cfg: dict, net: nn.Module) -> dict:  # noqa: D102
         # every DiT option it was built with, so a later change of a default cannot change it
@@ -151,9 +154,6 @@ class TargetKind(BackboneKind):
     def mask_id(self, net: nn.Module, data_vocab_size: int) -> int:  # noqa: D102
         return net.mask_id
 
-    def mlfm_adapter(self, net: nn.Module, **options: Any) -> nn.Module:  # noqa: D102
-        return LlamaMLFMAdapter(net, **options)
-
     def copy_into(self, net: nn.Module, state: dict[str, Tensor]) -> dict[str, list[str]]:
         """``copy_backbone`` into the FMLM+ network (``LlamaFlowNet``): an MDM checkpoint's ``net.<name>`` tensors go
         to ``base.<name>`` (``.base_layer`` inside a LoRA-wrapped Linear), a flow checkpoint of the same network's
@@ -192,13 +192,17 @@ def backbone_kind(cfg: dict) -> BackboneKind:
 
 
 # ------------------------------------------------------------------------------------------------------ module
-class FlowLMModule(L.LightningModule):
-    """Base of every method's module: it owns the backbone and the optimiser; subclasses own the math.
+class FlowLMModule(L.LightningModule, ABC):
+    """Base of every method's module: it owns the backbone, the optimiser and the training loop; a method gives two
+    hooks, ``draw`` (this step's random inputs) and ``loss`` (the objective on them → ``LossOutput``), and a model
+    view (flowlm/models/) that samplers read through ``denoiser``.
 
-    ``family`` names the kind of model ("mdm", ...): samplers and checkpoint loaders check it before compute.
+    ``family`` names the kind of model ("mdm", ...): samplers and checkpoint loaders check it before compute;
+    ``label`` is the method's name in result tables.
     """
 
     family: ClassVar[str] = ""
+    label: ClassVar[str] = ""
 
     def __init__(
         self,
@@ -223,6 +227,39 @@ class FlowLMModule(L.LightningModule):
         self.optim_cfg = {"lr": 3e-4, "betas": (0.9, 0.999), "weight_decay": 0.0, "warmup_steps": 2500}
         self.optim_cfg.update(plain(optim))
         self.seed = seed
+
+    # ------------------------------------------------------------------------------------- the two hooks
+    @abstractmethod
+    def draw(self, batch: dict, batch_idx: int, *, stage: str) -> dict:
+        """This step's random inputs (times, masks, noise, …) for ``loss``: at ``stage="train"`` drawn from the
+        step's generators (``step_generator``, ``global_rand``: the same after a resume and for any world size), at
+        ``"val"`` fixed per batch (``fixed_generator``), so validation losses are comparable across evaluations."""
+
+    @abstractmethod
+    def loss(self, batch: dict, draws: dict, *, parts: bool = False) -> LossOutput:
+        """The method's objective on ``batch`` at ``draws``; with ``parts`` its named parts too (logged)."""
+
+    def denoiser(self, *args: Any, **kwargs: Any) -> Any:
+        """This model as its samplers see it (the model view's ``denoiser``)."""
+        return self.view.denoiser(*args, **kwargs)
+
+    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
+        """``loss`` at ``draw``; logged as ``train/loss`` and ``train/loss_<part>``."""
+        out = self.loss(batch, self.draw(batch, batch_idx, stage="train"), parts=self.logs_this_step())
+        self.log("train/loss", out.loss, prog_bar=True)
+        for name, value in out.parts.items():
+            self.log(f"train/loss_{name}", value)
+        return out.loss
+
+    def validation_step(self, batch: dict, batch_idx: int) -> Tensor:
+        """``loss`` at fixed draws; logged as ``val/loss``, averaged over ranks."""
+        loss = self.loss(batch, self.draw(batch, batch_idx, stage="val")).loss
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["tokens"].shape[0])
+        return loss
+
+    def fixed_generator(self, batch_idx: int, device: torch.device | str = "cpu") -> torch.Generator:
+        """A generator seeded by (seed, validation batch): the same draws at every evaluation."""
+        return torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + batch_idx)
 
     def validate_inputs(self) -> None:
         """Check external inputs (teacher / init checkpoints) before any compute; nothing to check by default."""
@@ -315,6 +352,13 @@ class FlowLMModule(L.LightningModule):
         n_global, offset = self.global_batch_slice(shape[0], batch_idx)
         gen = self.step_generator(stream, batch_idx, shared=True, device=self.device)
         return torch.rand((n_global, *shape[1:]), generator=gen, device=self.device)[offset : offset + shape[0]]
+
+    def log_init_report(self, message: str, report: dict) -> None:
+        """Say what an initialisation from a source checkpoint copied, and log ``report`` to MLflow (init_from.json)."""
+        rank_zero_info(message)
+        for lg in self.loggers:
+            if isinstance(lg, MLFlowLogger) and self.trainer.is_global_zero:
+                lg.experiment.log_dict(lg.run_id, report, "init_from.json")
 
     def logs_this_step(self) -> bool:
         """Whether Lightning sends this training step's logged values to the loggers: extra metrics that need a

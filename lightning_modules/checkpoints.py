@@ -19,6 +19,7 @@ import json
 import os
 import pickle
 import typing
+import warnings
 from pathlib import Path
 
 import torch
@@ -554,3 +555,19 @@ def copy_backbone(
     if mismatched:
         raise ValueError("the source checkpoint has another backbone size: " + "; ".join(mismatched[:6]))
     return report
+
+
+def load_teacher(path: str, device: torch.device, data_vocab_size: int, time: str) -> nn.Module:
+    """A frozen MDM teacher (eval mode, no gradients) from a file, a sharded or export folder, or a foreign
+    pretrained MDM (path or hub name); a time-conditioned one fed ``time`` "zero" is warned about."""
+    teacher = load_module(path, map_location=device, data_vocab_size=data_vocab_size)
+    teacher.eval().requires_grad_(False)
+    if getattr(teacher, "time_conditioning", False) and time == "zero":
+        warnings.warn(
+            f"the MDM teacher {path} is time-conditioned and is fed time 0 (nothing masked) on rows with [MASK]s: the "
+            "released code's choice, made for a time-agnostic teacher; method.mdm_teacher_time=rate feeds it each "
+            "row's masking rate",
+            UserWarning,
+            stacklevel=3,
+        )
+    return teacher

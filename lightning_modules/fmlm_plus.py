@@ -1,20 +1,19 @@
-"""FMLM+ (and FMLM): two-time flow map language models trained by progressive self-distillation (methods.md §3–4).
+"""FMLM+ (and FMLM, FLM): two-time flow map language models trained by progressive self-distillation (methods.md §3–4).
 
-The loss is flowlm/objectives/fmlm_plus.py; this module draws its random inputs (pair kinds and times, context rates
-and set, noise), runs the teacher passes in ``teacher_train_mode``, loads the MDM teacher and logs.
+The recipe (pair kinds and times, context rates and set, the targets and the loss) is flowlm/objectives/fmlm_plus.py;
+the network read as the flow map (log δ_{s,t}, head summaries, state space) is flowlm/models/flow_map.py. This module
+draws a step's random inputs, runs the teacher passes in ``teacher_train_mode``, loads the MDM sources and logs.
 
 One code path for every variant:
   - ``context=True`` (FMLM+): per-token times; a context set of clean tokens (rate f ~ U(0, 1)) pinned at s = t = 1;
     ``context=False`` (FMLM): one global time per sequence (only the prompt is pinned).
   - scratch: nothing else; distilled: a ``shares.distill`` share trains δ_{0,0} on a frozen MDM teacher;
-    MDM-initialised: ``init_from`` copies an MDM checkpoint's DiT (by name and shape, [MASK] rows dropped);
+    MDM-initialised: ``init_from`` copies an MDM checkpoint's backbone (by name and shape, [MASK] rows dropped);
     ``init_from`` an FLM/FMLM checkpoint continues from it (FMLM from FLM, methods.md §3).
   - FLM is the diagonal-only special case (``shares.diagonal=1``, method=flm).
 
 The network is the backbone family's (``BackboneKind.build(two_times=True)``): the suite's DiT, or a LLaMA-family
-MDM inside ``LlamaFlowNet`` (flowlm/backbones/llama.py; ``adapter`` sets its adaLN width, what trains and LoRA), whose
-pretrained ``source`` is then the MDM initialisation (docs/pretrained.md "FMLM+ on the LLaMA family"). A [MASK] inside
-the data vocabulary (LLaDA, Dream) gets logit −∞ before the soft cap, on every path (dense, chunked, fused).
+MDM inside ``LlamaFlowNet`` whose pretrained ``source`` is then the MDM initialisation (docs/pretrained.md).
 """
 
 from __future__ import annotations
@@ -22,52 +21,38 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import warnings
 
 import torch
-from lightning.pytorch.loggers import MLFlowLogger
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
+from flowlm.models.flow_map import FUSED_LOSSES, FlowMapModel
 from flowlm.objectives.base import LossOutput
-from flowlm.objectives.flow import SOFT_CAP, log_delta, log_delta_
 from flowlm.objectives.fmlm_plus import (
     DIAGONAL,
-    KIND_NAMES,
     MDM_TEACHER_TIMES,
     batch_kinds_and_times,
     context_rates,
     context_set,
     fmlm_plus_loss,
 )
-from flowlm.ops.compiled import compiled_tails, tails_enabled
-from flowlm.ops.summary import head_expectation
-from flowlm.processes.gaussian_flow import (
-    STATE_SPACES,
-    EmbeddingSpace,
-    GaussianFlowProcess,
-    OneHotSpace,
-    choose_space,
-)
-from flowlm.samplers.base import FlowDenoiser
-from lightning_modules.base import BackboneKind, FlowLMModule, backbone_kind
+from flowlm.ops.compiled import compiled_tails
+from flowlm.processes.gaussian_flow import STATE_SPACES
+from lightning_modules.base import FlowLMModule, check_choice
 from lightning_modules.checkpoints import (
     check_backbone_options,
     check_family,
     checkpoint_backbone,
-    load_module,
+    load_teacher,
     read_checkpoint,
 )
 from lightning_modules.sharding import is_sharded
 
-SUMMARIES = ("chunked", "dense")  # how greedy drafts read the model: FMLMPlusModule.denoiser
-FUSED_LOSSES = ("auto", True, False)  # FMLMPlusModule.fused_head: auto = by shape, where the head allows it
-
 
 class FMLMPlusModule(FlowLMModule):
-    """The DiT reads noisy one-hot vectors x ∈ R^{L×|V|} at per-token times (s, t) and outputs log δ_{s,t}(x)."""
+    """The network reads noisy one-hot vectors x ∈ R^{L×|V|} at per-token times (s, t) and outputs log δ_{s,t}(x)."""
 
     family = "flow"
+    label = "FMLM+"
 
     def __init__(
         self,
@@ -99,127 +84,28 @@ class FMLMPlusModule(FlowLMModule):
         self.init_from = init_from
         self.teacher_path = teacher
         self.teacher_train_mode = teacher_train_mode
-        if mdm_teacher_time not in MDM_TEACHER_TIMES:
-            raise ValueError(f"mdm_teacher_time must be one of {MDM_TEACHER_TIMES}, got {mdm_teacher_time!r}")
-        self.mdm_teacher_time = mdm_teacher_time  # the time the distill rows' MDM teacher reads
+        self.mdm_teacher_time = check_choice("mdm_teacher_time", mdm_teacher_time, MDM_TEACHER_TIMES)
         self.zero_t_embedding = zero_t_embedding
         self.antithetic = antithetic
-        if state_space not in STATE_SPACES:
-            raise ValueError(f"state_space must be one of {STATE_SPACES}, got {state_space!r}")
-        self.state_space = state_space
+        self.state_space = check_choice("state_space", state_space, STATE_SPACES)
         self.compile_tails = compile_tails  # the loss's soft-capped log-softmax compiled (forward and backward)
-        if fused_loss not in FUSED_LOSSES:
-            raise ValueError(f"fused_loss must be one of {FUSED_LOSSES}, got {fused_loss!r}")
-        self.fused_loss = fused_loss  # the student's loss from the head's input (flowlm/ops/fused_ce.py)
-        self.process = GaussianFlowProcess(vocab_size=data_vocab_size)
+        self.fused_loss = check_choice("fused_loss", fused_loss, FUSED_LOSSES)  # from the head's input (ops/fused_ce)
         # the DiT, or a LLaMA-family MDM in LlamaFlowNet with the ``adapter`` options (refused on a DiT)
         self.net = self.build_backbone(data_vocab_size, two_times=True, adapter=adapter)
         # a [MASK] inside the data vocabulary (LLaDA, Dream) is never predicted; the DiT's (id |V|) lies outside it
         self.mask_id = self.backbone_mask_id(self.net)
-        self._space_cache: tuple | None = None  # (key of the embedding's storage and version, its state space)
+        self.view = FlowMapModel(
+            self.net, data_vocab_size=data_vocab_size, mask_id=self.mask_id, state_space=state_space
+        )
         self.init_report: dict[str, list[str]] | None = None
         self._teacher = None  # a frozen MDM, kept out of the state dict
 
-    # ------------------------------------------------------------------------------------------------ network
     def forward(
         self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor | None = None, *, embedded: bool = False
     ) -> Tensor:
-        """log δ_{s,t}(x): (B, L, |V|) log-probabilities, soft-capped at 30, at per-token times (s, t); or, with
-        ``pinned`` (B, L), at per-sequence times (s, t) with the pinned tokens at s = t = 1 (cheaper, see DiT).
-        ``embedded``: x is already h = x·E (B, L, d), a state of the embedding space."""
-        logits = self.net.forward_embeddings(x, s, t, pinned=pinned) if embedded else self.net(x, s, t, pinned=pinned)
-        if self.mask_id < self.data_vocab_size:  # [MASK] inside the vocabulary: logit −∞, capped to −cap
-            logits = logits.index_fill(-1, torch.tensor([self.mask_id], device=logits.device), -torch.inf)
-        if torch.is_grad_enabled() or tails_enabled():  # compiled: one fused pass (flowlm/ops/compiled.py)
-            return log_delta(logits)
-        return log_delta_(logits)  # in place without autograd
-
-    def never_mask(self, fn, *args: Tensor) -> Tensor:
-        """``fn``'s log δ with a [MASK] inside the vocabulary at exactly −∞, what samplers draw from: a draw (PR at a
-        temperature > 0) never emits it. ``forward`` leaves it at the soft cap's floor, log δ([MASK]) = −cap − lse_v
-        g(l_v), which every training path (dense, fused, the semigroup targets) shares and a −∞ would turn into
-        0 · ∞ = NaN in a soft target's CE; the other columns are not renormalised (the mass moved, e^{−cap − lse} ≤
-        e^{−30 − max g}, is below float32 resolution for any max capped logit above −13). Greedy drafts read the
-        argmax, which never picks [MASK] while any logit is finite."""
-        log_probs = fn(*args)
-        return log_probs.index_fill(-1, torch.tensor([self.mask_id], device=log_probs.device), -torch.inf)
-
-    def states(self, kind: str | None = None) -> OneHotSpace | EmbeddingSpace:
-        """The flow state space (``state_space``, or ``kind``): chosen by shape with ``auto`` (methods.md §4).
-        The embedding space's factor is kept while the embedding's values are unchanged (one per evaluation)."""
-        weight = self.net.token_embeddings.detach()
-        key = (kind or self.state_space, weight.data_ptr(), weight._version, weight.device, weight.dtype)
-        if self._space_cache is None or self._space_cache[0] != key:
-            with torch.no_grad():
-                self._space_cache = (key, choose_space(key[0], weight.float()))
-        return self._space_cache[1]
-
-    def summary(
-        self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor | None = None, *, embedded: bool = False
-    ) -> tuple[Tensor, Tensor]:
-        """(max_v log δ_{s,t}(x), argmax_v) per position (B, L), ``forward``'s inputs: the output head and its soft
-        cap in vocabulary chunks, never a (B, L, |V|) log δ (flowlm/ops/summary.py). The argmax is that of
-        the logits (the cap is monotone), the first index on a tie."""
-        log_max, argmax, _ = self._head_pass(x, s, t, pinned, embedded=embedded, mean=False)
-        return log_max, argmax
-
-    def lifted(
-        self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor | None = None, *, embedded: bool = False
-    ) -> Tensor:
-        """δ_{s,t}(x)·E (B, L, d), the denoiser's mean in the embedding space (what a flow-map sub-step adds), from
-        the head's vocabulary chunks: the same as ``states("embedding").lift(forward(...).exp())`` to float
-        rounding, without a (B, L, |V|) tensor; the product with E is the one δ·E needs by its definition."""
-        return self._head_pass(x, s, t, pinned, embedded=embedded, mean=True)[2]
-
-    def head_input(
-        self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor | None = None, *, embedded: bool = False
-    ) -> Tensor:
-        """``forward``'s network up to its output head's input (B, L, d): log δ = log_softmax(g(head(·)))."""
-        h = x if embedded else self.net.input_embeddings(x)
-        return self.net.head_features(h, s, t, pinned=pinned)
-
-    def plain_head(self) -> torch.nn.Linear:
-        """The output head, refused unless a plain Linear (an adapter's weight is not the whole head)."""
-        head = self.net.output_head
-        if type(head) is not torch.nn.Linear:
-            raise TypeError(f"the chunked head pass needs a plain Linear output head, got {type(head).__name__}")
-        return head
-
-    def _head_pass(
-        self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor | None, *, embedded: bool, mean: bool
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """``head_expectation`` of this network's soft-capped head at (x, s, t), with E as its table if ``mean``."""
-        head = self.plain_head()
-        features = self.head_input(x, s, t, pinned, embedded=embedded)
-        table = self.net.token_embeddings if mean else None
-        return head_expectation(features, head.weight, self.head_bias(head), cap=SOFT_CAP, table=table)
-
-    def head_bias(self, head: torch.nn.Linear) -> Tensor | None:
-        """The bias the chunked head passes add: the head's own, with a [MASK] inside the data vocabulary (LLaDA,
-        Dream) at −∞ (what ``forward`` does to the logits; computed per call, never a parameter: an optimiser or EMA
-        step on −∞ would give NaN)."""
-        if self.mask_id >= self.data_vocab_size:
-            return head.bias
-        bias = head.weight.new_zeros(head.out_features) if head.bias is None else head.bias
-        return bias.index_fill(0, torch.tensor([self.mask_id], device=bias.device), -torch.inf)
-
-    def denoiser(self, space: str | None = None, *, summary: str = "chunked") -> FlowDenoiser:
-        """This model as flow samplers see it, reading states of its state space (or of ``space``); greedy drafts
-        read its ``summary`` (``summary="chunked"``) or off the full log δ (``"dense"``, the earlier path)."""
-        if summary not in SUMMARIES:
-            raise ValueError(f"summary must be one of {SUMMARIES}, got {summary!r}")
-        states = self.states(space)
-        fn = functools.partial(self, embedded=True) if states.embedded else self
-        if self.mask_id < self.data_vocab_size:  # a [MASK] inside the vocabulary: never drawn (see never_mask)
-            fn = functools.partial(self.never_mask, fn)
-        summary_fn = lift_fn = None
-        if summary == "chunked":
-            summary_fn = functools.partial(self.summary, embedded=True) if states.embedded else self.summary
-            if states.embedded:  # δ·E from the head's chunks; the one-hot space's δ is its own state (no product)
-                lift_fn = functools.partial(self.lifted, embedded=True)
-        return FlowDenoiser(
-            fn=fn, vocab_size=self.data_vocab_size, pinned_fn=fn, space=states, summary_fn=summary_fn, lift_fn=lift_fn
-        )
+        """log δ_{s,t}(x) (B, L, |V|) at per-token times, or per-sequence times with ``pinned`` tokens at s = t = 1;
+        ``embedded``: x is h = x·E (flowlm/models/flow_map.py)."""
+        return self.view(x, s, t, pinned, embedded=embedded)
 
     # ------------------------------------------------------------------------------------------ MDM sources
     def validate_inputs(self) -> None:
@@ -230,7 +116,7 @@ class FMLMPlusModule(FlowLMModule):
                 families = ("mdm", "flow") if role == "init_from" else "mdm"  # init: an MDM, or an FLM/FMLM
                 check_family(ckpt["flowlm"], path, family=families, data_vocab_size=self.data_vocab_size, role=role)
                 if role == "init_from":  # a dry run on a copy: another backbone size fails here, not mid-fit
-                    check_same_family(self.backbone_kind, checkpoint_backbone(ckpt), path)
+                    self.backbone_kind.check_same_family(checkpoint_backbone(ckpt), path)
                     timed = ckpt["flowlm"].get("family") == "flow" or ckpt["hyper_parameters"].get("time_conditioning")
                     check_backbone_options(ckpt, self.backbone_cfg, path, role=role, time_conditioned=bool(timed))
                     self.backbone_kind.copy_into(copy.deepcopy(self.net), ckpt["state_dict"])
@@ -240,26 +126,12 @@ class FMLMPlusModule(FlowLMModule):
         if self.init_from and self.global_step == 0 and self.init_report is None:
             source = read_checkpoint(self.init_from, data_vocab_size=self.data_vocab_size)
             self.initialise_from(source["state_dict"])  # the source's EMA weights
-            rank_zero_info(
-                f"Initialised from {self.init_from}: copied {len(self.init_report['copied'])} tensors "
-                f"({len(self.init_report['sliced'])} with the [MASK] row dropped), fresh: {self.init_report['fresh']}"
-            )
-            for lg in self.loggers:
-                if isinstance(lg, MLFlowLogger) and self.trainer.is_global_zero:
-                    lg.experiment.log_dict(lg.run_id, self.init_report, "init_from.json")
-        if self.teacher_path and self._teacher is None:
-            # a file, a sharded or export folder, or a foreign pretrained MDM (path or hub name)
-            teacher = load_module(self.teacher_path, map_location=self.device, data_vocab_size=self.data_vocab_size)
-            teacher.eval().requires_grad_(False)
-            if getattr(teacher, "time_conditioning", False) and self.mdm_teacher_time == "zero":
-                warnings.warn(
-                    f"the MDM teacher {self.teacher_path} is time-conditioned and is fed time 0 (nothing masked) on "
-                    "rows with [MASK]s: the released code's choice, made for a time-agnostic teacher; "
-                    "method.mdm_teacher_time=rate feeds it each row's masking rate",
-                    UserWarning,
-                    stacklevel=2,
-                )
-            object.__setattr__(self, "_teacher", teacher)  # not a submodule: never saved, never optimised
+            report = self.init_report
+            message = f"copied {len(report['copied'])} tensors ({len(report['sliced'])} with the [MASK] row dropped)"
+            self.log_init_report(f"Initialised from {self.init_from}: {message}, fresh: {report['fresh']}", report)
+        if self.teacher_path and self._teacher is None:  # not a submodule: never saved, never optimised
+            teacher = load_teacher(self.teacher_path, self.device, self.data_vocab_size, self.mdm_teacher_time)
+            object.__setattr__(self, "_teacher", teacher)
 
     def initialise_from(self, state: dict[str, Tensor]) -> dict[str, list[str]]:
         """Copy an MDM's DiT ([MASK] rows dropped; the new t-embedding fresh) or an FLM/FMLM's; on the LLaMA family
@@ -279,7 +151,20 @@ class FMLMPlusModule(FlowLMModule):
         return self.init_report
 
     # ---------------------------------------------------------------------------------------------- training
-    def flow_loss(
+    def draw(self, batch: dict, batch_idx: int, *, stage: str) -> dict:
+        """Training: this micro-batch's slice of one global draw of pair kinds (exact counts, on the host), times and
+        context rates, then ``draws_at``. Validation: the diagonal at a fixed grid of times, fixed draws."""
+        b = batch["tokens"].shape[0]
+        if stage != "train":
+            s = (torch.arange(b, device=self.device) + 0.5) / b
+            return self.draws_at(batch, torch.full((b,), DIAGONAL), s, s, self.fixed_generator(batch_idx, self.device))
+        kinds, s, t = self.sample_pairs(b, batch_idx)
+        rates = self.sample_context_rates(b, batch_idx).float()
+        gen = self.step_generator(1, batch_idx, shared=False, device=self.device)
+        s, t, rates = (x.to(self.device, non_blocking=True) for x in (s, t, rates))  # a blocking copy would sync
+        return self.draws_at(batch, kinds, s, t, gen, rates=rates)
+
+    def draws_at(
         self,
         batch: dict,
         kinds: Tensor,
@@ -287,14 +172,11 @@ class FMLMPlusModule(FlowLMModule):
         t: Tensor,
         gen: torch.Generator | None,
         *,
-        parts: bool = False,
         rates: Tensor | None = None,
-    ) -> LossOutput:
-        """The FMLM+ loss (flowlm/objectives/fmlm_plus.py) of one batch for given pair kinds (on the host: they
-        pick the rows of the teacher passes without a device read), per-sequence times (B,) and context rates f (B,)
-        (drawn from ``gen`` when not given); the context set and the noise are drawn here from ``gen``. With
-        ``parts`` also each kind's mean per-token loss. With ``fused_loss`` the student pass stops at the head's input
-        and the loss runs the head in blocks of rows (``fmlm_plus_loss``'s ``head``); the teachers are unchanged."""
+    ) -> dict:
+        """The draws for given pair kinds (on the host: they pick the rows of the teacher passes without a device
+        read) and per-sequence times (B,): the context set at rates f (drawn from ``gen`` when not given), the
+        states' process of this step and its standard normal noise, from ``gen``."""
         tokens, prompt = batch["tokens"], self.pin_unpredicted(batch["prompt_mask"])  # Dream: position 0 pinned
         b, length = tokens.shape
         if self.context:  # context set: each non-prompt token is clean with probability f ~ U(0, 1)
@@ -302,66 +184,30 @@ class FMLMPlusModule(FlowLMModule):
             ctx = context_set(f, torch.rand(b, length, generator=gen, device=tokens.device), prompt)
         else:
             ctx = torch.zeros_like(prompt)
-        process = self.training_process()
+        process = self.view.training_process()
         noise = torch.randn(process.draw_shape(tokens), generator=gen, device=tokens.device)
-        # log δ_{s,t}(x) at per-sequence times, the pinned tokens at s = t = 1 (two adaLN rows per sequence)
+        return {"kinds": kinds, "s": s, "t": t, "context": ctx, "noise": noise, "process": process}
+
+    def loss(self, batch: dict, draws: dict, *, parts: bool = False) -> LossOutput:
+        """The FMLM+ loss (flowlm/objectives/fmlm_plus.py); with ``parts`` each kind's mean per-token loss. With a
+        ``fused_head`` the student pass stops at the head's input and the loss runs the head in blocks of rows."""
+        process = draws["process"]
         student = functools.partial(self, embedded=True) if process.embedded else self
         head = self.fused_head()
         if head is not None:
-            student = functools.partial(self.head_input, embedded=process.embedded)
-        with (
-            compiled_tails() if self.compile_tails else contextlib.nullcontext()
-        ):  # log δ fused (flowlm/ops/compiled.py)
+            student = functools.partial(self.view.head_input, embedded=process.embedded)
+        teachers = self.teachers(embedded=process.embedded)
+        prompt = self.pin_unpredicted(batch["prompt_mask"])
+        with compiled_tails() if self.compile_tails else contextlib.nullcontext():  # flowlm/ops/compiled.py
             return fmlm_plus_loss(
-                student,
-                tokens,
-                prompt,
-                kinds,
-                s,
-                t,
-                context=ctx,
-                noise=noise,
-                process=process,
-                **self.teachers(embedded=process.embedded),
-                loss_mask=batch.get("loss_mask"),  # text data may leave PAD out of the loss
-                parts=parts,
-                head=head,
-                every_pass=is_sharded(self),  # FSDP: every rank runs the teacher passes (on row 0 if none needs them)
-            )
+                student, batch["tokens"], prompt, **draws, **teachers, loss_mask=batch.get("loss_mask"), parts=parts,
+                head=head, every_pass=is_sharded(self),  # FSDP: every rank runs the teacher passes
+            )  # fmt: skip
 
     def fused_head(self) -> tuple[Tensor, Tensor | None] | None:
         """(W, b) of the output head when this step's student loss runs fused from the head's input, else None: the
-        one place it is chosen. ``fused_loss`` true: required (a head that is not a plain Linear, or a sharded head
-        weight, is refused); false: never; auto: where the vocabulary is larger than the width (text, where the
-        (B, L, |V|) log δ is the cost; Sudoku keeps the dense path), the head is a plain, unsharded Linear and
-        ``compile_tails`` does not ask for the compiled dense log-softmax."""
-        if self.fused_loss is False:
-            return None
-        linear = self.net.output_head
-        plain = type(linear) is torch.nn.Linear and type(linear.weight.data) is torch.Tensor  # not a DTensor shard
-        if self.fused_loss == "auto":  # compile_tails asks for the compiled dense log-softmax instead
-            wide = linear.out_features > linear.in_features
-            return (linear.weight, self.head_bias(linear)) if plain and wide and not self.compile_tails else None
-        linear = self.plain_head()
-        if type(linear.weight.data) is not torch.Tensor:  # a DTensor shard outside the network's forward
-            raise ValueError("method.fused_loss needs the full head weight: not with a sharded (FSDP) DiT")
-        return linear.weight, self.head_bias(linear)
-
-    def training_process(self) -> GaussianFlowProcess:
-        """The process of this step's states: over the vocabulary, or, when ``state_space`` chooses the embedding
-        space, h = x·E with the noise z·R built from this step's E (differentiable: the factor of EᵀE is recomputed
-        each step, O(|V|·d²), against the O(B·L·|V|·d) input product it saves). A sharded embedding (FSDP) is not
-        a full matrix outside the network's forward: ``auto`` then keeps the one-hot states."""
-        if self.state_space == "onehot":
-            return self.process
-        weight = self.net.token_embeddings
-        full = type(weight.data) is torch.Tensor and tuple(weight.shape) == (self.data_vocab_size, self.net.d_model)
-        if not full:
-            if self.state_space == "embedding":
-                raise ValueError("state_space=embedding needs the full embedding matrix: not with a sharded (FSDP) DiT")
-            return self.process
-        space = choose_space(self.state_space, weight)
-        return GaussianFlowProcess(vocab_size=self.data_vocab_size, space=space) if space.embedded else self.process
+        one place it is chosen (``FlowMapModel.fused_head`` by ``fused_loss`` and ``compile_tails``)."""
+        return self.view.fused_head(self.fused_loss, compiled=self.compile_tails)
 
     def teachers(self, *, embedded: bool = False) -> dict:
         """The objective's teachers: this model for the semigroup passes (``teacher_pass``, reading states h = x·E
@@ -402,39 +248,3 @@ class FMLMPlusModule(FlowLMModule):
         n_global, offset = self.global_batch_slice(local_batch, batch_idx)
         gen = self.step_generator(2, batch_idx, shared=True)
         return context_rates(n_global, offset=offset, count=local_batch, generator=gen, antithetic=self.antithetic)
-
-    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
-        """Diagonal CE + semigroup self-distillation (+ MDM distillation) on active tokens."""
-        b = batch["tokens"].shape[0]
-        kinds, s, t = self.sample_pairs(b, batch_idx)  # on the host
-        rates = self.sample_context_rates(b, batch_idx).float()
-        gen = self.step_generator(1, batch_idx, shared=False, device=self.device)
-        # a blocking copy would sync the stream
-        s, t, rates = (x.to(self.device, non_blocking=True) for x in (s, t, rates))
-        out = self.flow_loss(batch, kinds, s, t, gen, parts=self.logs_this_step(), rates=rates)
-        self.log("train/loss", out.loss, prog_bar=True)
-        for name in KIND_NAMES:
-            if name in out.parts:
-                self.log(f"train/loss_{name}", out.parts[name])
-        return out.loss
-
-    def validation_step(self, batch: dict, batch_idx: int) -> Tensor:
-        """Diagonal CE at fixed times and contexts (comparable across evaluations)."""
-        b = batch["tokens"].shape[0]
-        gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + batch_idx)
-        s = (torch.arange(b, device=self.device) + 0.5) / b
-        kinds = torch.full((b,), DIAGONAL)
-        loss = self.flow_loss(batch, kinds, s, s, gen).loss
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=b)
-        return loss
-
-
-def check_same_family(kind: BackboneKind, source: dict, path: str) -> None:
-    """Refuse an ``init_from`` whose backbone is of another family than this run's (a DiT MDM into a LLaMA-family
-    FMLM+, or the reverse) before any compute: their tensors share no names."""
-    if type(backbone_kind(source)) is not type(kind):
-        there = source.get("_target_", "the suite's DiT")
-        raise ValueError(
-            f"init_from {path} was trained on another backbone family ({there}) than this run's backbone: initialise "
-            "from an MDM of the same backbone (backbone=<its config>)"
-        )

@@ -15,16 +15,15 @@ import copy
 import warnings
 
 import torch
-from lightning.pytorch.loggers import MLFlowLogger
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
+from flowlm.backbones.adapters import MLFMAdapter
+from flowlm.backbones.llama import BidirectionalLM, LlamaMLFMAdapter
+from flowlm.models.bridge import BridgeModel
 from flowlm.objectives.base import LossOutput
 from flowlm.objectives.mlfm import mlfm_loss
-from flowlm.ops.summary import head_expectation
 from flowlm.processes.bridge import BridgeProcess
-from flowlm.samplers.mlfm import BridgeDenoiser
-from lightning_modules.base import FlowLMModule, drop_mask_logit
+from lightning_modules.base import FlowLMModule
 from lightning_modules.checkpoints import check_backbone_options, check_family, copy_backbone, read_checkpoint
 
 
@@ -33,6 +32,7 @@ class MLFMModule(FlowLMModule):
     backbone config's own weights (a pretrained ``source``) when ``init_from`` is null."""
 
     family = "mlfm"
+    label = "MLFM"
 
     def __init__(
         self,
@@ -70,48 +70,16 @@ class MLFMModule(FlowLMModule):
         self.process = BridgeProcess(**(bridge or {}))
         base = self.build_backbone(data_vocab_size + 1, two_times=False)
         self.mask_id = self.backbone_mask_id(base)  # DiT: |V|; LLaMA family: the backbone's own (base.py)
-        # the family's adapter: MLFMAdapter on a DiT, LlamaMLFMAdapter (LlamaAdaLNAdapter) on the LLaMA family
-        self.net = self.backbone_kind.mlfm_adapter(base, **(adapter or {}))
+        # the family's adapter (time adaLN + LoRA, §6): LlamaMLFMAdapter on the LLaMA family, MLFMAdapter on a DiT
+        adapter_cls = LlamaMLFMAdapter if isinstance(base, BidirectionalLM) else MLFMAdapter
+        self.net = adapter_cls(base, **(adapter or {}))
+        self.view = BridgeModel(self.net, self.process, data_vocab_size, self.mask_id)
         self.init_report: dict[str, list[str]] | None = None
 
-    # ------------------------------------------------------------------------------------------------ network
     def forward(self, z: Tensor, t: Tensor) -> Tensor:
-        """Logits over data ids + [MASK] for embeddings z (B, L, d) at bridge times t (B,). The MDM's own
-        conditioning reads 0: the suite's MDMs are time-agnostic by default (validate_inputs refuses others)."""
-        return self.net(z, self.process.condition(t), torch.zeros_like(t))
-
-    def denoiser(self, *, summary: str = "chunked") -> BridgeDenoiser:
-        """This model as the MLFM sampler sees it: logits over the data vocabulary, E's data rows, m = E[MASK]; with
-        ``summary="chunked"`` also ``posterior`` (the posterior's mode, its log-probability and x̂₁ = p·E from the
-        head's vocabulary chunks), where the adapter exposes its head (``head_parts``: the DiT and LLaMA-family
-        adapters) and the module is in eval mode; ``"dense"``: logits only (the earlier path)."""
-        if summary not in ("chunked", "dense"):
-            raise ValueError(f"summary must be one of ('chunked', 'dense'), got {summary!r}")
-        emb = self.net.embeddings
-        chunked = summary == "chunked" and not self.training and getattr(self.net, "head_parts", None) is not None
-        return BridgeDenoiser(
-            fn=lambda z, t: drop_mask_logit(self(z, t), self.data_vocab_size, self.mask_id),
-            embeddings=emb[: self.data_vocab_size],
-            mask_embedding=emb[self.mask_id],
-            process=self.process,
-            posterior_fn=self.posterior if chunked else None,
-        )
-
-    def posterior(self, z: Tensor, t: Tensor, *, mean: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(log max_v p, argmax_v, x̂₁ = p·E or None) over the data vocabulary, p = softmax of ``forward``'s data
-        logits, from the head's vocabulary chunks (flowlm/ops/summary.py): no (B, L, |V|) tensor; x̂₁ is the
-        one (B·L) × |V| × d product a bridge step needs by its definition."""
-        features, weight, bias, low_rank = self.net.head_parts(z, self.process.condition(t), torch.zeros_like(t))
-        v = self.data_vocab_size  # the head's rows [0, |V|), as drop_mask_logit: a DiT's [MASK] row |V| dropped,
-        bias = None if bias is None else bias[:v]
-        if self.mask_id < v:  # a [MASK] inside the vocabulary (LLaDA, Dream): its logit −∞ through the bias
-            bias = weight.new_zeros(v) if bias is None else bias
-            bias = bias.index_fill(0, torch.tensor([self.mask_id], device=bias.device), -torch.inf)
-        if low_rank is not None:
-            low_rank = (low_rank[0], low_rank[1][:v])
-        table = self.net.embeddings[:v] if mean else None
-        # x̂₁ in the caller's autocast, as the dense path's q·E (under bf16: 1.5× faster than float32 here)
-        return head_expectation(features, weight[:v], bias, table=table, low_rank=low_rank, mean_autocast=True)
+        """Logits over data ids + [MASK] for embeddings z (B, L, d) at bridge times t (B,) (flowlm/models/bridge.py;
+        validate_inputs refuses a time-conditioned MDM)."""
+        return self.view(z, t)
 
     # --------------------------------------------------------------------------------------------- MDM source
     def validate_inputs(self) -> None:
@@ -138,13 +106,11 @@ class MLFMModule(FlowLMModule):
             self.init_report = self._copy_mdm(self.net, source["state_dict"])
             trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
             total = sum(p.numel() for p in self.parameters())
-            rank_zero_info(
-                f"MLFM adapted from {self.init_from}: copied {len(self.init_report['copied'])} MDM tensors; "
-                f"trainable {trainable:,} of {total:,} parameters"
+            message = f"copied {len(self.init_report['copied'])} MDM tensors; trainable {trainable:,} of {total:,}"
+            self.log_init_report(
+                f"MLFM adapted from {self.init_from}: {message} parameters",
+                {**self.init_report, "trainable": trainable},
             )
-            for lg in self.loggers:
-                if isinstance(lg, MLFlowLogger) and self.trainer.is_global_zero:
-                    lg.experiment.log_dict(lg.run_id, {**self.init_report, "trainable": trainable}, "init_from.json")
 
     @staticmethod
     def _copy_mdm(adapter: nn.Module, state: dict[str, Tensor]) -> dict[str, list[str]]:
@@ -163,9 +129,20 @@ class MLFMModule(FlowLMModule):
         return report
 
     # ---------------------------------------------------------------------------------------------- training
-    def mlfm_loss(self, batch: dict, gen_cpu: torch.Generator, gen: torch.Generator | None) -> LossOutput:
+    def draw(self, batch: dict, batch_idx: int, *, stage: str) -> dict:
+        """The bridge inputs (``draws_at``) from this step's generators, or fixed ones at validation."""
+        if stage == "train":
+            gens = (
+                self.step_generator(0, batch_idx, shared=False),
+                self.step_generator(1, batch_idx, shared=False, device=self.device),
+            )
+        else:
+            gens = self.fixed_generator(batch_idx), self.fixed_generator(batch_idx, self.device)
+        return self.draws_at(batch, *gens)
+
+    def draws_at(self, batch: dict, gen_cpu: torch.Generator, gen: torch.Generator | None) -> dict:
         """Mask with s from the cosine schedule (``bridge.mask_schedule``), the whole response with probability
-        ``full_response_mask_prob``; bridge at t from the training distribution; CE (+ MSE)."""
+        ``full_response_mask_prob``; the bridge state z at t from the training distribution."""
         tokens, prompt = batch["tokens"], self.pin_unpredicted(batch["prompt_mask"])
         b, length = tokens.shape
         s = self.process.mask_prob(b, generator=gen_cpu, device=tokens.device)
@@ -182,26 +159,11 @@ class MLFMModule(FlowLMModule):
         t = self.process.sample_t(b, generator=gen_cpu, device=tokens.device)
         emb = self.net.embeddings  # m = E[mask_id]: the last row (DiT, SMDM) or one inside (LLaDA, Dream)
         z = self.process.sample(emb[self.mask_id], emb[tokens], t, masked, gen)  # the bridge at masked positions
-        logits = drop_mask_logit(self(z, t), self.data_vocab_size, self.mask_id)
+        return {"z": z, "t": t, "masked": masked}
+
+    def loss(self, batch: dict, draws: dict, *, parts: bool = False) -> LossOutput:
+        """CE on the clean token at the masked positions (+ ``aux_mse_weight`` · MSE of x̂₁)."""
+        masked, tokens = draws["masked"], batch["tokens"]
         scored = masked & batch.get("loss_mask", masked)  # text data may leave PAD out of the loss
-        return mlfm_loss(logits, tokens, scored, None, embeddings=emb, aux_weight=self.aux_mse_weight)
-
-    def training_step(self, batch: dict, batch_idx: int) -> Tensor:
-        """One step of the MLFM objective."""
-        gen_cpu = self.step_generator(0, batch_idx, shared=False)
-        gen = self.step_generator(1, batch_idx, shared=False, device=self.device)
-        out = self.mlfm_loss(batch, gen_cpu, gen)
-        self.log("train/loss", out.loss, prog_bar=True)
-        if "mse" in out.parts:
-            self.log("train/ce", out.parts["ce"])
-            self.log("train/mse", out.parts["mse"])
-        return out.loss
-
-    def validation_step(self, batch: dict, batch_idx: int) -> Tensor:
-        """The same objective with fixed draws, comparable across evaluations."""
-        b = batch["tokens"].shape[0]
-        gen_cpu = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_idx)
-        gen = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + batch_idx)
-        loss = self.mlfm_loss(batch, gen_cpu, gen).loss
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=b)
-        return loss
+        logits = self.view.data_logits(draws["z"], draws["t"])
+        return mlfm_loss(logits, tokens, scored, None, embeddings=self.net.embeddings, aux_weight=self.aux_mse_weight)

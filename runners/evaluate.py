@@ -13,7 +13,7 @@ from omegaconf.errors import ConfigKeyError
 
 from callbacks.convergence import CONVERGENCE_FILE
 from callbacks.progress import progress_callbacks
-from callbacks.results_csv import ResultsCSV, write_rows
+from callbacks.results_csv import ResultsCSV, method_label, write_rows
 from callbacks.sampling_eval import SamplingEvaluation
 from flowlm.pretrained.export import CONFIG as EXPORT_CONFIG
 from flowlm.pretrained.export import is_export
@@ -126,7 +126,7 @@ def write_results_csv(cfg: DictConfig, meta: dict, module, evaluation: SamplingE
         with trained.open(newline="") as f:
             device = next(csv.DictReader(f), {}).get("device", "") or ""
     machine = {"precision": str((run.get("trainer") or {}).get("precision", "")), "device": device}
-    rows = ResultsCSV.rows(run, type(module).__name__, evaluation, _RecordedConvergence(cfg.ckpt_path), machine)
+    rows = ResultsCSV.rows(run, method_label(module), evaluation, _RecordedConvergence(cfg.ckpt_path), machine)
     path = folder / f"{run['name']}_seed{run.get('seed', 0)}_eval.csv"
     write_rows(path, rows)
     return path

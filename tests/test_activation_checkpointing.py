@@ -56,7 +56,8 @@ def mlfm_loss(module: MLFMModule) -> torch.Tensor:
     prompt = torch.zeros_like(tokens, dtype=torch.bool)
     prompt[:, :4] = True
     gens = torch.Generator().manual_seed(4), torch.Generator().manual_seed(5)
-    return module.mlfm_loss({"tokens": tokens, "prompt_mask": prompt}, *gens).loss
+    batch = {"tokens": tokens, "prompt_mask": prompt}
+    return module.loss(batch, module.draws_at(batch, *gens)).loss
 
 
 def test_mlfm_on_llama_same_loss_and_gradients_with_checkpointing():

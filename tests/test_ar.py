@@ -38,7 +38,7 @@ def test_loss_is_next_token_cross_entropy_on_non_prompt_positions():
     logits = module(tokens)
     nll = F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none")
     expected = nll[:, 4:].mean()
-    torch.testing.assert_close(module.nll({"tokens": tokens, "prompt_mask": prompt}).loss, expected)
+    torch.testing.assert_close(module.loss({"tokens": tokens, "prompt_mask": prompt}, {}).loss, expected)
 
 
 def test_sampler_fills_free_positions_left_to_right_with_exact_nfe():

@@ -75,7 +75,7 @@ def test_compiled_training_loss_and_gradients_match_eager(monkeypatch):
     """``method.compile_tails``: the FMLM+ loss (diagonal, boundary and off-diagonal rows: student log δ with its
     backward, the teachers' no-grad passes) and every parameter's gradient equal the eager ones to float rounding;
     the compiled step's student and teacher log δ run inside ``compiled_tails``, the eager step's outside."""
-    import lightning_modules.fmlm_plus as fmlm_plus
+    import flowlm.models.flow_map as fmlm_plus
     from flowlm.objectives.fmlm_plus import batch_kinds_and_times
     from tests.test_state_spaces import B, L, V, flow_module
 
@@ -90,7 +90,7 @@ def test_compiled_training_loss_and_gradients_match_eager(monkeypatch):
     for compiled in (False, True):
         module.compile_tails = compiled
         module.zero_grad(set_to_none=True)
-        loss = module.flow_loss(batch, kinds, s, t, torch.Generator().manual_seed(1)).loss
+        loss = module.loss(batch, module.draws_at(batch, kinds, s, t, torch.Generator().manual_seed(1))).loss
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}))
     assert seen == [False, True, True, True]  # eager: the student's (its teachers in place); compiled: all three

@@ -74,7 +74,7 @@ def _fail_first_step(patch) -> None:
     def boom(self, *args, **kwargs):
         raise RuntimeError("boom at the first step")
 
-    patch.setattr(MDMModule, "mdm_loss", boom)
+    patch.setattr(MDMModule, "loss", boom)
 
 
 def test_a_run_that_failed_before_its_first_checkpoint_does_not_block_other_settings(runs_env, monkeypatch):
@@ -152,7 +152,7 @@ def test_an_interrupted_run_is_killed_in_mlflow_saying_so(runs_env, monkeypatch)
     def interrupt(self, *args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(MDMModule, "mdm_loss", interrupt)
+    monkeypatch.setattr(MDMModule, "loss", interrupt)
     handler = signal.getsignal(signal.SIGINT)
     try:
         with pytest.raises(SystemExit):  # Lightning's graceful shutdown: SystemExit(1) while handling the Ctrl-C

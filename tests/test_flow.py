@@ -124,12 +124,9 @@ def test_diagonal_loss_at_zero_equals_mdm_cross_entropy():
     prompt = torch.zeros(6, length, dtype=torch.bool)
     prompt[:, :3] = True
     zeros = torch.zeros(6)
-    loss = flow.flow_loss(
-        {"tokens": tokens, "prompt_mask": prompt},
-        torch.zeros(6, dtype=torch.long),
-        zeros,
-        zeros,
-        torch.Generator().manual_seed(3),
+    batch = {"tokens": tokens, "prompt_mask": prompt}
+    loss = flow.loss(
+        batch, flow.draws_at(batch, torch.zeros(6, dtype=torch.long), zeros, zeros, torch.Generator().manual_seed(3))
     ).loss
     ((ids, s, t),) = wrapper.seen
     active = s == 0

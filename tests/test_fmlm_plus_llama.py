@@ -102,10 +102,10 @@ def test_initialised_flow_network_computes_the_mdm_logits(layout):
             got = flow.net(x, times[0], times[1], pinned=times[2])
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         log_d = flow(x, s, t, pinned)
-        torch.testing.assert_close(log_d, log_delta(mdm.data_logits(want)), rtol=0, atol=1e-5)
+        torch.testing.assert_close(log_d, log_delta(mdm.view.data_logits(want)), rtol=0, atol=1e-5)
     if layout != "smdm":  # [MASK] inside the vocabulary: at the cap's floor in training, −∞ where samplers draw
         assert flow.mask_id == 3
-        lse = torch.logsumexp(30 * torch.tanh(mdm.data_logits(want) / 30), -1)
+        lse = torch.logsumexp(30 * torch.tanh(mdm.view.data_logits(want) / 30), -1)
         torch.testing.assert_close(log_d[..., 3], -30 - lse, rtol=0, atol=1e-5)
         with torch.no_grad():
             drawn = flow.denoiser().at(x, s, t, pinned)
@@ -152,20 +152,20 @@ def test_one_hot_and_embedding_spaces_and_the_chunked_head_agree(layout):
     row); its logits equal the one-hot space's, and the chunked head passes (greedy summary, δ·E) the dense ones."""
     _, flow = mdm_and_flow(layout, vocab=40, hidden=16)
     open_adaln(flow)
-    space = flow.states()
+    space = flow.view.states()
     assert isinstance(space, EmbeddingSpace) and space.embeddings.shape == (40, 16)
-    assert isinstance(flow.states("onehot"), OneHotSpace)
+    assert isinstance(flow.view.states("onehot"), OneHotSpace)
     x, s, t, pinned = inputs(40)
     with torch.no_grad():
         dense = flow(x, s, t, pinned)
         h = x @ flow.net.token_embeddings
         torch.testing.assert_close(flow(h, s, t, pinned, embedded=True), dense, rtol=0, atol=1e-5)
-        log_max, argmax = flow.summary(h, s, t, pinned, embedded=True)
+        log_max, argmax = flow.view.summary(h, s, t, pinned, embedded=True)
         want_max, want_arg = dense_summary(dense)
         torch.testing.assert_close(log_max, want_max, rtol=0, atol=1e-5)
         assert torch.equal(argmax, want_arg)
         torch.testing.assert_close(
-            flow.lifted(h, s, t, pinned, embedded=True), space.lift(dense.exp()), atol=1e-5, rtol=1e-5
+            flow.view.lifted(h, s, t, pinned, embedded=True), space.lift(dense.exp()), atol=1e-5, rtol=1e-5
         )
     assert layout == "smdm" or not bool((argmax == 3).any())
 
@@ -184,7 +184,8 @@ def test_loss_is_finite_and_trains_the_whole_network(layout):
     _, flow = mdm_and_flow(layout)
     flow.train()
     kinds, s, t = flow.sample_pairs(4, 0)
-    out = flow.flow_loss(batch_of(9, flow.mask_id), kinds, s, t, torch.Generator().manual_seed(0))
+    batch = batch_of(9, flow.mask_id)
+    out = flow.loss(batch, flow.draws_at(batch, kinds, s, t, torch.Generator().manual_seed(0)))
     assert torch.isfinite(out.loss)
     out.loss.backward()
     grads = {n: p.grad for n, p in flow.named_parameters()}
@@ -203,7 +204,7 @@ def test_loss_is_finite_and_trains_the_whole_network(layout):
     # and unscored (as the MDM loss keeps it); an unshifted backbone scores it
     free = {**batch_of(9, flow.mask_id), "prompt_mask": torch.zeros(4, 12, dtype=torch.bool)}
     with torch.no_grad():
-        out = flow.flow_loss(free, kinds, s, t, torch.Generator().manual_seed(0), rates=torch.zeros(4))
+        out = flow.loss(free, flow.draws_at(free, kinds, s, t, torch.Generator().manual_seed(0), rates=torch.zeros(4)))
     assert bool((out.per_token[:, 0] == 0).all()) == layout.startswith("dream") and (out.per_token[:, 1:] != 0).all()
 
 
@@ -243,7 +244,7 @@ def test_fused_loss_equals_the_dense_one_with_mask_inside_the_vocabulary():
     losses = []
     for module in (fused, dense):
         module.train()
-        loss = module.flow_loss(batch, kinds, s, t, torch.Generator().manual_seed(0)).loss
+        loss = module.loss(batch, module.draws_at(batch, kinds, s, t, torch.Generator().manual_seed(0))).loss
         loss.backward()
         losses.append(loss)
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
@@ -273,7 +274,7 @@ def test_a_pretrained_source_is_the_initialisation():
     cfg = {"_target_": "flowlm.pretrained.smdm.load_smdm", "source": str(PATH), "config": CONFIG}
     flow = FMLMPlusModule(data_vocab_size=512, seq_len=8, backbone=cfg, optim={}, adapter=ADAPTER).eval()
     mdm = load_smdm(PATH, config=CONFIG).eval()
-    assert flow.mask_id == 512 and isinstance(flow.states(), EmbeddingSpace) and flow.fused_head() is not None
+    assert flow.mask_id == 512 and isinstance(flow.view.states(), EmbeddingSpace) and flow.fused_head() is not None
     x, s, t, pinned = inputs(512, length=8)
     with torch.no_grad():
         want = mdm.forward_embeddings(x @ mdm.model.embed_tokens.weight[:512])

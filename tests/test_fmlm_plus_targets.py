@@ -1,5 +1,5 @@
 """FMLM+ inside the module (methods.md §3–4, issue 14): the semigroup, boundary and MDM-distill targets of the
-objective (flowlm/objectives/fmlm_plus.py) with the module's teachers, and ``flow_loss``, against dense hand
+objective (flowlm/objectives/fmlm_plus.py) with the module's teachers, and the module's ``loss``, against dense hand
 computations with the same network, the context rate f ~ U(0, 1), the interpolant, the soft-cap as the module
 applies it, ``teacher_train_mode`` and ``zero_t_embedding``.
 
@@ -50,7 +50,7 @@ def _delta(module: FMLMPlusModule, x: torch.Tensor, s_tok: torch.Tensor, t_tok: 
 
 
 def _targets(module: FMLMPlusModule, batch, kinds, x_s, times, token_times, onehot, active) -> torch.Tensor:
-    """The objective's per-token targets with the module's teachers, as ``flow_loss`` wires them."""
+    """The objective's per-token targets with the module's teachers, as the module's ``loss`` wires them."""
     return targets(
         kinds,
         x_s,
@@ -58,7 +58,7 @@ def _targets(module: FMLMPlusModule, batch, kinds, x_s, times, token_times, oneh
         token_times,
         onehot,
         active,
-        process=module.process,
+        process=module.view.process,
         tokens=batch["tokens"],
         prompt=batch["prompt_mask"],
         **module.teachers(),
@@ -169,7 +169,7 @@ def test_teacher_passes_see_the_flow_map_with_pinned_tokens_kept_one_hot():
 
 
 def test_flow_loss_is_the_soft_ce_of_the_hand_target_on_active_tokens():
-    """flow_loss end to end: the student pass is δ_{s,t}(x_s) at the sequence's (s, t) with prompt and context
+    """The module's loss end to end: the student pass is δ_{s,t}(x_s) at the sequence's (s, t) with prompt and context
     pinned, and the loss is Σ_active −Σ_v target·log δ_{s,t}(x_s) / #active with the hand target of each kind."""
     module = _flow()
     b = len(KINDS)
@@ -182,7 +182,7 @@ def test_flow_loss_is_the_soft_ce_of_the_hand_target_on_active_tokens():
 
     module.forward = spy
     batch = {"tokens": tokens, "prompt_mask": prompt}
-    loss = module.flow_loss(batch, KINDS, S, T, torch.Generator().manual_seed(4)).loss
+    loss = module.loss(batch, module.draws_at(batch, KINDS, S, T, torch.Generator().manual_seed(4))).loss
     x_s, s_seen, t_seen, pinned = calls[0]
     assert len(calls) == 3  # the student pass, then D1 and D2 for the jump rows
     assert torch.equal(s_seen, S) and torch.equal(t_seen, T)  # the student sees (s, t), not (s, u) or (u, t)
@@ -264,7 +264,7 @@ def test_an_unknown_mdm_teacher_time_is_refused_before_compute():
 
 # ------------------------------------------------------------------------------- context set and the interpolant
 def _stub_forward(module: FMLMPlusModule, seen: list):
-    """Replace the network pass by a uniform output that records its inputs: flow_loss's draws cost nothing."""
+    """Replace the network pass by a uniform output that records its inputs: the draws cost nothing."""
 
     def stub(x, s, t, pinned=None):
         seen.append((x.clone(), s.clone(), t.clone(), pinned.clone()))
@@ -287,9 +287,8 @@ def test_context_rate_is_uniform_per_sequence_and_spares_the_prompt():
     prompt = torch.zeros(b, L, dtype=torch.bool)
     prompt[:, :n_prompt] = True
     s = torch.full((b,), 0.5)
-    module.flow_loss(
-        {"tokens": tokens, "prompt_mask": prompt}, torch.full((b,), DIAGONAL), s, s, torch.Generator().manual_seed(8)
-    )
+    batch = {"tokens": tokens, "prompt_mask": prompt}
+    module.loss(batch, module.draws_at(batch, torch.full((b,), DIAGONAL), s, s, torch.Generator().manual_seed(8)))
     ((_, _, _, pinned),) = seen
     assert pinned[prompt].all()  # the prompt is always pinned (never active, never noised)
     k = (pinned & ~prompt).sum(-1)  # context tokens per sequence
@@ -305,9 +304,8 @@ def test_context_rate_is_uniform_per_sequence_and_spares_the_prompt():
     fmlm = FMLMPlusModule(data_vocab_size=V, seq_len=L, backbone=BACKBONE, optim={}, context=False)
     seen_fmlm = []
     _stub_forward(fmlm, seen_fmlm)
-    fmlm.flow_loss(
-        {"tokens": tokens[:64], "prompt_mask": prompt[:64]}, torch.full((64,), DIAGONAL), s[:64], s[:64], None
-    )
+    batch = {"tokens": tokens[:64], "prompt_mask": prompt[:64]}
+    fmlm.loss(batch, fmlm.draws_at(batch, torch.full((64,), DIAGONAL), s[:64], s[:64], None))
     assert torch.equal(seen_fmlm[0][3], prompt[:64])
 
 
@@ -323,9 +321,8 @@ def test_flow_loss_noises_active_tokens_by_the_interpolant():
     prompt = torch.zeros(b, L, dtype=torch.bool)
     prompt[:, 0] = True
     s = torch.tensor([0.0, 0.25, 0.7]).repeat(b // 3)
-    module.flow_loss(
-        {"tokens": tokens, "prompt_mask": prompt}, torch.full((b,), DIAGONAL), s, s, torch.Generator().manual_seed(10)
-    )
+    batch = {"tokens": tokens, "prompt_mask": prompt}
+    module.loss(batch, module.draws_at(batch, torch.full((b,), DIAGONAL), s, s, torch.Generator().manual_seed(10)))
     ((x_s, _, _, pinned),) = seen
     onehot = F.one_hot(tokens, V).float()
     assert torch.equal(x_s[pinned], onehot[pinned])

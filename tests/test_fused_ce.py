@@ -198,7 +198,7 @@ def test_module_fused_loss_matches_dense(state_space, monkeypatch):
     """``method.fused_loss``: on one batch of diagonal, boundary and off-diagonal rows, with a PAD loss mask, the
     FMLM+ loss, its parts and every parameter's gradient equal the dense path's to float rounding; the student
     pass never calls log_delta with the fused loss (the teachers still do)."""
-    import lightning_modules.fmlm_plus as fmlm_plus
+    import flowlm.models.flow_map as fmlm_plus
     from flowlm.objectives.fmlm_plus import batch_kinds_and_times
 
     calls, original = [], fmlm_plus.log_delta
@@ -215,7 +215,7 @@ def test_module_fused_loss_matches_dense(state_space, monkeypatch):
     for fused in (False, True):
         module = _module(state_space, fused)
         calls.clear()
-        out = module.flow_loss(batch, kinds, s, t, torch.Generator().manual_seed(1), parts=True)
+        out = module.loss(batch, module.draws_at(batch, kinds, s, t, torch.Generator().manual_seed(1)), parts=True)
         out.loss.backward()
         grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
         results.append((out, grads, list(calls)))
@@ -242,7 +242,7 @@ def test_module_fused_loss_refuses_an_adapted_head():
     module.net.final.linear = Adapted(old.in_features, old.out_features)
     batch = {"tokens": torch.zeros(2, LM, dtype=torch.long), "prompt_mask": torch.zeros(2, LM, dtype=torch.bool)}
     with pytest.raises(TypeError, match="plain Linear"):
-        module.flow_loss(batch, torch.zeros(2, dtype=torch.long), torch.rand(2), torch.rand(2), None)
+        module.loss(batch, module.draws_at(batch, torch.zeros(2, dtype=torch.long), torch.rand(2), torch.rand(2), None))
 
 
 def test_objective_fused_head_matches_dense_with_distill_rows():
@@ -263,7 +263,7 @@ def test_objective_fused_head_matches_dense_with_distill_rows():
     args = dict(
         context=torch.rand(BM, LM, generator=gen) < 0.3,
         noise=torch.randn(BM, LM, VM, generator=gen),
-        process=module.process,
+        process=module.view.process,
         teacher=module.teacher_pass,
         mdm_teacher=lambda ids, rate: table[ids],
         mask_id=VM,
@@ -273,7 +273,7 @@ def test_objective_fused_head_matches_dense_with_distill_rows():
     results = []
     for fused in (False, True):
         module.zero_grad(set_to_none=True)
-        student, extra = (module.head_input, {"head": (head.weight, head.bias)}) if fused else (module, {})
+        student, extra = (module.view.head_input, {"head": (head.weight, head.bias)}) if fused else (module, {})
         out = fmlm_plus_loss(student, tokens, prompt, kinds, s, t, **args, **extra)
         out.loss.backward()
         results.append((out, {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}))
@@ -287,7 +287,7 @@ def test_objective_fused_head_matches_dense_with_distill_rows():
         assert (grad - fused_grads[name]).abs().max() <= 1e-4 * grad.abs().max() + 1e-7, name
     with pytest.raises(ValueError, match="teacher"):
         fmlm_plus_loss(
-            module.head_input, tokens, prompt, kinds, s, t, **{**args, "teacher": None}, head=(head.weight, None)
+            module.view.head_input, tokens, prompt, kinds, s, t, **{**args, "teacher": None}, head=(head.weight, None)
         )
 
 

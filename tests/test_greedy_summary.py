@@ -154,7 +154,7 @@ def test_model_summary_is_its_log_delta():
         logits = module.net.forward_embeddings(h, s, t, pinned=pinned)
         assert torch.equal(module.net.final.linear(module.net.head_features(h, s, t, pinned=pinned)), logits)
         want = module(x, s, t, pinned).max(-1)
-        for got in (module.summary(x, s, t, pinned), module.summary(h, s, t, pinned, embedded=True)):
+        for got in (module.view.summary(x, s, t, pinned), module.view.summary(h, s, t, pinned, embedded=True)):
             assert torch.equal(got[1], want.indices)
             assert torch.allclose(got[0], want.values, atol=2e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="summary must be one of"):

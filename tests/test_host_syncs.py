@@ -91,9 +91,9 @@ def test_fmlm_plus_with_a_teacher_and_mlfm_losses_read_nothing_back():
     mlfm = adapted(mdm)
     perturb_adapter(mlfm)
     with HostSyncs() as syncs:
-        flow.flow_loss(batch, kinds, s, t, torch.Generator().manual_seed(1)).loss.backward()
+        flow.loss(batch, flow.draws_at(batch, kinds, s, t, torch.Generator().manual_seed(1))).loss.backward()
         gens = torch.Generator().manual_seed(2), torch.Generator().manual_seed(3)
-        mlfm.mlfm_loss(batch, *gens).loss.backward()
+        mlfm.loss(batch, mlfm.draws_at(batch, *gens)).loss.backward()
     assert syncs.count == 0, syncs.where
 
 
@@ -113,7 +113,7 @@ def test_per_kind_losses_are_the_means_over_each_kinds_scored_tokens(monkeypatch
         return real(*args, **kwargs)
 
     monkeypatch.setattr(objective, "soft_targets", spy)
-    out = flow.flow_loss(batch, kinds, s, t, torch.Generator().manual_seed(1), parts=True)
+    out = flow.loss(batch, flow.draws_at(batch, kinds, s, t, torch.Generator().manual_seed(1)), parts=True)
     assert set(out.parts) == {KIND_NAMES[k] for k in (DIAGONAL, OFF_DIAGONAL, BOUNDARY)}
     # the reference: the dense soft CE against the dense targets, boolean indexing on its per-token losses
     kinds_seen, x_s, times, (s_tok, t_tok), active = captured["args"]
@@ -126,7 +126,7 @@ def test_per_kind_losses_are_the_means_over_each_kinds_scored_tokens(monkeypatch
     for kind in (DIAGONAL, OFF_DIAGONAL, BOUNDARY):
         rows = (kinds == kind)[:, None] & scored
         assert out.parts[KIND_NAMES[kind]] == pytest.approx(per_token[rows].mean().item(), rel=1e-5)
-    no_parts = flow.flow_loss(batch, kinds, s, t, torch.Generator().manual_seed(1))
+    no_parts = flow.loss(batch, flow.draws_at(batch, kinds, s, t, torch.Generator().manual_seed(1)))
     assert no_parts.parts == {} and torch.equal(no_parts.loss, out.loss)
 
 

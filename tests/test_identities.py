@@ -41,7 +41,7 @@ def _hand_elbo(logits, tokens, masked, t, denominator_mask, v):
 
 
 def test_mdm_loss_weights_the_masked_cross_entropy_by_one_over_t():
-    """mdm_loss with given mask uniforms u: masks are u < t off the prompt (1 − α_t = t), and the loss is the
+    """The MDM loss with given mask uniforms u: masks are u < t off the prompt (1 − α_t = t), and the loss is the
     1/t-weighted CE over masked tokens / #non-prompt tokens (weight 1 or t would be off by a factor ≥ 2 here)."""
     v, length, b = 5, 10, 6
     module = _mdm(v, length)
@@ -51,7 +51,7 @@ def test_mdm_loss_weights_the_masked_cross_entropy_by_one_over_t():
     prompt[:, :3] = True
     t = torch.tensor([0.05, 0.2, 0.4, 0.6, 0.8, 0.97])
     u = torch.rand(b, length, generator=gen)
-    loss = module.mdm_loss({"tokens": tokens, "prompt_mask": prompt}, t, None, u=u).loss
+    loss = module.loss({"tokens": tokens, "prompt_mask": prompt}, {"t": t, "u": u}).loss
     masked = (u < t[:, None]) & ~prompt
     with torch.no_grad():
         logits = module(torch.where(masked, module.mask_id, tokens), t)
@@ -64,7 +64,7 @@ def test_mdm_loss_weights_the_masked_cross_entropy_by_one_over_t():
     # text data: PAD positions (loss_mask False) leave the numerator and the denominator
     loss_mask = ~prompt
     loss_mask[:, -2:] = False
-    loss_pad = module.mdm_loss({"tokens": tokens, "prompt_mask": prompt, "loss_mask": loss_mask}, t, None, u=u).loss
+    loss_pad = module.loss({"tokens": tokens, "prompt_mask": prompt, "loss_mask": loss_mask}, {"t": t, "u": u}).loss
     torch.testing.assert_close(
         loss_pad.double(), _hand_elbo(logits, tokens, masked & loss_mask, t, loss_mask, v), rtol=1e-5, atol=0
     )

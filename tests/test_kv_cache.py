@@ -60,10 +60,10 @@ def test_ar_extend_matches_forward_at_those_positions():
     module = random_ar()
     tokens = torch.randint(0, V, (2, L))
     full = module(tokens)
-    cache = module.new_cache(L)
-    torch.testing.assert_close(module.extend(tokens, 7, cache), full[:, :7], atol=1e-5, rtol=1e-5)  # prefill
+    cache = module.view.new_cache(L)
+    torch.testing.assert_close(module.view.extend(tokens, 7, cache), full[:, :7], atol=1e-5, rtol=1e-5)  # prefill
     for i in range(7, L):
-        step = module.extend(tokens, i + 1, cache)
+        step = module.view.extend(tokens, i + 1, cache)
         assert step.shape == (2, 1, V)
         torch.testing.assert_close(step[:, 0], full[:, i], atol=1e-5, rtol=1e-5)
 
@@ -100,7 +100,7 @@ def test_cached_sampler_draws_the_same_tokens(kind, temperature, top_k):
         return wrapped
 
     cached_model = CausalDenoiser(
-        fn=counted("fn", module), new_cache=module.new_cache, extend=counted("extend", module.extend)
+        fn=counted("fn", module), new_cache=module.view.new_cache, extend=counted("extend", module.view.extend)
     )
     outs = {}
     for use_cache in (False, True):

@@ -121,7 +121,7 @@ def test_mdm_takes_mask_id_and_head_from_the_backbone(layout, mask_id):
     tokens = torch.tensor([[0, 1, 2, 3, 4, 6, 7, 0, 1, 2, 3, 4]] * 3)  # no 5: LLaDA's [MASK] id is never data
     batch = {"tokens": tokens, "prompt_mask": torch.zeros_like(tokens, dtype=torch.bool)}
     t = torch.tensor([0.3, 0.6, 0.9])
-    out = module.mdm_loss(batch, t, torch.Generator().manual_seed(1))
+    out = module.loss(batch, module.draws_at(batch, t, torch.Generator().manual_seed(1)))
     noised = module.process.noise(tokens, t, batch["prompt_mask"], generator=torch.Generator().manual_seed(1))
     assert (noised.state[noised.noised] == mask_id).all() and noised.noised.any()
     # ELBO (§2): Σ masked (1/t) · −log p(y | x_t), p = softmax over the 8 data ids with p([MASK]) = 0
@@ -217,7 +217,7 @@ def test_mlfm_reads_mask_and_data_rows_from_the_backbone(monkeypatch):
     monkeypatch.setattr(type(module.process), "sample", spy)
     tokens = torch.tensor([[0, 1, 2, 3, 4, 6], [7, 6, 4, 3, 2, 1]])
     batch = {"tokens": tokens, "prompt_mask": torch.zeros_like(tokens, dtype=torch.bool)}
-    out = module.mlfm_loss(batch, torch.Generator().manual_seed(0), torch.Generator().manual_seed(1))
+    out = module.loss(batch, module.draws_at(batch, torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)))
     ((m, t, noised, z),) = seen
     assert torch.equal(m, emb[5])
     assert not noised[:, 0].any() and noised.any()  # shifted logits: position 0 has no prediction, never masked
@@ -242,7 +242,7 @@ def test_mdm_loss_never_masks_what_a_shifted_model_cannot_predict(layout, scored
     module = MDMModule(data_vocab_size=8, seq_len=6, backbone=tiny_llama(**layouts[layout]), optim={})
     tokens = torch.tensor([[0, 1, 2, 3, 4, 6], [7, 6, 4, 3, 2, 1]])
     batch = {"tokens": tokens, "prompt_mask": torch.zeros_like(tokens, dtype=torch.bool)}
-    out = module.mdm_loss(batch, torch.tensor([0.9, 0.9]), None, u=torch.zeros(2, 6))  # u < t: every free position
+    out = module.loss(batch, {"t": torch.tensor([0.9, 0.9]), "u": torch.zeros(2, 6)})  # u < t: every free position
     assert bool((out.per_token[:, 0] != 0).all()) == scored_at_0
     assert (out.per_token[:, 1:] != 0).all()
 

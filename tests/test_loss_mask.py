@@ -16,15 +16,20 @@ V, L, BB = 6, 10, {"size": "tiny", "n_layers": 2, "d_model": 32, "n_heads": 2, "
 def losses(module, batch):
     torch.manual_seed(0)
     if isinstance(module, MDMModule):
-        return module.mdm_loss(batch, torch.full((4,), 0.7), torch.Generator().manual_seed(1)).loss
+        return module.loss(batch, module.draws_at(batch, torch.full((4,), 0.7), torch.Generator().manual_seed(1))).loss
     if isinstance(module, FMLMPlusModule):
         kinds = torch.zeros(4, dtype=torch.long)  # diagonal
-        return module.flow_loss(
-            batch, kinds, torch.full((4,), 0.3), torch.full((4,), 0.3), torch.Generator().manual_seed(1)
+        return module.loss(
+            batch,
+            module.draws_at(
+                batch, kinds, torch.full((4,), 0.3), torch.full((4,), 0.3), torch.Generator().manual_seed(1)
+            ),
         ).loss
     if isinstance(module, MLFMModule):
-        return module.mlfm_loss(batch, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)).loss
-    return module.nll(batch).loss
+        return module.loss(
+            batch, module.draws_at(batch, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2))
+        ).loss
+    return module.loss(batch, {}).loss
 
 
 def build(kind):

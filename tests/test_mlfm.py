@@ -238,7 +238,7 @@ def test_full_response_masking_masks_every_response_position(monkeypatch):
     batch = {"tokens": tokens, "prompt_mask": prompt}
     for p, expect_all in ((1.0, True), (0.0, False)):
         module.full_response_mask_prob = p
-        module.mlfm_loss(batch, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2))
+        module.loss(batch, module.draws_at(batch, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)))
         noised = seen[-1]
         assert not noised[:, :4].any()  # the prompt is never noised
         assert bool(noised[:, 4:].all()) == expect_all  # p = 1: s = 1 for every row, the whole response masked

@@ -450,13 +450,13 @@ def test_fmlm_plus_training_step_uses_the_stratified_context_rates(monkeypatch):
     backbone = {"d_model": 16, "n_layers": 1, "n_heads": 2, "cond_dim": 8}
     module = FMLMPlusModule(data_vocab_size=4, seq_len=6, backbone=backbone, optim={})
     seen = {}
-    real = module.flow_loss
+    real = module.draws_at
 
     def recording(batch, kinds, s, t, gen, **kwargs):
         seen.update(kwargs)
         return real(batch, kinds, s, t, gen, **kwargs)
 
-    monkeypatch.setattr(module, "flow_loss", recording)
+    monkeypatch.setattr(module, "draws_at", recording)
     monkeypatch.setattr(module, "log", lambda *a, **k: None)
     batch = {"tokens": torch.randint(0, 4, (8, 6)), "prompt_mask": torch.zeros(8, 6, dtype=torch.bool)}
     module.training_step(batch, 0)

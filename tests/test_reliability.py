@@ -31,13 +31,13 @@ def _ckpt(result_or_dir) -> Path:
 def test_non_finite_loss_stops_before_the_update_and_keeps_the_last_checkpoint(runs_env, monkeypatch):
     first = train(compose_config(overrides=[*RUN, "logger=none"]))  # 2 steps, checkpoint at step 2
     saved = torch.load(_ckpt(first), weights_only=False)
-    real = MDMModule.mdm_loss
+    real = MDMModule.loss
 
-    def poisoned(self, batch, t, gen, **kwargs):
-        out = real(self, batch, t, gen, **kwargs)
+    def poisoned(self, batch, draws, **kwargs):
+        out = real(self, batch, draws, **kwargs)
         return replace(out, loss=out.loss * float("nan")) if self.global_step >= 3 else out
 
-    monkeypatch.setattr(MDMModule, "mdm_loss", poisoned)
+    monkeypatch.setattr(MDMModule, "loss", poisoned)
     with pytest.raises(NonFiniteLossError, match="non-finite training loss at step 3.*not applied"):
         train(compose_config(overrides=[*RUN, "logger=none", "trainer.max_steps=6", "trainer.val_check_interval=2"]))
     kept = torch.load(_ckpt(first), weights_only=False)
@@ -48,11 +48,11 @@ def test_non_finite_loss_stops_before_the_update_and_keeps_the_last_checkpoint(r
 
 
 def test_non_finite_loss_can_skip_the_step_by_config(runs_env, monkeypatch):
-    real = MDMModule.mdm_loss
+    real = MDMModule.loss
     seen = {}
 
-    def poisoned(self, batch, t, gen, **kwargs):
-        out = real(self, batch, t, gen, **kwargs)
+    def poisoned(self, batch, draws, **kwargs):
+        out = real(self, batch, draws, **kwargs)
         if self.global_step in (2, 3):  # the 3rd and 4th steps
             seen[self.global_step] = {k: v.detach().clone() for k, v in self.state_dict().items()}
             return replace(out, loss=out.loss * float("nan"))
@@ -60,7 +60,7 @@ def test_non_finite_loss_can_skip_the_step_by_config(runs_env, monkeypatch):
             seen[4] = {k: v.detach().clone() for k, v in self.state_dict().items()}
         return out
 
-    monkeypatch.setattr(MDMModule, "mdm_loss", poisoned)
+    monkeypatch.setattr(MDMModule, "loss", poisoned)
     skip = [*RUN, "logger=none", "trainer.max_steps=6", "callbacks.finite_loss.action=skip"]
     with pytest.warns(UserWarning, match="step skipped"):
         result = train(compose_config(overrides=skip))
@@ -197,14 +197,14 @@ def test_a_resume_whose_store_lost_the_run_goes_on_in_a_new_mlflow_run(runs_env)
 
 def test_a_store_deleted_mid_run_is_reported_at_the_end(runs_env, monkeypatch):
     db = runs_env / "runs" / "mlflow.db"
-    real = MDMModule.mdm_loss
+    real = MDMModule.loss
 
-    def deleting(self, batch, t, gen, **kwargs):
+    def deleting(self, batch, draws, **kwargs):
         if self.global_step == 2 and db.exists():
             db.unlink()  # SQLite writes on into the deleted file: no tracking call fails
-        return real(self, batch, t, gen, **kwargs)
+        return real(self, batch, draws, **kwargs)
 
-    monkeypatch.setattr(MDMModule, "mdm_loss", deleting)
+    monkeypatch.setattr(MDMModule, "loss", deleting)
     # Evaluated at step 3, then a final validation at step 4: Lightning finalizes the logger twice.
     with pytest.warns(RuntimeWarning, match=f"store file {db} was deleted or replaced") as caught:
         result = train(compose_config(overrides=[*RUN, "trainer.max_steps=4", "trainer.val_check_interval=3"]))

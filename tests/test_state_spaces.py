@@ -143,11 +143,11 @@ def test_module_state_space_option():
     """The module chooses once (``state_space``): auto = embedding at |V| > d; onehot keeps the released draws
     (its denoiser reads x over the vocabulary); the embedding factor is reused until the weights change."""
     auto = flow_module()
-    assert auto.denoiser().states.embedded and auto.states() is auto.states()
-    factor = auto.states().factor
+    assert auto.denoiser().states.embedded and auto.view.states() is auto.view.states()
+    factor = auto.view.states().factor
     with torch.no_grad():
         auto.net.embed.weight.mul_(2.0)  # an optimiser step: the values (and the tensor version) change
-    assert torch.allclose(auto.states().factor, 2 * factor, rtol=1e-6)
+    assert torch.allclose(auto.view.states().factor, 2 * factor, rtol=1e-6)
     onehot = flow_module(state_space="onehot")
     assert not onehot.denoiser().states.embedded and not onehot.denoiser("onehot").space.embedded
     with pytest.raises(ValueError, match="state_space"):
@@ -193,7 +193,7 @@ def loss_and_gradient(module, batch: dict, steps: int):
     for k in range(steps):
         kinds, s, t, rates, gen = training_draws(module, k, batch)
         module.zero_grad(set_to_none=True)
-        loss = module.flow_loss(batch, kinds, s, t, gen, rates=rates).loss
+        loss = module.loss(batch, module.draws_at(batch, kinds, s, t, gen, rates=rates)).loss
         loss.backward()
         losses.append(loss.detach())
         grads.append(module.net.embed.weight.grad.clone())
@@ -208,7 +208,7 @@ def test_training_loss_and_gradient_agree_in_law():
     ≈ 6)."""
     onehot, embedded = flow_module(state_space="onehot").train(), flow_module(state_space="embedding").train()
     embedded.load_state_dict(onehot.state_dict())
-    assert not onehot.training_process().embedded and embedded.training_process().embedded
+    assert not onehot.view.training_process().embedded and embedded.view.training_process().embedded
     gen = torch.Generator().manual_seed(8)
     batch = {"tokens": torch.randint(0, V, (16, L), generator=gen), "prompt_mask": torch.zeros(16, L, dtype=torch.bool)}
     batch["prompt_mask"][:, :2] = True
@@ -253,7 +253,7 @@ def test_training_path_is_the_projection_of_the_one_hot_path():
             student = functools.partial(module, embedded=True)
             teacher = functools.partial(module.teacher_pass, embedded=True)
         else:
-            process, student, teacher = module.process, module, module.teacher_pass
+            process, student, teacher = module.view.process, module, module.teacher_pass
         out = fmlm_plus_loss(
             student, tokens, prompt, kinds, s, t, context=context, noise=eps, process=process, teacher=teacher
         )

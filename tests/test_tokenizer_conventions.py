@@ -233,7 +233,9 @@ def test_a_head_padded_beyond_the_tokenizer_serves_mask_inside_data(request, tmp
     logits = module.denoiser().fn(batch["tokens"], torch.ones(batch["tokens"].shape[0]))
     assert logits.shape[-1] == v and (logits[..., dm.mask_id] == -torch.inf).all()
     assert torch.isfinite(logits[..., : dm.mask_id]).all()
-    loss = module.mdm_loss(batch, torch.full((batch["tokens"].shape[0],), 0.5), torch.Generator().manual_seed(0))
+    loss = module.loss(
+        batch, module.draws_at(batch, torch.full((batch["tokens"].shape[0],), 0.5), torch.Generator().manual_seed(0))
+    )
     assert torch.isfinite(loss.loss)
 
 

@@ -1,0 +1,44 @@
+"""The MDM as samplers and its loss read it: logits over the data vocabulary, [MASK] removed (SUBS, methods.md §2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from flowlm.samplers.base import MaskedDenoiser
+
+
+def drop_mask_logit(logits: Tensor, data_vocab_size: int, mask_id: int) -> Tensor:
+    """Logits over the data vocabulary (B, L, V), [MASK] removed (SUBS, methods.md §2): a DiT's extra last column
+    dropped (a slice), a [MASK] inside the vocabulary (LLaDA/Dream) set to −∞."""
+    logits = logits[..., :data_vocab_size]
+    if mask_id < data_vocab_size:
+        logits = logits.index_fill(-1, torch.tensor([mask_id], device=logits.device), -torch.inf)
+    return logits
+
+
+@dataclass(eq=False)
+class MaskedModel:
+    """A network over data ids + [MASK] (``mask_id``); time-agnostic (MDLM/SMDM: t is fed as 0) unless
+    ``time_conditioning``."""
+
+    net: nn.Module
+    data_vocab_size: int
+    mask_id: int
+    time_conditioning: bool = False
+
+    def __call__(self, x: Tensor, t: Tensor) -> Tensor:
+        """The network's logits (B, L, V+1; a LLaMA-family head: B, L, V) at times t (B,)."""
+        return self.net(x, t if self.time_conditioning else torch.zeros_like(t))
+
+    def data_logits(self, logits: Tensor) -> Tensor:
+        """Logits over the data vocabulary (B, L, V), [MASK] removed."""
+        return drop_mask_logit(logits, self.data_vocab_size, self.mask_id)
+
+    def denoiser(self) -> MaskedDenoiser:
+        """This model as MDM samplers see it."""
+        return MaskedDenoiser(
+            fn=lambda x, t: self.data_logits(self(x, t)), mask_id=self.mask_id, time_conditioned=self.time_conditioning
+        )
