@@ -181,7 +181,21 @@ def export(source: str | os.PathLike, out_dir: str | os.PathLike, *, trust_pickl
         "hyper_parameters": hparams,
         "flowlm": {key: value for key, value in meta.items() if key != "source"},
     }
-    files = None if tokenizer is None else (lambda folder: tokenizer.save_pretrained(str(folder)))
+    writers = [] if tokenizer is None else [lambda folder: tokenizer.save_pretrained(str(folder))]
+    remote = fmt.transformers_files(
+        meta.get("family"),
+        hparams.get("backbone") or {},
+        meta.get("data_vocab_size"),
+        time_conditioning=bool(hparams.get("time_conditioning")),
+    )
+    if remote is not None:  # a DiT MDM, flow or AR model: AutoModel.from_pretrained(out, trust_remote_code=True)
+        config.update(remote[0])
+        writers.append(remote[1])
+
+    def files(folder: Path) -> None:
+        for write in writers:
+            write(folder)
+
     fmt.write_export(out, state=state, config=config, card=model_card(config, run_config), files=files)
     return out
 
@@ -244,8 +258,18 @@ The last validation loss and sampling scores at or before step {config["global_s
 
 ## Use
 `method.init_from=DIR`, `method.teacher=DIR` or `flowlm-eval ckpt_path=DIR` (DIR = this folder); in Python
-`lightning_modules.checkpoints.load_module(DIR)`.
+`lightning_modules.checkpoints.load_module(DIR)`.{_transformers_use(config)}
 """
+
+
+def _transformers_use(config: dict) -> str:
+    """The model card's transformers line, for an export that ships the transformers files."""
+    if "auto_map" not in config:
+        return ""
+    return (
+        "\nWith transformers only (no flowlm installed): `AutoModel.from_pretrained(DIR, trust_remote_code=True)`; "
+        "the call for this family is in `modeling_flowlm.py`."
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -77,7 +77,8 @@ def test_export_round_trips_bit_for_bit(tmp_path):
     is the same module: equal state dicts and equal logits. The card and config say what the model is."""
     write_run_checkpoint(tmp_path / "last.ckpt")
     out = export(tmp_path / "last.ckpt", tmp_path / "export")
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "README.md"}
+    transformers_files = {"configuration_flowlm.py", "modeling_flowlm.py", "flowlm_dit.py"}
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "README.md", *transformers_files}
     original, again = load_module(tmp_path / "last.ckpt"), load_module(out)
     assert type(again) is MDMModule
     mine, theirs = original.state_dict(), again.state_dict()
@@ -296,7 +297,8 @@ export({str(tmp_path / "last.ckpt")!r}, {str(out)!r})
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert out.is_dir() and not (out / "config.json").exists()
     export(tmp_path / "last.ckpt", out)
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "README.md"}
+    transformers_files = {"configuration_flowlm.py", "modeling_flowlm.py", "flowlm_dit.py"}
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "README.md", *transformers_files}
 
 
 def test_every_exported_file_gets_the_same_mode(tmp_path):

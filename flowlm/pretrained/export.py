@@ -4,7 +4,8 @@ reads back by path (``init_from``, ``teacher``, ``flowlm-eval``).
 A folder of ``config.json`` (the architecture, the method family, [MASK] id, vocabulary, the run's
 hyper-parameters and ``flowlm`` record), ``model.safetensors`` (the checkpoint's ``state_dict``, the EMA weights
 when an EMA ran, under the module's own names ``net.*``, dtypes as saved), ``README.md`` (a model card) and the
-tokenizer's files when the run had a tokenizer.
+tokenizer's files when the run had a tokenizer. A DiT network of the MDM, flow or AR family also gets the
+transformers files (``transformers_files``): ``AutoModel.from_pretrained(folder, trust_remote_code=True)`` loads it.
 """
 
 from __future__ import annotations
@@ -18,12 +19,45 @@ from pathlib import Path
 
 from torch import Tensor
 
+import flowlm.backbones.dit as dit_module
+
 MARK = "flowlm_export"  # config.json key holding the format version
 VERSION = 1
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 CARD = "README.md"
 PARTIAL = ".flowlm-export-partial"  # the folder an export is written into before it is moved into place
+REMOTE = Path(__file__).with_name("hf_remote")  # the transformers configuration and model shipped in an export
+REMOTE_FILES = ("configuration_flowlm.py", "modeling_flowlm.py")
+AUTO_FAMILIES = ("mdm", "flow", "ar")  # DiT families transformers loads (MLFM's adapter and the LLaMA family: not yet)
+
+
+def transformers_files(
+    family: str | None, backbone: dict, data_vocab_size: int, *, time_conditioning: bool = False
+) -> tuple[dict, Callable[[Path], None]] | None:
+    """(config.json keys, a writer of the files) that make an export of a DiT network loadable by transformers'
+    ``AutoModel`` with ``trust_remote_code``: ``auto_map``, ``dit`` (the DiT's constructor arguments as the module
+    built it: |V| + 1 input rows with [MASK] or [START], two times for a flow model, causal for AR) and the
+    configuration, the model and the suite's DiT source (``flowlm_dit.py``, torch only) beside the weights. None for
+    another backbone or family."""
+    if "_target_" in backbone or family not in AUTO_FAMILIES:
+        return None
+    dit = {**backbone, "vocab_size": data_vocab_size + (family != "flow"), "two_times": family == "flow"}
+    if family == "ar":
+        dit["causal"] = True
+    keys = {
+        "architectures": ["FlowLMModel"],
+        "auto_map": {"AutoConfig": "configuration_flowlm.FlowLMConfig", "AutoModel": "modeling_flowlm.FlowLMModel"},
+        "dit": dit,
+        "time_conditioning": time_conditioning,
+    }
+
+    def write(folder: Path) -> None:
+        for name in REMOTE_FILES:
+            shutil.copyfile(REMOTE / name, folder / name)
+        shutil.copyfile(dit_module.__file__, folder / "flowlm_dit.py")
+
+    return keys, write
 
 
 def is_export(path: Path) -> bool:
