@@ -156,3 +156,27 @@ def test_the_floors_contract_sees_an_import_back_up(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)}
     proc = subprocess.run([str(linter), "--no-cache"], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert proc.returncode != 0 and "flowlm.project -> runners.trial" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_every_method_module_has_the_one_shape():
+    """Each LightningModule of a method names its family and table label and gives the two hooks (``draw``,
+    ``loss``); none writes its own training or validation step (``FlowLMModule`` runs and logs them), and the
+    FMLM+ module stays within its room (its model view and recipe live in flowlm/)."""
+    import inspect
+
+    from lightning_modules.ar import ARModule
+    from lightning_modules.base import FlowLMModule
+    from lightning_modules.fmlm_plus import FMLMPlusModule
+    from lightning_modules.mdm import MDMModule
+    from lightning_modules.mlfm import MLFMModule
+
+    modules = (ARModule, FMLMPlusModule, MDMModule, MLFMModule)
+    assert {cls.label for cls in modules} == {"AR", "FMLM+", "MDM", "MLFM"}
+    assert len({cls.family for cls in modules}) == 4
+    for cls in modules:
+        assert not inspect.isabstract(cls), cls
+        for hook in ("draw", "loss"):
+            assert hook in vars(cls), (cls, hook)
+        for step in ("training_step", "validation_step"):
+            assert getattr(cls, step) is getattr(FlowLMModule, step), (cls, step)
+    assert len((ROOT / "lightning_modules" / "fmlm_plus.py").read_text().splitlines()) <= 250
