@@ -1,5 +1,6 @@
 """Categorical draws in float64: the inverse CDF in two levels (one uniform per row, no (n, |V|) copy) and Gumbel-max
-(the suite's earlier random stream). The samplers' contract and option checks are flowlm/samplers/base.py."""
+(the suite's earlier random stream). The samplers' contract is flowlm/samplers/base.py, their option checks
+flowlm/samplers/common.py."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from torch import Tensor
 
 def sample_categorical(log_probs: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
     """A draw from softmax(log_probs / T) per row by inverting its CDF in float64: one U(0, 1) per row against the
-    cumulative sum, where Gumbel-max needs |V| uniforms and two logarithms each (3× the time at |V| = 50 258,
-    measured). Exact in law to float64 resolution; a zero-probability token is never drawn. T = 0: the argmax.
-    The CDF is inverted in two levels (``draw_rows``)."""
+    cumulative sum, where Gumbel-max needs |V| uniforms and two logarithms each. Exact in law to float64
+    resolution; a zero-probability token is never drawn. T = 0: the argmax. The CDF is inverted in two levels
+    (``draw_rows``)."""
     if temperature == 0:
         return log_probs.argmax(dim=-1)
     lead, vocab = log_probs.shape[:-1], log_probs.shape[-1]

@@ -4,6 +4,7 @@ from flowlm.samplers.autoregressive import AutoregressiveSampler, CausalDenoiser
 from flowlm.samplers.base import CONFIDENCE_KINDS, FlowDenoiser, MaskedDenoiser, SampleOutput, Sampler
 from flowlm.samplers.block_flow import BlockFlowSampler
 from flowlm.samplers.flow_map import FlowMapSampler
+from flowlm.samplers.guidance import GuidedSampler
 from flowlm.samplers.mdm_adaptive import AdaptiveMDMSampler
 from flowlm.samplers.mdm_ancestral import AncestralSampler
 from flowlm.samplers.mdm_confidence import ConfidenceSampler
@@ -11,6 +12,7 @@ from flowlm.samplers.mdm_eb import EBSampler
 from flowlm.samplers.mdm_semi_ar import SemiARConfidenceSampler
 from flowlm.samplers.mdm_threshold import ThresholdSampler
 from flowlm.samplers.mlfm import BridgeDenoiser, MLFMSampler
+from flowlm.samplers.planned import PlannedSampler
 from flowlm.samplers.posterior_refinement import PosteriorRefinementSampler
 
 __all__ = [
@@ -25,8 +27,10 @@ __all__ = [
     "EBSampler",
     "FlowDenoiser",
     "FlowMapSampler",
+    "GuidedSampler",
     "MLFMSampler",
     "MaskedDenoiser",
+    "PlannedSampler",
     "PosteriorRefinementSampler",
     "SampleOutput",
     "Sampler",

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from flowlm.ops.draws import pick_tokens
-from flowlm.samplers.base import SampleOutput, Sampler, check_temperature
+from flowlm.samplers.base import SampleOutput, Sampler
+from flowlm.samplers.common import check_temperature
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""What every sampler returns, the model views samplers see, and the option checks (methods.md §2, §5); the draws
-are flowlm/ops/draws.py."""
+"""The samplers' contract: what every sampler returns, the model views samplers see, and the Sampler base with its
+budget check (methods.md §2, §5); the option checks are ``common.py``, the draws flowlm/ops/draws.py."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch import Tensor
 
 from flowlm.ops.summary import dense_summary
 from flowlm.processes.gaussian_flow import EmbeddingSpace, OneHotSpace
+from flowlm.samplers.common import check_temperature, sequence_times  # noqa: F401 (mlfm.py imports check_temperature)
 
 
 @dataclass
@@ -75,7 +76,7 @@ class FlowDenoiser:
 
     def at(self, x: Tensor, s: float | Tensor, t: float | Tensor, pinned: Tensor) -> Tensor:
         """log δ_{s,t}(x) with the unpinned tokens at (s, t) (scalars or (B,)) and the pinned ones at s = t = 1."""
-        s, t = _sequence_times(x, s, t)
+        s, t = sequence_times(x, s, t)
         if self.pinned_fn is not None:
             return self.pinned_fn(x, s, t, pinned)
         return self.fn(x, torch.where(pinned, 1.0, s[:, None]), torch.where(pinned, 1.0, t[:, None]))
@@ -85,32 +86,18 @@ class FlowDenoiser:
         place the path is chosen: the model's ``summary_fn`` (no (B, L, |V|) log δ), else read off ``at``."""
         if self.summary_fn is None:
             return dense_summary(self.at(x, s, t, pinned))
-        return self.summary_fn(x, *_sequence_times(x, s, t), pinned)
+        return self.summary_fn(x, *sequence_times(x, s, t), pinned)
 
     def lifted_at(self, x: Tensor, s: float | Tensor, t: float | Tensor, pinned: Tensor) -> Tensor:
-        """δ_{s,t}(x) as a state of the model's space (``states.lift``), as ``at`` times: what a flow-map sub-step
-        adds. The one place the path is chosen: the model's ``lift_fn`` (no (B, L, |V|) log δ), else lifted off
-        ``at``."""
+        """δ_{s,t}(x) as a state of the model's space (``states.lift``), as ``at`` times: what a flow-map sub-step adds.
+        The one place the path is chosen: the model's ``lift_fn`` (no (B, L, |V|) log δ), else lifted off ``at``."""
         if self.lift_fn is None:
             return self.states.lift(self.at(x, s, t, pinned).exp())
-        return self.lift_fn(x, *_sequence_times(x, s, t), pinned)
-
-
-def _sequence_times(x: Tensor, s: float | Tensor, t: float | Tensor) -> tuple[Tensor, Tensor]:
-    """Times (scalars or (B,)) as (B,) tensors of x's dtype, without a host copy."""
-    b = x.shape[0]
-    s, t = (time.to(x.dtype).expand(b) if isinstance(time, Tensor) else x.new_full((b,), time) for time in (s, t))
-    return s, t
+        return self.lift_fn(x, *sequence_times(x, s, t), pinned)
 
 
 CONFIDENCE_KINDS = ("a-priori", "a-posteriori")
-# The largest NFE budget a sampler takes, per position it generates (``Sampler.check_budget``, given the positions).
-# The MDM confidence and semi-AR samplers commit at least one token per step: above one NFE per position (two with
-# guidance) they give the same samples (semi-AR: with idle calls). The MDM ancestral, flow and MLFM samplers refine on
-# a grid with no natural end, where a budget far beyond the sequence only lengthens the loop (10⁸ NFE on a 36-cell
-# board ran 18 minutes): a cap, not a bound, for every family. 16 allows grids 11× finer than the configs' largest
-# budget per position (128 NFE on 89 positions: the MDM and MLFM budgets of conditional 9×9 Sudoku at scale=paper).
-BUDGET_PER_POSITION = 16  # × the positions a caller passes: the whole row (prompt included), a loose cap
+BUDGET_PER_POSITION = 16  # the largest NFE budget per position to generate, a loose cap (docs/reliability.md)
 
 
 class Sampler(ABC):
@@ -119,7 +106,7 @@ class Sampler(ABC):
     A concrete sampler declares ``family`` (the models it samples) and ``confidence_kind``, how its per-token
     confidence is scored: "a-priori" before the rest of the sequence exists (MDM confidence, FMLM+ δ_{0,0}) or
     "a-posteriori" on a finished draft (PR, flow-map endpoints); a class attribute, or a property when a setting
-    decides it. A concrete subclass without a valid declaration is refused where it is defined.
+    decides it. A concrete subclass (no abstract method open) without a valid one is refused where it is defined.
     """
 
     family: str = ""
@@ -131,16 +118,16 @@ class Sampler(ABC):
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        if getattr(cls.__call__, "__isabstractmethod__", False):  # still abstract: a base for other samplers
-            return
+        names = (name for name in dir(cls) if name != "confidence_kind")
+        if any(getattr(getattr(cls, name, None), "__isabstractmethod__", False) for name in names):
+            return  # an abstract method (``__call__``, a skeleton's hook) still open: a base for other samplers
         kind = cls.confidence_kind
-        if isinstance(kind, property):
-            if getattr(kind, "__isabstractmethod__", False):
-                raise TypeError(
-                    f"{cls.__name__} must declare confidence_kind, one of {CONFIDENCE_KINDS} (a class attribute, "
-                    "or a property when a setting decides it)"
-                )
-        elif kind not in CONFIDENCE_KINDS:
+        if isinstance(kind, property) and getattr(kind, "__isabstractmethod__", False):
+            raise TypeError(
+                f"{cls.__name__} must declare confidence_kind, one of {CONFIDENCE_KINDS} (a class attribute, "
+                "or a property when a setting decides it)"
+            )
+        if not isinstance(kind, property) and kind not in CONFIDENCE_KINDS:
             raise TypeError(f"{cls.__name__}.confidence_kind must be one of {CONFIDENCE_KINDS}, got {kind!r}")
 
     @abstractmethod
@@ -161,39 +148,3 @@ class Sampler(ABC):
                 f"{type(self).__name__}: NFE budget {nfe} is above the cap of {cap} for {free_positions} positions "
                 f"to generate ({BUDGET_PER_POSITION} NFE per position, docs/reliability.md); lower it (eval.nfe)"
             )
-
-
-def check_temperature(temperature: float) -> float:
-    """A sampling temperature: 0 means argmax, > 0 scales the logits."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be ≥ 0, got {temperature}")
-    return temperature
-
-
-SCORES = ("max_prob", "sampled")
-
-
-def check_score(score: str) -> str:
-    """How a commit loop ranks positions at temperature > 0: by the max probability ("max_prob") or by the
-    probability of the token drawn ("sampled"); at temperature 0 they coincide."""
-    if score not in SCORES:
-        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
-    return score
-
-
-DRAWS = ("committed", "full")
-
-
-def check_draws(draws: str) -> str:
-    """Where a sampler draws its float64 categorical: "committed", only at the positions that commit or unmask in
-    a step (the same law: which positions commit does not depend on the draw), by inverse CDF
-    (``sample_categorical``), or "full", every position by Gumbel-max, the suite's earlier random stream (a
-    (B, L, |V|) float64 pass per step, the cost that dominates at a text vocabulary)."""
-    if draws not in DRAWS:
-        raise ValueError(f"draws must be one of {DRAWS}, got {draws!r}")
-    return draws
-
-
-def masked_start(prompt: Tensor, prompt_mask: Tensor, mask_id: int) -> tuple[Tensor, Tensor]:
-    """The all-[MASK] state with the prompt in place, and its confidence (1 on the prompt, 0 elsewhere)."""
-    return torch.where(prompt_mask, prompt, mask_id), prompt_mask.float()

@@ -7,11 +7,13 @@ import math
 import torch
 from torch import Tensor
 
-from flowlm.samplers.base import FlowDenoiser, SampleOutput, Sampler
+from flowlm.samplers.base import FlowDenoiser, SampleOutput
+from flowlm.samplers.common import block_ids
 from flowlm.samplers.flow_map import flow_jumps_summary
+from flowlm.samplers.planned import PlannedSampler
 
 
-class BlockFlowSampler(Sampler):
+class BlockFlowSampler(PlannedSampler):
     """Non-prompt positions in blocks of ``block_size`` (left to right). For block b, the block and every position
     after it jump together 0 → 1 in K flow-map steps (earlier blocks are committed at s = t = 1, later positions
     restart from their initial noise); the block is then committed as the argmax of the last δ.
@@ -46,19 +48,14 @@ class BlockFlowSampler(Sampler):
         else:
             self.plan(nfe, free_positions)
 
-    def __call__(
-        self,
-        model: FlowDenoiser,
-        *,
-        prompt: Tensor,
-        prompt_mask: Tensor,
-        nfe: int,
-        generator: torch.Generator | None = None,
-    ) -> SampleOutput:
+    def schedule(self, nfe: int, prompt: Tensor, prompt_mask: Tensor) -> tuple[int, int]:
+        """(blocks, steps per block) for the row with the most positions to generate."""
+        return self.plan(nfe, int((~prompt_mask).sum(-1).max()))
+
+    def sample(self, model: FlowDenoiser, prompt: Tensor, prompt_mask: Tensor, schedule, generator) -> SampleOutput:
         """Sample with exactly blocks × K network calls."""
-        free = ~prompt_mask
-        n_blocks, steps = self.plan(nfe, int(free.sum(-1).max()))
-        block_id = torch.where(free, (free.cumsum(-1) - 1) // self.block_size, -1)
+        n_blocks, steps = schedule
+        block_id = block_ids(~prompt_mask, self.block_size)
         space = model.states
         noise = space.noise(prompt.shape, generator, prompt.device)
         tokens, committed, confidence = prompt.clone(), prompt_mask.clone(), prompt_mask.float()

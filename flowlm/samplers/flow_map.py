@@ -6,7 +6,8 @@ import torch
 from torch import Tensor
 
 from flowlm.processes.gaussian_flow import flow_map
-from flowlm.samplers.base import FlowDenoiser, SampleOutput, Sampler
+from flowlm.samplers.base import FlowDenoiser, SampleOutput
+from flowlm.samplers.planned import PlannedSampler
 
 
 def flow_jumps(model: FlowDenoiser, x: Tensor, pinned: Tensor, steps: int, *, euler: bool = False) -> Tensor:
@@ -43,7 +44,7 @@ def _to_last_jump(
     return x, last, last if euler else 1.0
 
 
-class FlowMapSampler(Sampler):
+class FlowMapSampler(PlannedSampler):
     """z ← X_{t_k, t_{k+1}}(z) over a uniform grid 0 → 1 of ``nfe`` jumps (every non-prompt token at once).
 
     ``euler=True`` is the FLM sampler: the jump uses the diagonal denoiser δ_{t_k,t_k} = D_{t_k} in place of
@@ -56,17 +57,8 @@ class FlowMapSampler(Sampler):
     def __init__(self, *, euler: bool = False) -> None:
         self.euler = euler
 
-    def __call__(
-        self,
-        model: FlowDenoiser,
-        *,
-        prompt: Tensor,
-        prompt_mask: Tensor,
-        nfe: int,
-        generator: torch.Generator | None = None,
-    ) -> SampleOutput:
+    def sample(self, model: FlowDenoiser, prompt: Tensor, prompt_mask: Tensor, nfe: int, generator) -> SampleOutput:
         """Sample with exactly ``nfe`` network calls."""
-        self.check_budget(nfe, free_positions=prompt.shape[-1])  # at most the sequence: no host read
         space = model.states
         clean, noise = space.data(prompt), space.noise(prompt.shape, generator, prompt.device)
         log_max, tokens = flow_jumps_summary(

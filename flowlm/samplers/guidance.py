@@ -17,7 +17,8 @@ Cost and NFE convention (the one place it is defined): the two branches run as *
 (the conditional rows first), as SMDM and LLaDA do; that call counts as **2 NFE**, the network evaluations of B
 sequences it makes. The NFE budget counts network evaluations, as MLFM's CCFG does (methods.md §6): with w > 0 a step
 costs ``CFG_EVALUATIONS`` = 2, so a budget of N gives ⌊N / 2⌋ steps; a budget below one guided step (or, for a
-sampler with blocks, below two per block) is refused before any network call.
+sampler with blocks, below two per block) is refused before any network call. ``GuidedSampler`` is what the guided
+samplers share: their options, that budget, and the guided model.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import torch
 from torch import Tensor
 
 from flowlm.samplers.base import MaskedDenoiser
+from flowlm.samplers.common import check_draws, check_score, check_temperature, masked_start
+from flowlm.samplers.planned import PlannedSampler
 
 CFG_EVALUATIONS = 2  # network evaluations per guided step: the conditional and the prompt-masked branch
 
@@ -81,3 +84,33 @@ def guided_denoiser(model: MaskedDenoiser, prompt_mask: Tensor, cfg_scale: float
         return guided.masked_fill(excluded, -torch.inf)
 
     return MaskedDenoiser(fn=fn, mask_id=model.mask_id, time_conditioned=model.time_conditioned)
+
+
+class GuidedSampler(PlannedSampler):
+    """An MDM sampler with unsupervised CFG at ``cfg_scale`` w, as the confidence, semi-AR and ancestral samplers
+    are: their options, a budget of ⌊nfe / cost⌋ steps, and the guided model with the all-[MASK] start."""
+
+    def __init__(self, *, temperature: float, draws: str, cfg_scale: float, score: str | None = None) -> None:
+        self.temperature = check_temperature(temperature)
+        if score is not None:  # the commit loops' ranking (``check_score``); the ancestral sampler has none
+            self.score = check_score(score)
+        self.draws = check_draws(draws)
+        self.cfg_scale = check_cfg_scale(cfg_scale)
+
+    def check_budget(self, nfe: int, *, free_positions: int | None = None) -> None:  # noqa: D102
+        super().check_budget(nfe, free_positions=free_positions)
+        guided_steps(type(self).__name__, nfe, self.cfg_scale)
+
+    def schedule(self, nfe: int, prompt: Tensor, prompt_mask: Tensor) -> int:
+        """The steps the budget buys (``guided_steps``), once it is checked against the whole row."""
+        super().schedule(nfe, prompt, prompt_mask)
+        return guided_steps(type(self).__name__, nfe, self.cfg_scale)
+
+    def start(
+        self, model: MaskedDenoiser, prompt: Tensor, prompt_mask: Tensor
+    ) -> tuple[MaskedDenoiser, Tensor, Tensor, int]:
+        """The model the steps call (``guided_denoiser``), the all-[MASK] start and its confidence (``masked_start``),
+        and the network evaluations a step costs."""
+        model = guided_denoiser(model, prompt_mask, self.cfg_scale)
+        x, confidence = masked_start(prompt, prompt_mask, model.mask_id)
+        return model, x, confidence, evaluations_per_step(self.cfg_scale)

@@ -25,7 +25,9 @@ import torch
 from torch import Tensor
 
 from flowlm.ops.draws import pick_tokens
-from flowlm.samplers.base import MaskedDenoiser, SampleOutput, Sampler, check_temperature, masked_start
+from flowlm.samplers.base import MaskedDenoiser, SampleOutput
+from flowlm.samplers.common import check_temperature, masked_start
+from flowlm.samplers.planned import PlannedSampler
 
 RANKS = ("max_prob", "margin", "entropy")
 
@@ -53,7 +55,7 @@ def entropy(log_p: Tensor) -> Tensor:
     return -(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum(-1)
 
 
-class AdaptiveMDMSampler(Sampler):
+class AdaptiveMDMSampler(PlannedSampler):
     """The loop above; a subclass gives the rule's count per row (``select``)."""
 
     family = "mdm"
@@ -71,17 +73,8 @@ class AdaptiveMDMSampler(Sampler):
         """How many of each row's eligible positions the rule commits (B,), given log p (B, L, |V|) and the
         positions ``ordered`` best first (B, L; the eligible ones lead)."""
 
-    def __call__(
-        self,
-        model: MaskedDenoiser,
-        *,
-        prompt: Tensor,
-        prompt_mask: Tensor,
-        nfe: int,
-        generator: torch.Generator | None = None,
-    ) -> SampleOutput:
+    def sample(self, model: MaskedDenoiser, prompt: Tensor, prompt_mask: Tensor, nfe: int, generator) -> SampleOutput:
         """Decode with at most ``nfe`` network evaluations (fewer where the rule commits faster)."""
-        self.check_budget(nfe, free_positions=prompt.shape[-1])  # at most the sequence: no host read
         x, confidence = masked_start(prompt, prompt_mask, model.mask_id)
         b, length = x.shape
         n_free = (~prompt_mask).sum(-1).clamp_min(1)

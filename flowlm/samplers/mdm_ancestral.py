@@ -6,11 +6,11 @@ import torch
 from torch import Tensor
 
 from flowlm.ops.draws import draw_rows, pick_tokens
-from flowlm.samplers.base import MaskedDenoiser, SampleOutput, Sampler, check_draws, check_temperature, masked_start
-from flowlm.samplers.guidance import check_cfg_scale, evaluations_per_step, guided_denoiser, guided_steps
+from flowlm.samplers.base import MaskedDenoiser, SampleOutput
+from flowlm.samplers.guidance import GuidedSampler
 
 
-class AncestralSampler(Sampler):
+class AncestralSampler(GuidedSampler):
     """Time grid 1 → 0 in ``nfe`` steps; a masked token unmasks with probability (α_s − α_t)/(1 − α_t).
 
     Under α_t = 1 − t that probability is (t − s)/t; the last step goes to s = 0, where it is 1, so every token
@@ -31,29 +31,12 @@ class AncestralSampler(Sampler):
     def __init__(
         self, *, temperature: float = 1.0, cache: bool = True, draws: str = "committed", cfg_scale: float = 0.0
     ) -> None:
-        self.temperature = check_temperature(temperature)
+        super().__init__(temperature=temperature, draws=draws, cfg_scale=cfg_scale)
         self.cache = cache
-        self.draws = check_draws(draws)
-        self.cfg_scale = check_cfg_scale(cfg_scale)
 
-    def check_budget(self, nfe: int, *, free_positions: int | None = None) -> None:  # noqa: D102
-        super().check_budget(nfe, free_positions=free_positions)
-        guided_steps(type(self).__name__, nfe, self.cfg_scale)
-
-    def __call__(
-        self,
-        model: MaskedDenoiser,
-        *,
-        prompt: Tensor,
-        prompt_mask: Tensor,
-        nfe: int,
-        generator: torch.Generator | None = None,
-    ) -> SampleOutput:
-        """Sample with at most ``nfe`` network evaluations."""
-        self.check_budget(nfe, free_positions=prompt.shape[-1])  # at most the sequence: no host read
-        steps, cost = guided_steps(type(self).__name__, nfe, self.cfg_scale), evaluations_per_step(self.cfg_scale)
-        model = guided_denoiser(model, prompt_mask, self.cfg_scale)
-        x, confidence = masked_start(prompt, prompt_mask, model.mask_id)
+    def sample(self, model: MaskedDenoiser, prompt: Tensor, prompt_mask: Tensor, steps: int, generator) -> SampleOutput:
+        """The grid of ``steps`` steps (at most ``nfe`` network evaluations; a cached step spends none)."""
+        model, x, confidence, cost = self.start(model, prompt, prompt_mask)
         batch = x.shape[0]
         masked = x == model.mask_id
         remaining = int(masked.sum())  # tracked on the host from here: drawn tokens are data ids, never [MASK]

@@ -9,20 +9,13 @@ import torch
 from torch import Tensor
 
 from flowlm.ops.draws import draw_rows, pick_tokens
-from flowlm.samplers.base import (
-    MaskedDenoiser,
-    SampleOutput,
-    Sampler,
-    check_draws,
-    check_score,
-    check_temperature,
-    masked_start,
-)
-from flowlm.samplers.guidance import check_cfg_scale, evaluations_per_step, guided_denoiser, guided_steps
+from flowlm.samplers.base import MaskedDenoiser, SampleOutput, Sampler
+from flowlm.samplers.common import block_ids
+from flowlm.samplers.guidance import GuidedSampler, guided_steps
 from flowlm.samplers.mdm_confidence import commit_slots, max_log_prob, slots
 
 
-class SemiARConfidenceSampler(Sampler):
+class SemiARConfidenceSampler(GuidedSampler):
     """Non-prompt positions in blocks of ``block_length``, left to right; each block gets K = budget // blocks steps,
     and at step k commits the ⌈#masked in block / (K − k)⌉ most confident of its masked positions (LLaDA's
     ``get_num_transfer_tokens`` split: the remainder goes to the first steps). Later blocks stay [MASK] and are
@@ -55,14 +48,11 @@ class SemiARConfidenceSampler(Sampler):
         if block_length < 1:
             raise ValueError(f"block_length must be ≥ 1, got {block_length}")
         self.block_length = block_length
-        self.temperature = check_temperature(temperature)
-        self.score = check_score(score)
-        self.draws = check_draws(draws)
-        self.cfg_scale = check_cfg_scale(cfg_scale)
+        super().__init__(temperature=temperature, score=score, draws=draws, cfg_scale=cfg_scale)
 
     def plan(self, nfe: int, free_positions: int) -> tuple[int, int]:
         """(blocks, steps per block) for a budget, or a clear error before any compute."""
-        super().check_budget(nfe, free_positions=free_positions)
+        Sampler.check_budget(self, nfe, free_positions=free_positions)  # guidance is checked per block below
         n_blocks = max(1, math.ceil(free_positions / self.block_length))
         if self.cfg_scale == 0 and nfe < n_blocks:
             raise ValueError(f"{n_blocks} blocks of {self.block_length} need at least {n_blocks} NFE, got {nfe}")
@@ -72,27 +62,21 @@ class SemiARConfidenceSampler(Sampler):
     def check_budget(self, nfe: int, *, free_positions: int | None = None) -> None:  # noqa: D102
         if free_positions is None:
             super().check_budget(nfe)
-            guided_steps(type(self).__name__, nfe, self.cfg_scale)
         else:
             self.plan(nfe, free_positions)
 
-    def __call__(
-        self,
-        model: MaskedDenoiser,
-        *,
-        prompt: Tensor,
-        prompt_mask: Tensor,
-        nfe: int,
-        generator: torch.Generator | None = None,
-    ) -> SampleOutput:
-        """Sample with blocks × K steps (network evaluations: × 2 with guidance)."""
+    def schedule(self, nfe: int, prompt: Tensor, prompt_mask: Tensor) -> tuple[int, int, int]:
+        """(blocks, steps per block) for the row with the most positions to generate, and that number."""
         free = ~prompt_mask
         most_free = int(free.sum(-1).max()) if free.numel() else 0  # the call's one host read
-        n_blocks, steps = self.plan(nfe, most_free)
-        cost = evaluations_per_step(self.cfg_scale)
-        model = guided_denoiser(model, prompt_mask, self.cfg_scale)
-        block_id = torch.where(free, (free.cumsum(-1) - 1) // self.block_length, -1)
-        x, confidence = masked_start(prompt, prompt_mask, model.mask_id)
+        return (*self.plan(nfe, most_free), most_free)
+
+    def sample(self, model: MaskedDenoiser, prompt: Tensor, prompt_mask: Tensor, schedule, generator) -> SampleOutput:
+        """blocks × K steps (network evaluations: × 2 with guidance)."""
+        n_blocks, steps, most_free = schedule
+        model, x, confidence, cost = self.start(model, prompt, prompt_mask)
+        free = ~prompt_mask
+        block_id = block_ids(free, self.block_length)
         n_free = free.sum(-1).clamp_min(1)
         positions = torch.arange(x.shape[1], device=x.device)
         first_row = torch.arange(x.shape[0], device=x.device)[:, None] * x.shape[1]  # row offsets in (B·L, |V|)

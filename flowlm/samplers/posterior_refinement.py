@@ -8,11 +8,13 @@ import torch
 from torch import Tensor
 
 from flowlm.ops.draws import pick_tokens
-from flowlm.samplers.base import FlowDenoiser, SampleOutput, Sampler, check_score, check_temperature
+from flowlm.samplers.base import FlowDenoiser, SampleOutput
+from flowlm.samplers.common import check_score, check_temperature
 from flowlm.samplers.flow_map import flow_jumps, flow_jumps_summary
+from flowlm.samplers.planned import PlannedSampler
 
 
-class PosteriorRefinementSampler(Sampler):
+class PosteriorRefinementSampler(PlannedSampler):
     """Draft everything, commit the confident tokens, re-noise the rest, repeat for R rounds.
 
     Each round drafts the uncommitted tokens from s = 0 to 1 in ``flow_steps`` flow-map jumps (N NFE) and scores
@@ -93,17 +95,13 @@ class PosteriorRefinementSampler(Sampler):
         if self.flow_steps is None and nfe < self.rounds:
             raise ValueError(f"NFE budget {nfe} is below {self.rounds} rounds of at least one flow step")
 
-    def __call__(
-        self,
-        model: FlowDenoiser,
-        *,
-        prompt: Tensor,
-        prompt_mask: Tensor,
-        nfe: int,
-        generator: torch.Generator | None = None,
-    ) -> SampleOutput:
+    def schedule(self, nfe: int, prompt: Tensor, prompt_mask: Tensor) -> tuple[int, int]:
+        """R and N (``plan``) for the whole row (at most the positions to generate: no host read)."""
+        return self.plan(nfe, prompt.shape[-1])
+
+    def sample(self, model: FlowDenoiser, prompt: Tensor, prompt_mask: Tensor, schedule, generator) -> SampleOutput:
         """Sample with exactly R × N network calls."""
-        rounds, steps = self.plan(nfe, prompt.shape[-1])  # at most the sequence: no host read
+        rounds, steps = schedule
         space, device = model.states, prompt.device  # states over the vocabulary, or h = x·E (see FlowDenoiser)
         committed = prompt_mask.clone()
         tokens = prompt.clone()

@@ -1,0 +1,56 @@
+"""What several samplers share beside the contract (``base.py``): their option checks, the MDM start state, the
+blocks of the semi-autoregressive samplers, and times as per-sequence tensors."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def check_temperature(temperature: float) -> float:
+    """A sampling temperature: 0 means argmax, > 0 scales the logits."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be ≥ 0, got {temperature}")
+    return temperature
+
+
+SCORES = ("max_prob", "sampled")
+
+
+def check_score(score: str) -> str:
+    """How a commit loop ranks positions at temperature > 0: by the max probability ("max_prob") or by the
+    probability of the token drawn ("sampled"); at temperature 0 they coincide."""
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    return score
+
+
+DRAWS = ("committed", "full")
+
+
+def check_draws(draws: str) -> str:
+    """Where a sampler draws its float64 categorical: "committed", only at the positions that commit or unmask in
+    a step (the same law: which positions commit does not depend on the draw), by inverse CDF
+    (``sample_categorical``), or "full", every position by Gumbel-max over (B, L, |V|), the suite's earlier random
+    stream."""
+    if draws not in DRAWS:
+        raise ValueError(f"draws must be one of {DRAWS}, got {draws!r}")
+    return draws
+
+
+def masked_start(prompt: Tensor, prompt_mask: Tensor, mask_id: int) -> tuple[Tensor, Tensor]:
+    """The all-[MASK] state with the prompt in place, and its confidence (1 on the prompt, 0 elsewhere)."""
+    return torch.where(prompt_mask, prompt, mask_id), prompt_mask.float()
+
+
+def block_ids(free: Tensor, block_length: int) -> Tensor:
+    """The block of each ``free`` (non-prompt) position, counting a row's free positions in order, ``block_length``
+    to a block; −1 on the prompt."""
+    return torch.where(free, (free.cumsum(-1) - 1) // block_length, -1)
+
+
+def sequence_times(x: Tensor, s: float | Tensor, t: float | Tensor) -> tuple[Tensor, Tensor]:
+    """Times (scalars or (B,)) as (B,) tensors of x's dtype, without a host copy."""
+    b = x.shape[0]
+    s, t = (time.to(x.dtype).expand(b) if isinstance(time, Tensor) else x.new_full((b,), time) for time in (s, t))
+    return s, t
