@@ -237,6 +237,32 @@ class KVCache:
         return keys[:, :, :stop], values[:, :, :stop], mask
 
 
+class BlockKVCache:
+    """Keys and values of every layer of a bidirectional DiT for all ``length`` positions, for a semi-autoregressive
+    decoder's windowed passes (flowlm/samplers/block_cache.py): a pass over positions ``start`` … ``start`` + n − 1
+    (``length`` below names that start, as ``KVCache.length`` does) stores their keys and values and attends to the
+    stored ones of every position; a pass from 0 over the whole sequence fills it."""
+
+    def __init__(self, n_layers: int, length: int) -> None:
+        self.max_len = length
+        self.length = 0  # the window's first position (the rotary offset of its keys)
+        self.keys: list[Tensor | None] = [None] * n_layers
+        self.values: list[Tensor | None] = [None] * n_layers
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, None]:
+        """Store ``k, v`` (B, H, n, hd) at positions length … length + n − 1 of ``layer``; return every position's
+        keys and values (no mask: bidirectional attention)."""
+        start, n = self.length, k.shape[-2]
+        if self.keys[layer] is None:
+            if start != 0 or n != self.max_len:
+                raise ValueError("a block KV cache is filled by a full pass (start 0, every position) first")
+            self.keys[layer], self.values[layer] = k.clone(), v.clone()
+        else:
+            self.keys[layer][:, :, start : start + n] = k
+            self.values[layer][:, :, start : start + n] = v
+        return self.keys[layer], self.values[layer], None
+
+
 class DiTBlock(nn.Module):
     """Pre-norm transformer block with per-token adaLN shift/scale/gate on attention and MLP."""
 
@@ -494,6 +520,26 @@ class DiT(nn.Module):
         if not self.causal:
             raise ValueError("a KV cache needs a causal DiT: bidirectional attention changes earlier keys")
         return KVCache(len(self.blocks), max_len)
+
+    def new_block_cache(self, length: int) -> BlockKVCache:
+        """An empty block KV cache over ``length`` positions (bidirectional DiTs only)."""
+        if self.causal:
+            raise ValueError("a block KV cache is for bidirectional DiTs: a causal one decodes with new_cache")
+        return BlockKVCache(len(self.blocks), length)
+
+    def forward_window(self, x: Tensor, s: Tensor, cache: BlockKVCache, start: int) -> Tensor:
+        """Logits (B, n, |V|) of positions start … start + n − 1 (ids x (B, n)) attending to every position's keys
+        and values: the window's from this pass, the others' as ``cache`` holds them; stores the window's. With
+        start 0 and the whole sequence it is ``forward`` (per-sequence times s (B,)) and fills the cache."""
+        h = self.input_embeddings(x)
+        b, n, _ = h.shape
+        if start < 0 or start + n > cache.max_len:
+            raise ValueError(f"window {start} … {start + n - 1} outside the cache's {cache.max_len} positions")
+        cache.length = start
+        c = self.condition(s, None, b, n)
+        for i, block in enumerate(self.blocks):
+            h = block(h, c, cache=cache, layer=i)
+        return self.final(h, c)
 
     def forward_cached(self, x: Tensor, s: Tensor, cache: KVCache, t: Tensor | None = None) -> Tensor:
         """Logits (B, n, |V|) for the n new positions cache.length … cache.length + n − 1 only, given as ids or

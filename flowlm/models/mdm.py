@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +38,24 @@ class MaskedModel:
         """Logits over the data vocabulary (B, L, V), [MASK] removed."""
         return drop_mask_logit(logits, self.data_vocab_size, self.mask_id)
 
+    def windowed(self, length: int) -> Callable[[Tensor, Tensor, int], Tensor]:
+        """A reader over a new block KV cache of ``length`` positions (flowlm/samplers/block_cache.py): ``(x window
+        (B, n), t, start) → data logits (B, n, V)`` of positions start … start + n − 1; a window from 0 over the
+        whole sequence is a full pass that refills the cache."""
+        cache = self.net.new_block_cache(length)
+
+        def read(x: Tensor, t: Tensor, start: int) -> Tensor:
+            time = t if self.time_conditioning else torch.zeros_like(t)
+            return self.data_logits(self.net.forward_window(x, time, cache, start))
+
+        return read
+
     def denoiser(self) -> MaskedDenoiser:
-        """This model as MDM samplers see it."""
+        """This model as MDM samplers see it (with windowed passes on a bidirectional DiT)."""
+        windows = hasattr(self.net, "forward_window") and not getattr(self.net, "causal", False)
         return MaskedDenoiser(
-            fn=lambda x, t: self.data_logits(self(x, t)), mask_id=self.mask_id, time_conditioned=self.time_conditioning
+            fn=lambda x, t: self.data_logits(self(x, t)),
+            mask_id=self.mask_id,
+            time_conditioned=self.time_conditioning,
+            windowed=self.windowed if windows else None,
         )

@@ -33,14 +33,14 @@ class SampleOutput:
 @dataclass(frozen=True)
 class MaskedDenoiser:
     """An MDM as samplers see it: ``fn(x_t ids (B, L), t (B,)) → logits over the data vocabulary (B, L, V)``.
-
-    ``time_conditioned`` says whether fn depends on t; a time-agnostic network gives the same output for the
-    same input, which is what makes the ancestral sampler's no-change cache exact.
+    ``time_conditioned``: whether fn depends on t (a time-agnostic one makes the ancestral no-change cache exact).
+    ``windowed(L)``, where the network can: a reader ``(x window, t, start) → its logits`` over a new block KV cache.
     """
 
     fn: Callable[[Tensor, Tensor], Tensor]
     mask_id: int
     time_conditioned: bool = False
+    windowed: Callable[[int], Callable[[Tensor, Tensor, int], Tensor]] | None = None
 
 
 @dataclass(frozen=True)

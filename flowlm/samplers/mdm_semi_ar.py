@@ -10,6 +10,7 @@ from torch import Tensor
 
 from flowlm.ops.draws import draw_rows, pick_tokens
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput, Sampler
+from flowlm.samplers.block_cache import BlockCachedReader, check_cache
 from flowlm.samplers.common import block_ids
 from flowlm.samplers.guidance import GuidedSampler, guided_steps
 from flowlm.samplers.mdm_confidence import commit_slots, max_log_prob, slots
@@ -31,6 +32,10 @@ class SemiARConfidenceSampler(GuidedSampler):
     same ranking, then the float64 draw at the committing positions only (the ranking does not depend on it); with
     "sampled" the draw at every block position first (``draw_rows``, two-level inverse CDF), ranked by its log p.
     ``draws="full"``: the earlier stream, a float64 log-softmax and Gumbel draw over the whole (B, L, |V|).
+
+    ``cache`` "prefix" | "dual" (block_cache.py, Fast-dLLM's block KV cache): a block's first step (and every
+    ``refresh`` steps) is a full pass; its other steps run on the block and what follows it (prefix) or the block
+    alone (dual), the rest read from the cache. NFE unchanged; approximate unless ``refresh=1``. Not with guidance.
     """
 
     family = "mdm"
@@ -44,10 +49,15 @@ class SemiARConfidenceSampler(GuidedSampler):
         score: str = "sampled",
         draws: str = "committed",
         cfg_scale: float = 0.0,
+        cache: str = "none",
+        refresh: int | None = None,
     ) -> None:
         if block_length < 1:
             raise ValueError(f"block_length must be ≥ 1, got {block_length}")
         self.block_length = block_length
+        self.cache, self.refresh = check_cache(cache, refresh), refresh
+        if cache != "none" and cfg_scale > 0:
+            raise ValueError("cache (the block KV cache) does not combine with cfg_scale > 0: use cache=none")
         super().__init__(temperature=temperature, score=score, draws=draws, cfg_scale=cfg_scale)
 
     def plan(self, nfe: int, free_positions: int) -> tuple[int, int]:
@@ -75,6 +85,8 @@ class SemiARConfidenceSampler(GuidedSampler):
         """blocks × K steps (network evaluations: × 2 with guidance)."""
         n_blocks, steps, most_free = schedule
         model, x, confidence, cost = self.start(model, prompt, prompt_mask)
+        reader = None if self.cache == "none" else BlockCachedReader(model, self.cache, self.refresh, x.shape[1])
+        fn = model.fn if reader is None else reader
         free = ~prompt_mask
         block_id = block_ids(free, self.block_length)
         n_free = free.sum(-1).clamp_min(1)
@@ -85,6 +97,9 @@ class SemiARConfidenceSampler(GuidedSampler):
         calls = 0
         for b in range(n_blocks):
             in_block = block_id == b
+            if reader is not None:  # the block's positions over all rows lie in [lo, hi)
+                cols = in_block.any(0).nonzero()
+                reader.block(int(cols.min()), int(cols.max()) + 1)
             if not full:  # the block's positions (only they are ever eligible) as slots; the fullest row's count
                 slot, _ = slots(in_block, self.block_length)
                 block_rows = slot + first_row
@@ -93,7 +108,7 @@ class SemiARConfidenceSampler(GuidedSampler):
             for k in range(steps):
                 masked = x == model.mask_id
                 eligible = masked & in_block
-                logits = model.fn(x, masked.sum(-1) / n_free)
+                logits = fn(x, masked.sum(-1) / n_free)
                 calls += cost
                 left = steps - k
                 n_commit = torch.div(eligible.sum(-1) + left - 1, left, rounding_mode="floor")  # ⌈masked / left⌉
