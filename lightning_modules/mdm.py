@@ -8,7 +8,7 @@ from torch import Tensor
 from flowlm.models.mdm import MaskedModel
 from flowlm.objectives.base import LossOutput
 from flowlm.objectives.mdm import mdm_elbo_loss
-from flowlm.processes.masking import MaskingProcess, stratified_times
+from flowlm.processes.masking import MaskingProcess
 from lightning_modules.base import FlowLMModule
 
 
@@ -54,14 +54,14 @@ class MDMModule(FlowLMModule):
         if stage == "train":
             t = self.sample_times(b, batch_idx).to(self.device, non_blocking=True)
             return {"t": t, "u": self.global_rand(tuple(tokens.shape), batch_idx, stream=1)}
-        t = stratified_times(b, offset=0, count=b, eps=self.process.eps, generator=self.fixed_generator(batch_idx))
-        return self.draws_at(batch, t.to(self.device), self.fixed_generator(batch_idx, self.device))
+        t = self.process.sample_t(b, generator=self.fixed_generator(batch_idx), device=self.device)
+        return self.draws_at(batch, t, self.fixed_generator(batch_idx, self.device))
 
     def sample_times(self, local_batch: int, batch_idx: int) -> Tensor:
         """This micro-batch's slice of one stratified draw of t over the global batch (all ranks, accumulation)."""
         n_global, offset = self.global_batch_slice(local_batch, batch_idx)
         gen = self.step_generator(0, batch_idx, shared=True)
-        return stratified_times(n_global, offset=offset, count=local_batch, eps=self.process.eps, generator=gen)
+        return self.process.sample_t(n_global, offset=offset, count=local_batch, generator=gen)
 
     def draws_at(self, batch: dict, t: Tensor, generator: torch.Generator | None) -> dict:
         """The draws at given times t (B,), the masks' uniforms from ``generator``."""

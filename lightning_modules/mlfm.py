@@ -21,7 +21,7 @@ from flowlm.backbones.adapters import MLFMAdapter
 from flowlm.backbones.llama import BidirectionalLM, LlamaMLFMAdapter
 from flowlm.models.bridge import BridgeModel
 from flowlm.objectives.base import LossOutput
-from flowlm.objectives.mlfm import mlfm_loss
+from flowlm.objectives.mlfm import mlfm_inputs, mlfm_loss
 from flowlm.processes.bridge import BridgeProcess
 from lightning_modules.base import FlowLMModule
 from lightning_modules.checkpoints import check_backbone_options, check_family, copy_backbone, read_checkpoint
@@ -141,24 +141,18 @@ class MLFMModule(FlowLMModule):
         return self.draws_at(batch, *gens)
 
     def draws_at(self, batch: dict, gen_cpu: torch.Generator, gen: torch.Generator | None) -> dict:
-        """Mask with s from the cosine schedule (``bridge.mask_schedule``), the whole response with probability
-        ``full_response_mask_prob``; the bridge state z at t from the training distribution."""
-        tokens, prompt = batch["tokens"], self.pin_unpredicted(batch["prompt_mask"])
-        b, length = tokens.shape
-        s = self.process.mask_prob(b, generator=gen_cpu, device=tokens.device)
-        if self.full_response_mask_prob > 0:  # the released SFT's sft_full_response_mask_prob: s = 1 for the row
-            full = torch.rand(b, generator=gen_cpu).to(tokens.device, non_blocking=True) < self.full_response_mask_prob
-            s = torch.where(full, 1.0, s)
-        free = ~prompt
-        masked = (torch.rand(b, length, generator=gen, device=tokens.device) < s[:, None]) & free
-        # Every sequence with a response gets at least one masked position (the released code does the same): a
-        # uniformly picked free one, drawn for every row so that no device value decides what runs
-        empty = ~masked.any(-1) & free.any(-1)
-        pick = torch.rand(b, length, generator=gen, device=tokens.device).masked_fill(~free, -1).argmax(-1)
-        masked |= empty[:, None] & (torch.arange(length, device=tokens.device) == pick[:, None])
-        t = self.process.sample_t(b, generator=gen_cpu, device=tokens.device)
-        emb = self.net.embeddings  # m = E[mask_id]: the last row (DiT, SMDM) or one inside (LLaDA, Dream)
-        z = self.process.sample(emb[self.mask_id], emb[tokens], t, masked, gen)  # the bridge at masked positions
+        """The recipe's inputs (``mlfm_inputs``: masks from the cosine schedule, the whole response with probability
+        ``full_response_mask_prob``, the bridge state z at t) from the two generators."""
+        z, t, masked = mlfm_inputs(
+            batch["tokens"],
+            self.pin_unpredicted(batch["prompt_mask"]),
+            self.process,
+            self.net.embeddings,  # m = E[mask_id]: the last row (DiT, SMDM) or one inside (LLaDA, Dream)
+            self.mask_id,
+            full_response_mask_prob=self.full_response_mask_prob,
+            gen_cpu=gen_cpu,
+            gen=gen,
+        )
         return {"z": z, "t": t, "masked": masked}
 
     def loss(self, batch: dict, draws: dict, *, parts: bool = False) -> LossOutput:

@@ -1,4 +1,5 @@
-"""MLFM objective: cross-entropy on the clean token at masked positions, optional embedding MSE (methods.md §6)."""
+"""MLFM objective (methods.md §6): the training inputs (``mlfm_inputs``: the masked set, the bridge time and state)
+and the loss on them (``mlfm_loss``: cross-entropy on the clean token at masked positions, optional embedding MSE)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,47 @@ from torch import Tensor
 
 from flowlm.objectives.base import LossOutput
 from flowlm.objectives.mdm import subs_log_probs
+from flowlm.processes.bridge import BridgeProcess
+
+
+def mlfm_inputs(
+    tokens: Tensor,
+    prompt: Tensor,
+    process: BridgeProcess,
+    embeddings: Tensor,
+    mask_id: int,
+    *,
+    full_response_mask_prob: float = 0.0,
+    gen_cpu: torch.Generator | None,
+    gen: torch.Generator | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(z, t, masked): the bridge state z (B, L, d) at times t (B,) and the masked positions M (B, L) for clean
+    tokens y (B, L), the ``prompt`` positions (B, L) held clean. Per sequence:
+
+        s ~ the cosine schedule (``process.mask_prob``); s = 1 with probability ``full_response_mask_prob``
+        M = {l ∉ prompt : u_l < s},  u_l ~ U(0, 1);  M = ∅ with a response: M = {l*}, l* uniform off the prompt
+        t ~ the bridge's training law (``process.sample_t``)
+        z^l = (1 − t)·m + t·E_{y^l} + σ·√(t(1 − t))·ε^l on M, E_{y^l} elsewhere   (``process.noise``, m = E[mask_id])
+
+    E (``embeddings``) is the table the network reads, with [MASK] at row ``mask_id`` (the last row, or one inside
+    the vocabulary). Random numbers, in this order: s (and the full-response coin) from ``gen_cpu`` on the host,
+    u (B, L) and the pick's (B, L) uniforms from ``gen`` on ``tokens``' device, t from ``gen_cpu``, ε from ``gen``.
+    """
+    b, length = tokens.shape
+    s = process.mask_prob(b, generator=gen_cpu, device=tokens.device)
+    if full_response_mask_prob > 0:  # the released SFT's sft_full_response_mask_prob: s = 1 for the row
+        full = torch.rand(b, generator=gen_cpu).to(tokens.device, non_blocking=True) < full_response_mask_prob
+        s = torch.where(full, 1.0, s)
+    free = ~prompt
+    masked = (torch.rand(b, length, generator=gen, device=tokens.device) < s[:, None]) & free
+    # A sequence with a response and nothing masked gets one free position (as the released code), uniformly
+    # picked by the argmax of uniforms off the prompt; drawn for every row, so that no device value decides what runs
+    empty = ~masked.any(-1) & free.any(-1)
+    pick = torch.rand(b, length, generator=gen, device=tokens.device).masked_fill(~free, -1).argmax(-1)
+    masked |= empty[:, None] & (torch.arange(length, device=tokens.device) == pick[:, None])
+    t = process.sample_t(b, generator=gen_cpu, device=tokens.device)
+    z = process.noise(tokens, t, ~masked, generator=gen, embeddings=embeddings, mask_id=mask_id).state
+    return z, t, masked
 
 
 def mlfm_loss(

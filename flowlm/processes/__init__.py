@@ -1,5 +1,6 @@
-"""Noise processes, one call shape: ``process.noise(tokens, times, keep, generator=, draws=, embeddings=)`` →
-``NoisedBatch(state, clean, noised)`` (base.py).
+"""Noise processes, one interface (base.py): the time law ``process.sample_t(n, generator=, device=, offset=,
+count=)`` → t, and the forward process ``process.noise(tokens, times, keep, generator=, draws=, embeddings=,
+mask_id=)`` → ``NoisedBatch(state, clean, noised)``.
 
   masking.py        MDLM's absorbing process, α_t = 1 − t (methods.md §2)
   gaussian_flow.py  Gaussian → one-hot flow and its two-time flow map, the FLM/FMLM/FMLM+ pair kinds (methods.md §3–4)

@@ -21,6 +21,7 @@ from flowlm.processes.base import NoisedBatch, NoiseProcess
 
 TIME_DISTRIBUTIONS = ("uniform", "gamma_uniform", "gamma_mixture")
 MASK_SCHEDULES = ("affine", "clip")
+NEEDS_TABLE = "the bridge lives on embeddings: pass the embedding table and the row of [MASK] in it (mask_id)"
 
 
 def gamma_of_t(t: Tensor, sigma: float) -> Tensor:
@@ -115,33 +116,32 @@ class BridgeProcess(NoiseProcess):
             eps = torch.randn(e_y.shape, generator=generator, device=e_y.device, dtype=noise_dtype or e_y.dtype)
         return torch.where(noised[..., None], mean + std * eps.to(e_y.dtype), e_y)  # (1 − t)·m + t·E_y + σ√(t(1−t))·ε
 
-    def noise(
-        self,
-        tokens: Tensor,
-        times: Tensor,
-        keep: Tensor,
-        *,
-        generator: torch.Generator | None = None,
-        draws: Tensor | None = None,
-        embeddings: Tensor | None = None,
-    ) -> NoisedBatch:
-        """z_t at bridge times t (B,) off ``keep`` (the unmasked positions, E_y exactly), from the ``embeddings``
-        table E (|V| + 1, d; m = E[MASK], the last row). ``draws``: ε (B, L, d), else drawn from ``generator``."""
+    def draw(self, tokens: Tensor, generator: torch.Generator | None, embeddings: Tensor | None) -> Tensor:
+        """ε ~ N(0, I) (B, L, d) in E's dtype, on E's device."""
         if embeddings is None:
-            raise ValueError("the bridge lives on embeddings: pass the embedding table ([MASK] last)")
+            raise ValueError(NEEDS_TABLE)
+        shape = (*tokens.shape, embeddings.shape[-1])
+        return torch.randn(shape, generator=generator, device=embeddings.device, dtype=embeddings.dtype)
+
+    def noise_from(
+        self, tokens: Tensor, times: Tensor, keep: Tensor, draws: Tensor, embeddings: Tensor | None, mask_id: int | None
+    ) -> NoisedBatch:
+        """z_t at bridge times t (B,) off ``keep`` (E_y exactly on it), m = E[``mask_id``]; draws ε (B, L, d)."""
+        if embeddings is None or mask_id is None:
+            raise ValueError(NEEDS_TABLE)
         clean = embeddings[tokens]
-        z = self.sample(embeddings[-1], clean, times, ~keep, generator, eps=draws)
+        z = self.sample(embeddings[mask_id], clean, times, ~keep, None, eps=draws)
         return NoisedBatch(state=z, clean=clean, noised=~keep)
 
     # ---------------------------------------------------------------------------------------------- training
-    def sample_t(self, n: int, *, generator: torch.Generator | None, device: torch.device | str = "cpu") -> Tensor:
-        """n bridge times from the configured training distribution, clipped to [t_min, 1 − t_min]."""
-        u = torch.rand(n, generator=generator, dtype=torch.float64)
+    def time_quantile(self, u: Tensor) -> Tensor:
+        """The configured training law (``time_dist``) at u: t = t_min + (1 − 2·t_min)·u, or t(γ) at γ's quantile
+        (``gamma_quantile``); clipped to [t_min, 1 − t_min]."""
         if self.time_dist == "uniform":
             t = self.t_min + (1 - 2 * self.t_min) * u
         else:
             t = t_of_gamma(self.gamma_quantile(u), self.sigma)
-        return t.clamp(self.t_min, 1 - self.t_min).float().to(device, non_blocking=True)
+        return t.clamp(self.t_min, 1 - self.t_min)
 
     def gamma_quantile(self, u: Tensor) -> Tensor:
         """Inverse CDF of the γ distribution (γ-based ``time_dist`` only); monotone in u."""

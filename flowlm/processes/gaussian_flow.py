@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from flowlm.processes.base import NoisedBatch, NoiseProcess
+from flowlm.processes.base import NoisedBatch, NoiseProcess, stratified_uniforms
 
 
 def one_hot(ids: Tensor, num_classes: int) -> Tensor:
@@ -157,23 +157,25 @@ class GaussianFlowProcess(NoiseProcess):
         """Whether states are h = x·E (the network reads them with ``embedded=True``)."""
         return self.space is not None
 
-    def noise(
-        self,
-        tokens: Tensor,
-        times: Tensor,
-        keep: Tensor,
-        *,
-        generator: torch.Generator | None = None,
-        draws: Tensor | None = None,
-        embeddings: Tensor | None = None,
+    def time_uniforms(self, n: int, generator: torch.Generator | None) -> Tensor:
+        """One uniform per stratum [i/n, (i + 1)/n), in random order (the released code's antithetic sampling)."""
+        return stratified_uniforms(n, generator=generator, shuffle=True)
+
+    def time_quantile(self, u: Tensor) -> Tensor:
+        """t ~ U(0, 1): the flow's time (FLM; the diagonal pairs s = t of FMLM+)."""
+        return u
+
+    def draw(self, tokens: Tensor, generator: torch.Generator | None, embeddings: Tensor | None) -> Tensor:
+        """ε ~ N(0, I) of ``draw_shape`` (float32)."""
+        return torch.randn(self.draw_shape(tokens), generator=generator, device=tokens.device)
+
+    def noise_from(
+        self, tokens: Tensor, times: Tensor, keep: Tensor, draws: Tensor, embeddings: Tensor | None, mask_id: int | None
     ) -> NoisedBatch:
-        """x_t = (1 − t)·ε + t·onehot(y) off ``keep``, the exact one-hot on it; times (B, L) per token or (B,).
-        ``draws``: the standard normal draws (``draw_shape``) when the caller drew them, else drawn (float32) from
-        ``generator``. In the embedding space: (1 − t)·z·R + t·E[y], the draws being z (B, L, d)."""
+        """x_t = (1 − t)·ε + t·onehot(y) off ``keep``, the exact one-hot on it; times (B, L) per token or (B,). In the
+        embedding space: (1 − t)·z·R + t·E[y], the draws being z (B, L, d)."""
         space = self.states
         clean = space.data(tokens)
-        if draws is None:
-            draws = torch.randn(self.draw_shape(tokens), generator=generator, device=tokens.device)
         times = times if times.dim() == tokens.dim() else times[:, None]
         noisy = noisy_state(clean, space.project(draws), times)
         return NoisedBatch(state=torch.where(keep[..., None], clean, noisy), clean=clean, noised=~keep)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flowlm.processes.base import NoisedBatch, NoiseProcess
+from flowlm.processes.base import NoisedBatch, NoiseProcess, stratified_uniforms
 
 
 class LogLinearSchedule:
@@ -21,21 +21,18 @@ class LogLinearSchedule:
 
 
 def stratified_times(global_batch: int, *, offset: int, count: int, eps: float, generator: torch.Generator) -> Tensor:
-    """Times t_i = ε + (1−ε)·(i + u_i)/n for i in [offset, offset+count) of a global batch of n.
-
-    One draw per stratum of [0, 1) over the *global* batch (MDLM's antithetic sampling): every rank and
-    micro-batch takes its own slice of the same draw, so the times are stratified across devices too.
-    The generator must be seeded identically on every rank.
-    """
-    if not 0 <= offset and offset + count <= global_batch:
-        raise ValueError(f"slice [{offset}, {offset + count}) lies outside a global batch of {global_batch}")
-    u = torch.rand(global_batch, generator=generator, dtype=torch.float64)
-    strata = (torch.arange(global_batch, dtype=torch.float64) + u) / global_batch
-    return (eps + (1.0 - eps) * strata[offset : offset + count]).float()
+    """Times t_i = ε + (1−ε)·(i + u_i)/n for i in [offset, offset+count) of a global batch of n: the earlier call
+    shape of ``MaskingProcess(eps=ε).sample_t(n, offset=, count=)``, which draws them (the same draws)."""
+    return MaskingProcess(mask_id=-1, eps=eps).sample_t(global_batch, generator=generator, offset=offset, count=count)
 
 
 class MaskingProcess(NoiseProcess):
-    """Replace each non-prompt token by [MASK] independently with probability 1 − α_t."""
+    """Replace each non-prompt token by [MASK] independently with probability 1 − α_t.
+
+    Time law: t = ε + (1 − ε)·u, u stratified over the global batch (one draw per stratum of [0, 1), MDLM's
+    antithetic sampling), so the times are stratified across devices and micro-batches too. Draws: the uniforms u
+    (B, L); a position is masked where u < 1 − α_t.
+    """
 
     def __init__(self, *, mask_id: int, eps: float = 1e-3) -> None:
         if not 0.0 < eps < 1.0:
@@ -44,21 +41,21 @@ class MaskingProcess(NoiseProcess):
         self.eps = eps
         self.schedule = LogLinearSchedule()
 
-    def noise(
-        self,
-        tokens: Tensor,
-        times: Tensor,
-        keep: Tensor,
-        *,
-        generator: torch.Generator | None = None,
-        draws: Tensor | None = None,
-        embeddings: Tensor | None = None,
-    ) -> NoisedBatch:
-        """x_t (ids, [MASK] at the masked positions) at times t (B,); ``keep``: the prompt, never masked.
+    def time_uniforms(self, n: int, generator: torch.Generator | None) -> Tensor:
+        """One uniform per stratum [i/n, (i + 1)/n), in stratum order."""
+        return stratified_uniforms(n, generator=generator)
 
-        ``draws``: the uniforms u (B, L) deciding the masks (u < 1 − α_t), when the caller draws them (e.g. over the
-        global batch); else drawn from ``generator``.
-        """
-        u = draws if draws is not None else torch.rand(tokens.shape, generator=generator, device=tokens.device)
-        masked = (u < (1.0 - self.schedule.alpha(times))[:, None]) & ~keep
+    def time_quantile(self, u: Tensor) -> Tensor:
+        """t = ε + (1 − ε)·u."""
+        return self.eps + (1.0 - self.eps) * u
+
+    def draw(self, tokens: Tensor, generator: torch.Generator | None, embeddings: Tensor | None) -> Tensor:
+        """u ~ U(0, 1) (B, L)."""
+        return torch.rand(tokens.shape, generator=generator, device=tokens.device)
+
+    def noise_from(
+        self, tokens: Tensor, times: Tensor, keep: Tensor, draws: Tensor, embeddings: Tensor | None, mask_id: int | None
+    ) -> NoisedBatch:
+        """x_t: ids with this process's [MASK] where u < 1 − α_t off ``keep``; times (B,)."""
+        masked = (draws < (1.0 - self.schedule.alpha(times))[:, None]) & ~keep
         return NoisedBatch(state=torch.where(masked, self.mask_id, tokens), clean=tokens, noised=masked)
