@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from flowlm.models.ar import CausalModel
@@ -17,11 +19,11 @@ class ARModule(FlowLMModule):
     family = "ar"
     label = "AR"
 
-    def __init__(self, *, data_vocab_size: int, seq_len: int, backbone: dict, optim: dict, seed: int = 0) -> None:
-        super().__init__(data_vocab_size=data_vocab_size, seq_len=seq_len, backbone=backbone, optim=optim, seed=seed)
+    def __init__(self, **common: Any) -> None:
+        super().__init__(**common)  # FlowLMModule's: data_vocab_size, seq_len, backbone, optim, seed
         self.save_hyperparameters()
-        self.start_id = data_vocab_size
-        self.net = self.build_backbone(data_vocab_size + 1, two_times=False, causal=True)
+        self.start_id = self.data_vocab_size
+        self.net = self.build_backbone(self.data_vocab_size + 1, two_times=False, causal=True)
         self.view = CausalModel(self.net, self.start_id)
 
     def forward(self, tokens: Tensor) -> Tensor:

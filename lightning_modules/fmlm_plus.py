@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -57,10 +58,6 @@ class FMLMPlusModule(FlowLMModule):
     def __init__(
         self,
         *,
-        data_vocab_size: int,
-        seq_len: int,
-        backbone: dict,
-        optim: dict,
         context: bool = True,
         shares: dict | None = None,
         init_from: str | None = None,
@@ -73,9 +70,9 @@ class FMLMPlusModule(FlowLMModule):
         compile_tails: bool = False,
         fused_loss: str | bool = "auto",
         adapter: dict | None = None,
-        seed: int = 0,
+        **common: Any,
     ) -> None:
-        super().__init__(data_vocab_size=data_vocab_size, seq_len=seq_len, backbone=backbone, optim=optim, seed=seed)
+        super().__init__(**common)  # FlowLMModule's: data_vocab_size, seq_len, backbone, optim, seed
         self.save_hyperparameters()
         self.context = context
         self.shares = {"diagonal": 0.5, "boundary": 1 / 64, "distill": 0.0, **(shares or {})}
@@ -91,11 +88,11 @@ class FMLMPlusModule(FlowLMModule):
         self.compile_tails = compile_tails  # the loss's soft-capped log-softmax compiled (forward and backward)
         self.fused_loss = check_choice("fused_loss", fused_loss, FUSED_LOSSES)  # from the head's input (ops/fused_ce)
         # the DiT, or a LLaMA-family MDM in LlamaFlowNet with the ``adapter`` options (refused on a DiT)
-        self.net = self.build_backbone(data_vocab_size, two_times=True, adapter=adapter)
+        self.net = self.build_backbone(self.data_vocab_size, two_times=True, adapter=adapter)
         # a [MASK] inside the data vocabulary (LLaDA, Dream) is never predicted; the DiT's (id |V|) lies outside it
         self.mask_id = self.backbone_mask_id(self.net)
         self.view = FlowMapModel(
-            self.net, data_vocab_size=data_vocab_size, mask_id=self.mask_id, state_space=state_space
+            self.net, data_vocab_size=self.data_vocab_size, mask_id=self.mask_id, state_space=state_space
         )
         self.init_report: dict[str, list[str]] | None = None
         self._teacher = None  # a frozen MDM, kept out of the state dict

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -21,17 +23,13 @@ class MDMModule(FlowLMModule):
     def __init__(
         self,
         *,
-        data_vocab_size: int,
-        seq_len: int,
-        backbone: dict,
-        optim: dict,
         eps: float = 1e-3,
         time_conditioning: bool = False,
-        seed: int = 0,
+        **common: Any,
     ) -> None:
-        super().__init__(data_vocab_size=data_vocab_size, seq_len=seq_len, backbone=backbone, optim=optim, seed=seed)
+        super().__init__(**common)  # FlowLMModule's: data_vocab_size, seq_len, backbone, optim, seed
         self.save_hyperparameters()
-        self.net = self.build_backbone(data_vocab_size + 1, two_times=False)
+        self.net = self.build_backbone(self.data_vocab_size + 1, two_times=False)
         # [MASK]: the DiT's extra last row (id |V|); a LLaMA-family backbone's own (SMDM: its extra embedding row,
         # the head predicts the data tokens only; LLaDA/Dream: an id inside the vocabulary, logit −∞, §2 SUBS)
         self.mask_id = self.backbone_mask_id(self.net)
@@ -39,7 +37,7 @@ class MDMModule(FlowLMModule):
             raise ValueError("method.time_conditioning=true needs a DiT backbone: the LLaMA-family MDMs ignore t")
         self.time_conditioning = time_conditioning
         self.process = MaskingProcess(mask_id=self.mask_id, eps=eps)
-        self.view = MaskedModel(self.net, data_vocab_size, self.mask_id, time_conditioning)
+        self.view = MaskedModel(self.net, self.data_vocab_size, self.mask_id, time_conditioning)
 
     def forward(self, x: Tensor, t: Tensor) -> Tensor:
         """Logits over data ids + [MASK] (B, L, V+1; a LLaMA-family head: B, L, V); t is ignored (fed as 0)

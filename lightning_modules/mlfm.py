@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -37,18 +38,14 @@ class MLFMModule(FlowLMModule):
     def __init__(
         self,
         *,
-        data_vocab_size: int,
-        seq_len: int,
-        backbone: dict,
-        optim: dict,
         init_from: str | None = None,
         adapter: dict | None = None,
         bridge: dict | None = None,
         aux_mse_weight: float = 0.0,
         full_response_mask_prob: float = 0.0,
-        seed: int = 0,
+        **common: Any,
     ) -> None:
-        super().__init__(data_vocab_size=data_vocab_size, seq_len=seq_len, backbone=backbone, optim=optim, seed=seed)
+        super().__init__(**common)  # FlowLMModule's: data_vocab_size, seq_len, backbone, optim, seed
         self.save_hyperparameters()
         pretrained = "_target_" in self.backbone_cfg  # a LLaMA-family MDM, built or loaded by its config
         if not init_from and not pretrained:
@@ -68,12 +65,12 @@ class MLFMModule(FlowLMModule):
         self.aux_mse_weight = aux_mse_weight
         self.full_response_mask_prob = full_response_mask_prob
         self.process = BridgeProcess(**(bridge or {}))
-        base = self.build_backbone(data_vocab_size + 1, two_times=False)
+        base = self.build_backbone(self.data_vocab_size + 1, two_times=False)
         self.mask_id = self.backbone_mask_id(base)  # DiT: |V|; LLaMA family: the backbone's own (base.py)
         # the family's adapter (time adaLN + LoRA, §6): LlamaMLFMAdapter on the LLaMA family, MLFMAdapter on a DiT
         adapter_cls = LlamaMLFMAdapter if isinstance(base, BidirectionalLM) else MLFMAdapter
         self.net = adapter_cls(base, **(adapter or {}))
-        self.view = BridgeModel(self.net, self.process, data_vocab_size, self.mask_id)
+        self.view = BridgeModel(self.net, self.process, self.data_vocab_size, self.mask_id)
         self.init_report: dict[str, list[str]] | None = None
 
     def forward(self, z: Tensor, t: Tensor) -> Tensor:
