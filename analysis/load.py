@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -12,13 +13,39 @@ import pandas as pd
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
+from analysis.heatmaps import varying_params
+
 # eval/<sampler>/nfe<budget>/<metric>, as callbacks.sampling_eval logs them.
 EVAL_KEY = re.compile(r"^eval/(?P<sampler>[^/]+)/nfe(?P<nfe_budget>\d+)/(?P<metric>.+)$")
 # Headline metric of a task, in order of preference (the first one an experiment logs is its primary metric).
 PRIMARY_METRICS = ("accuracy", "valid_pct", "gen_ppl", "exact_match")
 # Bookkeeping metrics logged beside every task metric.
 COST_METRICS = ("nfe", "sec_per_sample")
-RUN_COLUMNS = ["experiment", "run_id", "name", "method", "seed", "sweep", "trial"]
+RUN_COLUMNS = ["experiment", "run_id", "name", "method", "seed", "sweep", "trial", "setting"]
+# Params that differ between runs of one setting: seeds (any key ending in `seed`), names, paths (the run folder
+# holds the seed, a source checkpoint's path too), and knobs that change neither the model nor its scores.
+SETTING_IGNORED_LEAVES = {
+    "name",
+    "run_name",
+    "init_from",
+    "teacher",
+    "ckpt_path",
+    "run_dir",
+    "root",
+    "data_dir",
+    "cache_dir",
+    "hf_cache_dir",
+    "default_root_dir",
+    "dirpath",
+    "num_workers",
+    "gen_workers",
+    "num_proc",
+    "val_batch_size",
+    "enable_progress_bar",
+    "enable_model_summary",
+    "log_every_n_steps",
+    "progress_every_s",
+}
 
 
 class NoRunsError(ValueError):
@@ -79,6 +106,62 @@ def load_runs(
     # "" rather than missing, so groupings keep runs outside any sweep.
     runs["sweep"] = _column(runs, "tags.flowlm.sweep").fillna("")
     runs["trial"] = _column(runs, "tags.flowlm.trial").fillna("")
+    runs["setting"] = settings(runs)
+    return label_settings(runs)
+
+
+def setting_params(runs: pd.DataFrame) -> list[str]:
+    """The param columns that define a run's setting: all but SETTING_IGNORED_LEAVES and seeds. A leaf is the last
+    part of the key (``method/optim/lr`` → ``lr``; a sweep trial's override ``trial/method.optim.lr`` → ``lr``)."""
+    kept = []
+    for column in (c for c in runs.columns if c.startswith("params.")):
+        leaf = re.split(r"[/.]", column.removeprefix("params."))[-1]
+        if leaf not in SETTING_IGNORED_LEAVES and not leaf.endswith("seed"):
+            kept.append(column)
+    return sorted(kept)
+
+
+def settings(runs: pd.DataFrame) -> pd.Series:
+    """Per run, a short key of its setting: its sweep and its configuration without the seed (``setting_params``).
+    Runs of one name and one setting are seeds of that setting; a name with several settings (a grid's trials and
+    the base run, a run relaunched under its name with other overrides) is several lines of a report."""
+    columns = setting_params(runs)
+    values = runs[columns].astype("string").fillna("") if columns else pd.DataFrame(index=runs.index)
+    keys = []
+    for sweep, row in zip(runs["sweep"], values.itertuples(index=False), strict=True):
+        text = "\n".join([f"sweep={sweep}", *(f"{c}={v}" for c, v in zip(columns, row, strict=True))])
+        keys.append(hashlib.sha1(text.encode()).hexdigest()[:10])
+    return pd.Series(keys, index=runs.index, dtype="object")
+
+
+def label_settings(runs: pd.DataFrame) -> pd.DataFrame:
+    """Give the settings that share a name (in one experiment) names of their own, so that no report line pools
+    them: a sweep's runs get ``<name> [sweep <sweep>]`` beside runs outside it or in another sweep; runs outside any
+    sweep get the params that tell their settings apart, ``<name> (lr=0.003)``. Runs within one sweep keep their
+    name here: the report labels a sweep's trials by its swept values (``analysis.heatmaps.label_trials``)."""
+    runs = runs.copy()
+    for _, members in runs.groupby(["experiment", "name"], sort=False):
+        if members["setting"].nunique() < 2:
+            continue
+        if members["sweep"].nunique() > 1:
+            swept = members[members["sweep"] != ""]
+            runs.loc[swept.index, "name"] = swept["name"] + " [sweep " + swept["sweep"] + "]"
+        plain = members[members["sweep"] == ""]
+        if plain["setting"].nunique() < 2:
+            continue
+        firsts = plain.drop_duplicates("setting")
+        defining = set(setting_params(firsts))
+        differ = [c for c in varying_params(firsts) if c in defining]  # aliases of one param merged
+        leaves = [re.split(r"[/.]", c.removeprefix("params."))[-1] for c in differ]
+        keys = leaves if len(set(leaves)) == len(leaves) else [c.removeprefix("params.") for c in differ]
+        values = firsts[differ].astype("string").fillna("–").itertuples(index=False)
+        label = {
+            setting: ", ".join(f"{k}={v}" for k, v in zip(keys, row, strict=True)) or f"setting {setting}"
+            for setting, row in zip(firsts["setting"], values, strict=True)
+        }
+        runs.loc[plain.index, "name"] = [
+            f"{n} ({label[s]})" for n, s in zip(plain["name"], plain["setting"], strict=True)
+        ]
     return runs
 
 
@@ -121,9 +204,10 @@ def primary_metric(long: pd.DataFrame) -> str:
 
 
 def summarize(table: pd.DataFrame, metric: str) -> pd.DataFrame:
-    """Per experiment × name × sampler × budget: mean, std (ddof 1; 0 for one run), run count of ``metric`` and the
-    mean NFE actually spent and seconds per sample."""
-    keys = ["experiment", "name", "sampler", "nfe_budget"]
+    """Per experiment × name × setting × sampler × budget (runs of one setting differ only in their seed:
+    ``settings``): mean, std (ddof 1; 0 for one run), run count of ``metric`` and the mean NFE actually spent and
+    seconds per sample."""
+    keys = ["experiment", "name", "setting", "sampler", "nfe_budget"]
     rows = table.dropna(subset=[metric])
     grouped = rows.groupby(keys, sort=False)
     out = grouped[metric].agg(mean="mean", std="std", n="count")

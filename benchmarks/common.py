@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
 from hydra import compose, initialize_config_dir
+from probes import clock, elapsed, matmul_flops, median, now, peak_memory, sync  # noqa: F401 - importable here too
 
 from flowlm.project import CONF_DIR
 from runners.train import train
@@ -58,7 +60,8 @@ def minutes_line(minutes: dict[str, list[float]]) -> str:
 
 # ------------------------------------------------------------------------------------------------------------------
 # Performance benchmarks (throughput.py, sampler_overhead.py, gpu_check.py): untrained modules built from
-# conf/method + conf/backbone, synthetic batches, synchronised timers and autocast as the trainer applies it.
+# conf/method + conf/backbone, synthetic batches, autocast as the trainer applies it, their command line; the
+# timers, peak memory and FLOP counts are probes.py's.
 
 PRECISIONS = ("bf16-mixed", "32-true")
 
@@ -128,34 +131,6 @@ def synthetic_batch(batch: int, seq_len: int, vocab: int, *, prompt_len: int = 0
     return {"tokens": tokens.to(device), "prompt_mask": prompt_mask.to(device)}
 
 
-def sync(device) -> None:
-    """Wait for queued device work (CUDA kernels run asynchronously), so a timer reads finished work."""
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def now(device) -> float:
-    """perf_counter after the device is idle."""
-    sync(device)
-    return time.perf_counter()
-
-
-def clock(device) -> tuple[float, float]:
-    """(wall, process CPU) seconds after the device is idle. On a shared CPU the process's CPU time is the steadier
-    measure of the work done (other processes stretch the wall time, not it); on a GPU only the wall time means
-    anything."""
-    sync(device)
-    return time.perf_counter(), time.process_time()
-
-
-def elapsed(start: tuple[float, float], device) -> tuple[float, float]:
-    """(wall, CPU) seconds since ``start`` (a ``clock`` reading)."""
-    end = clock(device)
-    return end[0] - start[0], end[1] - start[1]
-
-
 def autocast(precision: str, device):
     """The forward context Lightning's precision plugin applies: bf16 autocast for bf16-mixed, nothing for fp32."""
     import contextlib
@@ -167,11 +142,6 @@ def autocast(precision: str, device):
     if precision == "bf16-mixed":
         return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-def median(values: list[float]) -> float:
-    """Median (robust to the outliers of a shared, noisy machine)."""
-    return statistics.median(values)
 
 
 def matmul_params(module, *, dense_input: bool, per_token_times: bool) -> int:
@@ -236,46 +206,17 @@ def require_device(script: str, device: str) -> None:
         raise SystemExit(f"{script}: --device cuda but no CUDA device is available")
 
 
-def matmul_flops(call) -> float:
-    """The matrix-product FLOPs of one call, its backward included when the call runs one (torch's FlopCounterMode:
-    mm, addmm, bmm, attention)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
-        call()
-    return float(counter.get_total_flops())
+def model_parser(description: str | None, *, batch: int) -> argparse.ArgumentParser:
+    """A parser with the options every model benchmark shares (``add_model_args``), the script's docstring as its
+    description."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap, batch=batch)
+    return ap
 
 
-def peak_memory(call, device) -> float:
-    """Bytes a call adds at its peak over what the process held before it: CUDA's peak allocated memory, or on a
-    CPU the process's peak resident set (VmHWM, reset first through /proc/self/clear_refs)."""
-    import gc
-    from pathlib import Path
-
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        call()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-
-    def status(key: str) -> int:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-        raise RuntimeError(f"{key} not in /proc/self/status")
-
-    try:  # hand freed heap memory back first, so the call's allocations show as growth
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
-    before = status("VmRSS")
-    call()
-    return status("VmHWM") - before
+def parse_model_args(ap: argparse.ArgumentParser, script: str) -> argparse.Namespace:
+    """The command line parsed; a missing CUDA device stops ``script``; ``--precision auto`` resolved."""
+    args = ap.parse_args()
+    require_device(script, args.device)
+    resolve_precision(args)
+    return args

@@ -38,20 +38,8 @@ import argparse
 from pathlib import Path
 
 import torch
-from common import (
-    add_model_args,
-    autocast,
-    build_module,
-    clock,
-    elapsed,
-    load_group_config,
-    matmul_flops,
-    median,
-    peak_memory,
-    randomise_zero_init,
-    require_device,
-    resolve_precision,
-)
+from common import autocast, build_module, load_group_config, model_parser, parse_model_args, randomise_zero_init
+from probes import clock, elapsed, matmul_flops, median, peak_memory
 
 from flowlm.ops.compiled import compiled_tails
 from flowlm.project import CONF_DIR
@@ -473,8 +461,7 @@ def memory_rows(modules, args, device, prompt, prompt_mask, log) -> dict[str, fl
 
 def parser() -> argparse.ArgumentParser:
     """Command-line options (shared with gpu_check.py)."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(ap, batch=128)  # an evaluation batch of the CPU demo
+    ap = model_parser(__doc__, batch=128)  # an evaluation batch of the CPU demo
     ap.add_argument("--nfe", type=int, default=12, help="NFE budget of every sampler")
     ap.add_argument("--samplers", nargs="*", default=None, help="only these (names as printed)")
     ap.add_argument("--memory", action="store_true", help="also the peak memory of one PR / confidence call")
@@ -484,10 +471,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     """Parse, check the device, measure."""
-    args = parser().parse_args()
-    require_device("sampler_overhead.py", args.device)
-    resolve_precision(args)
-    measure(args)
+    measure(parse_model_args(parser(), "sampler_overhead.py"))
 
 
 if __name__ == "__main__":

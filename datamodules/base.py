@@ -12,6 +12,20 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 
+def check_ints(*checks: tuple[str, Any, int]) -> None:
+    """Refuse, in order, the first ``(name, value, low)`` whose value is not an int >= low."""
+    for name, value, low in checks:
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def check_optional_ints(*checks: tuple[str, Any]) -> None:
+    """Refuse, in order, the first ``(name, value)`` whose value is neither None nor an int >= 1."""
+    for name, value in checks:
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+
+
 class GlobalBatchSampler(DistributedSampler):
     """One shuffled order of global batches, split over ranks and accumulation, resumable at any optimizer step.
 
@@ -123,9 +137,10 @@ class GlobalBatchDataModule(L.LightningDataModule):
     def _steps_done(self) -> int:
         return self.trainer.global_step if self.trainer is not None else 0
 
-    def check_train_size(self) -> None:
-        """At least one global batch of training data (epochs drop the remainder)."""
-        if 0 < len(self.train_set) < self.batch_size:  # type: ignore[arg-type]
+    def check_train_size(self, stage: str | None = None) -> None:
+        """At least one global batch of training data (epochs drop the remainder), when the ``stage`` trains (fit, or
+        None): an evaluation reads the validation split only, whatever the training split's size."""
+        if stage in (None, "fit") and 0 < len(self.train_set) < self.batch_size:  # type: ignore[arg-type]
             raise ValueError(
                 f"{len(self.train_set)} training examples are fewer than one global batch "  # type: ignore[arg-type]
                 f"(data.batch_size = {self.batch_size}): no optimizer step would ever run"

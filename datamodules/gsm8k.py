@@ -35,8 +35,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from datamodules.base import check_ints, check_optional_ints
 from datamodules.sources import builder_for, load_documents, local_files, source_identity
-from datamodules.token_arrays import PaddedRows, token_dtype, write_padded
+from datamodules.token_arrays import PaddedRows, token_dtype
 from datamodules.token_cache import TokenCacheDataModule
 from flowlm.metrics.gsm8k import parse_gold
 
@@ -159,21 +160,7 @@ class GSM8KDataModule(TokenCacheDataModule):
         pin_memory: bool = True,
         seed: int = 0,
     ) -> None:
-        super().__init__(
-            tokenizer=tokenizer,
-            seq_len=seq_len,
-            cache_dir=cache_dir,
-            batch_size=batch_size,
-            val_batch_size=val_batch_size,
-            loss_on_pad=loss_on_pad,
-            add_bos_eos=add_bos_eos,
-            num_proc=num_proc,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            seed=seed,
-            hf_cache_dir=hf_cache_dir,
-            pad_token=pad_token,
-        )
+        super().__init__(**self._base_arguments(locals()))
         self.save_hyperparameters(logger=False)  # the runner logs the data config itself (as Sudoku does)
         # Files override the default hub name, so `data.train_files=x.jsonl` alone switches to a local source.
         for role, name, files in (("train", train_name, train_files), ("eval", eval_name, eval_files)):
@@ -183,11 +170,8 @@ class GSM8KDataModule(TokenCacheDataModule):
             raise ValueError(f"prompt_template must contain '{{question}}', got {prompt_template!r}")
         if "{response}" not in response_template:
             raise ValueError(f"response_template must contain '{{response}}', got {response_template!r}")
-        if not isinstance(min_response_tokens, int) or min_response_tokens < 1:
-            raise ValueError(f"min_response_tokens must be an int >= 1, got {min_response_tokens!r}")
-        for key, value in (("max_train_examples", max_train_examples), ("max_eval_examples", max_eval_examples)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{key} must be None or an int >= 1, got {value!r}")
+        check_ints(("min_response_tokens", min_response_tokens, 1))
+        check_optional_ints(("max_train_examples", max_train_examples), ("max_eval_examples", max_eval_examples))
         if add_bos_eos:
             self._need_bos_eos("add_bos_eos")
         self.sources = {
@@ -348,14 +332,7 @@ class GSM8KDataModule(TokenCacheDataModule):
         for split, data in examples.items():
             fn = self.encoder(evaluation=split == "val")
             encoded = self._map(data, fn, work=work, name=split, with_indices=True)
-            write_padded(
-                folder / f"{split}_tokens.npy",
-                encoded,
-                seq_len=self.seq_len,
-                pad_id=self.pad_id,
-                dtype=dtype,
-                desc=f"Writing {split}",
-            )
+            self._write_rows(folder, split, encoded, dtype)
             np.save(folder / f"{split}_prompt_len.npy", encoded.data.column("prompt_len").to_numpy().astype(np.int32))
             np.save(folder / f"{split}_gold.npy", encoded.data.column("gold").to_numpy().astype(np.float64))
             np.save(folder / f"{split}_index.npy", encoded.data.column("index").to_numpy().astype(np.int64))
@@ -390,18 +367,9 @@ class GSM8KDataModule(TokenCacheDataModule):
 
     def describe(self) -> dict[str, Any]:
         """Flat parameters for logging."""
-        return {
-            "task": "gsm8k",
-            "answer_format": self.answer_format,
-            "train_source": self.sources["train"]["name"] or str(self.sources["train"]["files"]),
-            "eval_source": self.sources["val"]["name"] or str(self.sources["val"]["files"]),
-            "tokenizer": self.tokenizer_name,
-            "vocab_size": self.vocab_size,
-            "pad_id": self.pad_id,
-            "seq_len": self.seq_len,
-            "loss_on_pad": self.loss_on_pad,
-            "batch_size": self.batch_size,
-            "num_train": None if self.train_set is None else len(self.train_set),
-            "num_val": None if self.val_set is None else len(self.val_set),
-            "cache": str(self.cache_path),
-        }
+        return self._describe(
+            task="gsm8k",
+            answer_format=self.answer_format,
+            train_source=self.sources["train"]["name"] or str(self.sources["train"]["files"]),
+            eval_source=self.sources["val"]["name"] or str(self.sources["val"]["files"]),
+        )

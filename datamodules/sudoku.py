@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from datamodules.base import GlobalBatchDataModule
+from datamodules.base import GlobalBatchDataModule, check_ints, check_optional_ints
 from flowlm.metrics.sudoku import grid_hashes
 from flowlm.tasks.sudoku import (
     DIFFICULTY_CLUES_9X9,
@@ -84,22 +84,15 @@ class SudokuDataModule(GlobalBatchDataModule):
                 # "medium" is the signature default; only another explicit value reveals a mistaken intent.
                 warnings.warn(f"difficulty={difficulty!r} is ignored for unconditional Sudoku", stacklevel=2)
             difficulty = None
-        for name, value, low in (
-            (
-                "num_train",
-                num_train,
-                0 if eval_file is not None else 1,
-            ),  # evaluating a file needs no training set
+        check_ints(
+            ("num_train", num_train, 0 if eval_file is not None else 1),  # evaluating a file needs no training set
             ("num_val", num_val, 0),
             ("seed", seed, 0),
             ("batch_size", batch_size, 1),
             ("num_workers", num_workers, 0),
             ("gen_workers", gen_workers, 1),
-        ):
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if val_batch_size is not None and (not isinstance(val_batch_size, int) or val_batch_size < 1):
-            raise ValueError(f"val_batch_size must be None or an int >= 1, got {val_batch_size!r}")
+        )
+        check_optional_ints(("val_batch_size", val_batch_size))
         cap = KNOWN_GRID_COUNTS.get((box_rows, box_cols))
         if not conditional and cap is not None and num_train + num_val > cap:
             raise ValueError(
@@ -209,7 +202,7 @@ class SudokuDataModule(GlobalBatchDataModule):
         self.train_set = TokenDataset(*self._layout.encode(data["train_puzzles"], data["train_solutions"]))
         self.val_set = TokenDataset(*self._layout.encode(data["val_puzzles"], data["val_solutions"]))
         self._train_keys = {s.tobytes() for s in data["train_solutions"]}
-        self.check_train_size()
+        self.check_train_size(stage)
 
     # --------------------------------------------------------------------------------------------------------
     # What models, samplers and metrics need to know.

@@ -26,8 +26,9 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from datamodules.base import check_optional_ints
 from datamodules.sources import builder_for, load_documents, local_files, source_identity
-from datamodules.token_arrays import PaddedRows, WrappedStream, token_dtype, write_padded, write_stream
+from datamodules.token_arrays import PaddedRows, WrappedStream, token_dtype, write_stream
 from datamodules.token_cache import TokenCacheDataModule
 
 log = logging.getLogger(__name__)
@@ -114,21 +115,7 @@ class TextDataModule(TokenCacheDataModule):
         pin_memory: bool = True,
         seed: int = 0,
     ) -> None:
-        super().__init__(
-            tokenizer=tokenizer,
-            seq_len=seq_len,
-            cache_dir=cache_dir,
-            batch_size=batch_size,
-            val_batch_size=val_batch_size,
-            loss_on_pad=loss_on_pad,
-            add_bos_eos=add_bos_eos,
-            num_proc=num_proc,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            seed=seed,
-            hf_cache_dir=hf_cache_dir,
-            pad_token=pad_token,
-        )
+        super().__init__(**self._base_arguments(locals()))
         self.save_hyperparameters(logger=False)  # the runner logs the data config itself (as Sudoku does)
         if packing not in PACKINGS:
             raise ValueError(f"packing must be one of {PACKINGS}, got {packing!r}")
@@ -138,13 +125,9 @@ class TextDataModule(TokenCacheDataModule):
             raise ValueError(f"give exactly one of data.name and data.files (got name={name!r}, files={files!r})")
         if (val_split is None) == (val_last_n is None):
             raise ValueError("give exactly one of val_split (the source's own split) and val_last_n (last N docs)")
-        for key, value in (
-            ("val_last_n", val_last_n),
-            ("max_train_docs", max_train_docs),
-            ("max_val_docs", max_val_docs),
-        ):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{key} must be None or an int >= 1, got {value!r}")
+        check_optional_ints(
+            ("val_last_n", val_last_n), ("max_train_docs", max_train_docs), ("max_val_docs", max_val_docs)
+        )
         if packing == "wrap" or add_bos_eos:
             why = "wrap packing" if packing == "wrap" else "add_bos_eos"
             self._need_bos_eos(why)
@@ -255,14 +238,7 @@ class TextDataModule(TokenCacheDataModule):
                 write_stream(folder / f"{split}_stream.npy", encoded, total=total, dtype=dtype, desc=f"Writing {split}")
                 info["tokens"] = total
             else:
-                rows = write_padded(
-                    folder / f"{split}_tokens.npy",
-                    encoded,
-                    seq_len=self.seq_len,
-                    pad_id=self.pad_id,
-                    dtype=dtype,
-                    desc=f"Writing {split}",
-                )
+                rows = self._write_rows(folder, split, encoded, dtype)
                 truncated = int(pc.sum(pc.greater(lengths, self.seq_len)).as_py() or 0)
                 info |= {"rows": rows, "truncated": truncated}
                 if rows:
@@ -294,17 +270,6 @@ class TextDataModule(TokenCacheDataModule):
 
     def describe(self) -> dict[str, Any]:
         """Flat parameters for logging."""
-        return {
-            "task": "text",
-            "source": self.name if self.files is None else str(self.files),
-            "packing": self.packing,
-            "tokenizer": self.tokenizer_name,
-            "vocab_size": self.vocab_size,
-            "pad_id": self.pad_id,
-            "seq_len": self.seq_len,
-            "loss_on_pad": self.loss_on_pad,
-            "batch_size": self.batch_size,
-            "num_train": None if self.train_set is None else len(self.train_set),
-            "num_val": None if self.val_set is None else len(self.val_set),
-            "cache": str(self.cache_path),
-        }
+        return self._describe(
+            task="text", source=self.name if self.files is None else str(self.files), packing=self.packing
+        )

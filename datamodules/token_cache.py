@@ -10,6 +10,7 @@ runs through ``datasets.Dataset.map(batched=True, num_proc=...)`` with its cache
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -23,8 +24,9 @@ from typing import Any
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from datamodules.base import GlobalBatchDataModule
+from datamodules.base import GlobalBatchDataModule, check_ints, check_optional_ints
 from datamodules.sources import load_tokenizer, tokenizer_digest
+from datamodules.token_arrays import write_padded
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +61,10 @@ class TokenCacheDataModule(GlobalBatchDataModule, ABC):
         pad_token: str = "add",
     ) -> None:
         super().__init__()
-        for name, value, low in (
-            ("seq_len", seq_len, 2),
-            ("batch_size", batch_size, 1),
-            ("num_workers", num_workers, 0),
-            ("seed", seed, 0),
-        ):
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        if val_batch_size is not None and (not isinstance(val_batch_size, int) or val_batch_size < 1):
-            raise ValueError(f"val_batch_size must be None or an int >= 1, got {val_batch_size!r}")
-        if num_proc is not None and (not isinstance(num_proc, int) or num_proc < 1):
-            raise ValueError(f"num_proc must be None or an int >= 1, got {num_proc!r}")
+        check_ints(
+            ("seq_len", seq_len, 2), ("batch_size", batch_size, 1), ("num_workers", num_workers, 0), ("seed", seed, 0)
+        )
+        check_optional_ints(("val_batch_size", val_batch_size), ("num_proc", num_proc))
         self.tokenizer_name = str(tokenizer)
         self.pad_token = pad_token
         self.tokenizer = load_tokenizer(tokenizer, pad_token)  # now, not in setup: the runner reads vocab_size first
@@ -88,6 +82,14 @@ class TokenCacheDataModule(GlobalBatchDataModule, ABC):
         self.val_set: Dataset | None = None
         self.cache_meta: dict[str, Any] | None = None
         self.built = False  # True when this instance tokenised (False after a cache hit)
+
+    @staticmethod
+    def _base_arguments(values: dict[str, Any]) -> dict[str, Any]:
+        """This base's constructor arguments, picked by name from a subclass constructor's ``locals()``: the
+        subclass states them (its defaults, its type hints) and forwards them all with
+        ``super().__init__(**self._base_arguments(locals()))``."""
+        names = list(inspect.signature(TokenCacheDataModule.__init__).parameters)[1:]  # after self
+        return {name: values[name] for name in names}
 
     def _need_bos_eos(self, why: str) -> None:
         if self.bos_id is None:
@@ -122,6 +124,21 @@ class TokenCacheDataModule(GlobalBatchDataModule, ABC):
     def seq_len(self) -> int:
         """Tokens per sequence (L)."""
         return self._seq_len
+
+    def _describe(self, **head: Any) -> dict[str, Any]:
+        """Flat parameters for logging: a subclass's own ``head`` entries, then the tokenizer, shapes and loaders."""
+        return {
+            **head,
+            "tokenizer": self.tokenizer_name,
+            "vocab_size": self.vocab_size,
+            "pad_id": self.pad_id,
+            "seq_len": self.seq_len,
+            "loss_on_pad": self.loss_on_pad,
+            "batch_size": self.batch_size,
+            "num_train": None if self.train_set is None else len(self.train_set),
+            "num_val": None if self.val_set is None else len(self.val_set),
+            "cache": str(self.cache_path),
+        }
 
     def decode(self, tokens: Tensor, *, skip_special_tokens: bool = True) -> list[str]:
         """Text of each row of (B, L) ids; PAD, BOS/EOS (when skipping specials) and ids ≥ vocab_size are dropped."""
@@ -194,7 +211,18 @@ class TokenCacheDataModule(GlobalBatchDataModule, ABC):
         self.train_set, self.val_set = self._datasets(folder, self.cache_meta)
         if not self.loss_on_pad:
             log.info("loss_on_pad=False: batches carry `loss_mask`; only methods that read it leave PAD untrained")
-        self.check_train_size()
+        self.check_train_size(stage)
+
+    def _write_rows(self, folder: Path, split: str, encoded, dtype) -> int:
+        """The encoded ``split``'s ids as PAD-filled rows of L tokens in ``{split}_tokens.npy``; returns the rows."""
+        return write_padded(
+            folder / f"{split}_tokens.npy",
+            encoded,
+            seq_len=self.seq_len,
+            pad_id=self.pad_id,
+            dtype=dtype,
+            desc=f"Writing {split}",
+        )
 
     def _map(self, dataset, fn: Callable, *, work: Path, name: str, with_indices: bool = False):
         """``dataset.map(fn, batched=True)`` with its cache file in ``work`` and a fingerprint from our identity."""

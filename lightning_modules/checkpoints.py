@@ -378,10 +378,32 @@ def _backbone_kwargs(ckpt: dict) -> dict:
 def check_backbone_options(
     ckpt: dict, backbone: dict, path: str | os.PathLike, *, role: str, time_conditioned: bool
 ) -> None:
-    """Refuse, before any compute, a source checkpoint whose DiT would compute another function with its weights
-    in a network built from ``backbone``: another attention soft-cap or head count (same shapes), or, when the
-    source read its time (``time_conditioned``), another time-feature scale."""
-    source, target = checkpoint_backbone(ckpt), {**RELEASED_OPTIONS, **backbone}  # a new DiT's defaults
+    """Refuse, before any compute, a source checkpoint whose DiT would not serve a network built from ``backbone``:
+    first another size (``d_model``, ``n_layers``, ``cond_dim``, ``mlp_ratio``, which the weights' shapes follow:
+    nothing else matters then, and the advice is the checkpoint's size), then another function with the same shapes:
+    another attention soft-cap or head count, or, when the source read its time (``time_conditioned``), another
+    time-feature scale. (A ``mini`` MDM into a ``tiny`` run was advised ``backbone.n_heads=8``, then failed on
+    shapes.) A ``size`` preset (flowlm/backbones/dit.py ``SIZES``) is spelled out on either side."""
+    from flowlm.backbones.dit import SIZES
+
+    def spelled_out(cfg: dict) -> dict:
+        return {**SIZES.get(cfg["size"], {}), **cfg} if isinstance(cfg.get("size"), str) else dict(cfg)
+
+    source = spelled_out(checkpoint_backbone(ckpt))
+    target = {**RELEASED_OPTIONS, **spelled_out(backbone)}  # a new DiT's defaults
+    shape = ("d_model", "n_layers", "cond_dim", "mlp_ratio")
+    dits = "_target_" not in source and "_target_" not in target  # a LLaMA-family size: copy_into names it
+    sizes = [key for key in shape if dits and key in source and key in target and source[key] != target[key]]
+    if sizes:
+        there = ", ".join(f"{key}={source[key]!r}" for key in sizes)
+        here = ", ".join(f"{key}={target[key]!r}" for key in sizes)
+        preset = next((name for name, dims in SIZES.items() if all(source.get(k) == v for k, v in dims.items())), "")
+        options = " ".join(f"backbone.{key}={source[key]}" for key in (*shape, "n_heads") if key in source)
+        raise ValueError(
+            f"{role} {path} has another backbone size, a DiT of {there} (here {here}): its weights do not fit this "
+            f"network. Build this run at the checkpoint's size ({f'backbone={preset}' if preset else options}), "
+            "or give a checkpoint of this run's size"
+        )
     keys = ("attn_softcap", "n_heads") + (("time_scale",) if time_conditioned else ())
     diff = [
         f"{key}={source[key]!r} there, {target[key]!r} here"

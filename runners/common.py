@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
-from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from runners.resolvers import check_run_parts
@@ -42,6 +41,8 @@ VOLATILE_DATA_KEYS = (
 
 def is_rank_zero() -> bool:
     """True in the process that owns the run folder and the tracking run (rank 0 of a DDP job)."""
+    from lightning.pytorch.utilities import rank_zero_only  # here: the console scripts' `--help` needs no Lightning
+
     return rank_zero_only.rank == 0
 
 

@@ -4,16 +4,20 @@ build the report (figures, tables, calibration) of what it ran."""
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import hydra
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
-from analysis.report import Report
 from flowlm.project import CONF_DIR
 from runners.common import is_rank_zero, pivot_table
+from runners.console import console_script
 from runners.report import report
 from runners.train import train
+
+if TYPE_CHECKING:
+    from analysis.report import Report
 
 
 def demo(cfg: DictConfig) -> list[dict]:
@@ -101,6 +105,7 @@ def demo_report(run_cfgs: list[DictConfig], overrides: list[str]) -> Report | No
     return built
 
 
+@console_script
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="demo")
 def main(cfg: DictConfig) -> None:
     """Console entry point."""

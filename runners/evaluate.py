@@ -5,29 +5,13 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
-import lightning as L
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigKeyError
 
-from callbacks.convergence import CONVERGENCE_FILE
-from callbacks.progress import progress_callbacks
-from callbacks.results_csv import ResultsCSV, method_label, write_rows
-from callbacks.sampling_eval import SamplingEvaluation
-from flowlm.pretrained.export import CONFIG as EXPORT_CONFIG
-from flowlm.pretrained.export import is_export
-from flowlm.pretrained.hub import resolve_source
 from flowlm.project import CONF_DIR
-from lightning_modules.checkpoints import (
-    _read_sharded_meta,
-    import_class,
-    is_sharded_checkpoint,
-    load_module,
-    read_checkpoint,
-    read_checkpoint_meta,
-)
-from lightning_modules.vocabulary import check_data_tokens
 from runners.common import (
     build,
     check_arguments,
@@ -37,17 +21,35 @@ from runners.common import (
     pivot_table,
     resolve_paths,
 )
-from runners.mlflow_run import make_logger, record_error
-from runners.objectives import check_objectives
-from runners.trial import run_trial
+from runners.console import console_script, log_lightning_once
+
+if TYPE_CHECKING:
+    import lightning as L
+
+    from callbacks.sampling_eval import SamplingEvaluation
+
+# conf/eval.yaml's `name`: an evaluation left with it is named after its checkpoint (``name_after_checkpoint``).
+DEFAULT_NAME = "eval"
 
 
 def evaluate(cfg: DictConfig) -> dict:
     """Check the checkpoint against the data and samplers (before compute), then run every sampler × budget."""
+    # Lightning, torch and what builds on them are imported here, not at the top: `flowlm-eval --help` (and --cfg,
+    # --info) answer without them (tests/test_first_hour.py).
+    import lightning as L
+
+    from callbacks.progress import progress_callbacks
+    from lightning_modules.checkpoints import import_class, load_module, read_checkpoint_meta
+    from lightning_modules.vocabulary import check_data_tokens
+    from runners.mlflow_run import announce, make_logger, record_error
+    from runners.objectives import check_objectives
+
+    log_lightning_once()
     resolve_paths(cfg)
     check_run_name(cfg)
     check_budgets(cfg.eval)
     meta = read_checkpoint_meta(cfg.ckpt_path)
+    name_after_checkpoint(cfg, meta)
     cls = import_class(meta["class_path"])
     evaluation: SamplingEvaluation = build(cfg.eval)
     evaluation.check_model(cls)
@@ -78,6 +80,9 @@ def evaluate(cfg: DictConfig) -> dict:
     if logger is not None:
         trainer.loggers = [logger]
         logger.experiment.set_tag(logger.run_id, "flowlm.checkpoint", str(cfg.ckpt_path))
+    # Hydra's output folder (its .hydra/ and the log; an evaluation writes nothing else there), when it was made
+    run_dir = cfg.paths.run_dir if Path(cfg.paths.run_dir).is_dir() else None
+    announce(run_dir, logger)  # at the start and (below) at the end, failed or not
     try:
         trainer.validate(module, datamodule=datamodule, verbose=False)
         rows = [{"run": str((meta.get("config") or {}).get("name", "checkpoint")), **r} for r in evaluation.results]
@@ -94,7 +99,34 @@ def evaluate(cfg: DictConfig) -> dict:
             record_error(logger, err)  # FAILED with its error (the run is new: no earlier error to clear)
         exit_on_sigterm(err, f"the evaluation of {cfg.ckpt_path}; its results are incomplete")
         raise
+    finally:
+        announce(run_dir, logger)
     return {"rows": rows, "metric": evaluation.primary, "mlflow_run_id": getattr(logger, "run_id", None)}
+
+
+def name_after_checkpoint(cfg: DictConfig, meta: dict) -> None:
+    """Name an evaluation after the run that made its checkpoint, unless the command line named it (``name=``):
+    ``name`` becomes ``eval/<that run's name>`` (its MLflow run ``eval/<run's name>/<run_name>``), ``task`` (the
+    MLflow experiment) that run's task, and the run's ``method`` and ``backbone`` are recorded among its params. Every
+    ``flowlm-eval`` run was named ``eval`` in the experiment ``eval``, and ``flowlm-report`` pooled them all into one
+    row. A checkpoint that records no run config (a foreign model) is named by its path; its task stays ``eval``."""
+    if cfg.name != DEFAULT_NAME:
+        return
+    recorded = meta.get("config") or {}
+    old_name, old_task = cfg.name, cfg.task
+    with open_dict(cfg):
+        cfg.name = f"{DEFAULT_NAME}/{recorded.get('name') or cfg.ckpt_path}"
+        if old_task == old_name and recorded.get("task"):  # task: ${name}, as conf/eval.yaml has it
+            cfg.task = str(recorded["task"])
+        for key in ("method", "backbone"):
+            if recorded.get(key) and key not in cfg:
+                cfg[key] = recorded[key]
+        logger = cfg.get("logger")
+        if logger:  # its names were resolved from the old ones (conf/logger/mlflow.yaml); names given stay
+            if logger.get("experiment_name") == old_task:
+                logger.experiment_name = cfg.task
+            if logger.get("run_name") == f"{old_name}/{cfg.run_name}":
+                logger.run_name = f"{cfg.name}/{cfg.run_name}"
 
 
 class _RecordedConvergence:
@@ -102,6 +134,8 @@ class _RecordedConvergence:
     of the run that trained it); none for a checkpoint outside a run folder."""
 
     def __init__(self, ckpt_path: str) -> None:
+        from callbacks.convergence import CONVERGENCE_FILE
+
         record = Path(ckpt_path).resolve().parent.parent / CONVERGENCE_FILE
         self._record = json.loads(record.read_text()) if record.is_file() else {}
 
@@ -114,6 +148,8 @@ def write_results_csv(cfg: DictConfig, meta: dict, module, evaluation: SamplingE
     ``<results_csv>/<task>/<name>_seed<seed>_eval.csv``: the run's identity and convergence facts, this evaluation's
     samplers and settings; the training precision from the run's config, the device from the run's own rows
     beside it (blank when they are not there)."""
+    from callbacks.results_csv import ResultsCSV, method_label, write_rows
+
     run = dict(meta.get("config") or {})
     if not run.get("task") or not run.get("name"):
         raise ValueError(f"{cfg.ckpt_path} records no run name and task: its rows cannot join a results folder")
@@ -135,6 +171,11 @@ def write_results_csv(cfg: DictConfig, meta: dict, module, evaluation: SamplingE
 def checkpoint_step(path: str) -> int:
     """The optimizer step a checkpoint was saved at: the ``global_step`` of a file (read as every checkpoint is,
     memory-mapped), of a sharded folder's ``meta.pt`` or of an export's ``config.json``; 0 for a foreign model."""
+    from flowlm.pretrained.export import CONFIG as EXPORT_CONFIG
+    from flowlm.pretrained.export import is_export
+    from flowlm.pretrained.hub import resolve_source
+    from lightning_modules.checkpoints import _read_sharded_meta, is_sharded_checkpoint, read_checkpoint
+
     local = resolve_source(path)
     if is_sharded_checkpoint(local):
         record = _read_sharded_meta(local)
@@ -178,9 +219,12 @@ def eval_data_config(cfg: DictConfig, meta: dict) -> DictConfig:
         ) from None
 
 
+@console_script
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="eval")
 def main(cfg: DictConfig) -> float | list[float] | None:
     """Console entry point; in a sweep, returns the trial's objective(s) to the sweeper."""
+    from runners.trial import run_trial
+
     return run_trial(evaluate, cfg)
 
 

@@ -15,10 +15,7 @@ import sqlite3
 import warnings
 from pathlib import Path
 
-from callbacks.convergence import CONVERGENCE_FILE
-from flowlm.pretrained import export as fmt
 from flowlm.project import git_commit
-from lightning_modules.checkpoints import LIVE_KEY, checkpoint_backbone, read_checkpoint
 
 # Families whose DiT has a [MASK] row (at id = data_vocab_size); a LLaMA-family network records its own [MASK].
 MASKED_FAMILIES = ("mdm", "mlfm")
@@ -60,6 +57,8 @@ def run_records(path: str | os.PathLike, ckpt: dict, run_config: dict) -> dict[s
     MLflow run (``_mlflow_scores``), read only from a local SQLite store (``logger.tracking_uri=sqlite:///...``),
     never from a server. The run folder is the checkpoint's ``<run>/checkpoints/..``; a checkpoint elsewhere has only
     its own history."""
+    from callbacks.convergence import CONVERGENCE_FILE
+
     step = ckpt.get("global_step")
     where = Path(path)
     run_dir = where.parent.parent if where.parent.name == "checkpoints" else None
@@ -146,6 +145,10 @@ def export(source: str | os.PathLike, out_dir: str | os.PathLike, *, trust_pickl
     """Write the export folder of a run's checkpoint; ValueError for a non-checkpoint, an export, or a full
     ``out_dir`` (all before anything is written). ``trust_pickle``: unpickle a checkpoint file in full
     (``lightning_modules.checkpoints.load_torch_file``)."""
+    # here, not at the top: `flowlm-export --help` needs neither torch nor Lightning
+    from flowlm.pretrained import export as fmt
+    from lightning_modules.checkpoints import LIVE_KEY, checkpoint_backbone, read_checkpoint
+
     path = checkpoint_of(source)
     ckpt = read_checkpoint(path, trust_pickle=trust_pickle)
     meta = ckpt["flowlm"]

@@ -84,6 +84,18 @@ def make_logger(cfg: DictConfig, run_dir: Path | None) -> MLFlowLogger | None:
     return logger
 
 
+def announce(run_dir: Path | str | None, logger: MLFlowLogger | None) -> None:
+    """Print where a run lives, one line each: its folder (when there is one) and its MLflow run (when tracked), at
+    the start of a training or evaluation and again at its end, so that neither has to be searched for in the log."""
+    if not is_rank_zero():
+        return
+    lines = [f"run folder: {run_dir}"] if run_dir else []
+    if logger is not None and logger.run_id:
+        lines.append(f"MLflow run: {logger.run_id} ({logger._tracking_uri})")
+    if lines:
+        print("\n".join(lines), flush=True)
+
+
 def _end_superseded(client, old: str, new: str) -> None:
     """End the MLflow run of a launch killed before its first checkpoint (left RUNNING: a SIGKILL ends nothing)
     that a launch with other settings replaced; a run that ended (FAILED, KILLED) keeps its status."""

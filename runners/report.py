@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from analysis.report import Report, build_report, log_report
-from analysis.sudoku_tables import build_sudoku_report
 from flowlm.project import CONF_DIR
+from runners.console import console_script
+
+if TYPE_CHECKING:
+    from analysis.report import Report
 
 
 def report(cfg: DictConfig) -> tuple[Report, str | None]:
@@ -19,6 +22,10 @@ def report(cfg: DictConfig) -> tuple[Report, str | None]:
     Returns the report and the MLflow run id holding it (None when not logged). A config with ``results_dir``
     (conf/report_sudoku.yaml) builds the papers' Sudoku tables from the results CSVs there instead.
     """
+    # here, not at the top: MLflow, pandas and matplotlib are not needed for `flowlm-report --help`
+    from analysis.report import build_report, log_report
+    from analysis.sudoku_tables import build_sudoku_report
+
     if cfg.get("results_dir"):
         built = build_sudoku_report(Path(cfg.results_dir).expanduser(), Path(cfg.out).expanduser(), title=cfg.title)
         print(f"Report: {built.markdown} and {built.html.name} ({len(built.data)} CSV files)", flush=True)
@@ -69,6 +76,7 @@ def _flat_tags(tags: dict, prefix: str = "") -> dict[str, str]:
     return flat
 
 
+@console_script
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="report")
 def main(cfg: DictConfig) -> None:
     """Console entry point."""

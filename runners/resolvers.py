@@ -9,13 +9,27 @@ import re
 
 from omegaconf import OmegaConf
 
-from flowlm.tasks.sudoku import SudokuSpec, clues_for
+# Composing any train config evaluates `${flowlm.cpu_precision:}` (OmegaConf dereferences it when trainer=gpu's
+# `precision` is merged over trainer=cpu's), and the answer needs torch: seconds to import. A console script that
+# only shows its config (`--help`, `--cfg` without `--resolve`, `--info`: runners/console.py) turns the query off;
+# the stand-in below is then what the merge sees, never a value a run gets.
+_query_machine = True
+CPU_PRECISION_UNQUERIED = "bf16-mixed or 32-true (the CPU's, decided at launch)"
+
+
+def query_machine(enabled: bool) -> bool:
+    """Whether machine-dependent resolvers (``cpu_precision``) query the machine; returns the previous setting."""
+    global _query_machine
+    previous, _query_machine = _query_machine, enabled
+    return previous
 
 
 def cpu_precision() -> str:
     """The CPU trainer's precision (conf/trainer/cpu.yaml): ``bf16-mixed`` where the CPU computes bf16 natively
     (oneDNN's bf16 kernels: AVX-512 or AMX), else ``32-true`` (torch emulates bf16 products on an AVX2-only CPU:
     docs/performance.md#cpu-precision)."""
+    if not _query_machine:
+        return CPU_PRECISION_UNQUERIED
     import torch  # here, not at the top: `--help` and `--cfg` need no torch
 
     try:
@@ -33,6 +47,8 @@ def short_hash(text: object) -> str:
 def sudoku_table_nfe(conditional: bool, box_rows: int, box_cols: int, difficulty: str | None) -> list[int]:
     """The NFE budgets of the papers' Sudoku tables (docs/results.md): conditional 4 (PR's R = 4, N = 1) and the
     number of empty cells (full); unconditional 1, 3, 9, 27 and n² (the paper's 1 / 3 / 9 / 27 / 81 on 9×9)."""
+    from flowlm.tasks.sudoku import SudokuSpec, clues_for  # here: the package imports torch (`--help` needs none)
+
     spec = SudokuSpec(int(box_rows), int(box_cols))
     cells = spec.n**2
     if not conditional:
@@ -64,6 +80,18 @@ def run_dir(root: str, name: str, run_name: str) -> str:
     return f"{root}/{name}/{run_name}"
 
 
+NO_SOURCE = "<no source run: this experiment names no `source`; set method.init_from=<ckpt> or method.teacher=<ckpt>>"
+
+
+def source_ckpt(root: str, source: str | None, scale: str, seed: int) -> str:
+    """The checkpoint of the experiment's ``source`` run (same scale and seed), or, without a source, a placeholder
+    that says what to set where a checkpoint reader names the missing file (resolving it raises nothing: every run
+    config is resolved whole, also those that never read it)."""
+    return NO_SOURCE if source in (None, "None", "") else f"{root}/{source}/{scale}/seed{seed}/checkpoints/last.ckpt"
+
+
+# `${flowlm.source_ckpt:...}` in conf/train.yaml: what method.init_from / method.teacher read by default.
+OmegaConf.register_new_resolver("flowlm.source_ckpt", source_ckpt, replace=True)
 # `${flowlm.run_dir:${paths.root},${name},${run_name}}` in conf/paths/default.yaml: the run folder, refused before
 # Hydra creates it (its output folder is the run folder) when the name would leave, nest or hide it.
 OmegaConf.register_new_resolver("flowlm.run_dir", run_dir, replace=True)

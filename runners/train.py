@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
-import lightning as L
-import torch.distributed as dist
-from hydra.utils import instantiate
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import DictConfig, OmegaConf
 
-from callbacks.checkpoint import check_folder
-from callbacks.convergence import Convergence
-from callbacks.progress import progress_callbacks
-from callbacks.sampling_eval import SamplingEvaluation
-from flowlm.pretrained.files import tensors_from_rank_zero
 from flowlm.project import CONF_DIR
-from lightning_modules.vocabulary import check_data_tokens
 from runners.common import (
     build,
     check_arguments,
@@ -31,13 +21,30 @@ from runners.common import (
     resolve_paths,
     write_run_config,
 )
-from runners.mlflow_run import make_logger, record_error
-from runners.objectives import check_objectives
-from runners.trial import run_trial
+from runners.console import console_script, log_lightning_once
+
+if TYPE_CHECKING:
+    from callbacks.sampling_eval import SamplingEvaluation
 
 
 def train(cfg: DictConfig) -> dict:
     """Build data, model, evaluation and trainer from ``cfg``; fit (or resume); evaluate; return the results."""
+    # Lightning, torch and what builds on them are imported here, not at the top: `flowlm-train --help` (and --cfg,
+    # --info) answer without them (tests/test_first_hour.py).
+    import lightning as L
+    import torch.distributed as dist
+    from hydra.utils import instantiate
+    from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    from callbacks.checkpoint import check_folder
+    from callbacks.progress import progress_callbacks
+    from flowlm.pretrained.files import tensors_from_rank_zero
+    from lightning_modules.vocabulary import check_data_tokens
+    from runners.mlflow_run import announce, make_logger, record_error
+    from runners.objectives import check_objectives
+
+    log_lightning_once()
     resolve_paths(cfg)
     check_run_name(cfg)
     check_budgets(cfg.eval)
@@ -78,6 +85,7 @@ def train(cfg: DictConfig) -> dict:
     logger = make_logger(cfg, run_dir)
     if logger is not None:
         trainer.loggers = [logger]
+    announce(run_dir, logger)  # where the run lives, at its start and (below) at its end, failed or not
     try:
         result = _fit(cfg, trainer, module, datamodule, evaluation, ckpt_path, logger)
     except BaseException as err:
@@ -86,6 +94,8 @@ def train(cfg: DictConfig) -> dict:
         where = f"{run_dir} at step {trainer.global_step}"
         exit_on_sigterm(err, f"{where}; the same command resumes it from its last checkpoint (afresh without one)")
         raise
+    finally:
+        announce(run_dir, logger)
     if logger is not None and is_rank_zero():
         record_error(logger, None)  # a relaunch that succeeded: the earlier launch's error no longer applies
     if dist.is_available() and dist.is_initialized():
@@ -97,6 +107,8 @@ def train(cfg: DictConfig) -> dict:
 
 def _fit(cfg, trainer, module, datamodule, evaluation, ckpt_path, logger) -> dict:
     """Fit (or resume), evaluate the final weights unless just done, print and log the table; the run's results."""
+    from callbacks.convergence import Convergence
+
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
     evaluated_last_step = evaluation.results and evaluation.results[0]["step"] == trainer.global_step
     if cfg.get("final_eval", True) and not evaluated_last_step:
@@ -145,9 +157,12 @@ def _last_ckpt(run_dir: Path) -> Path | None:
     return last if last.exists() else None
 
 
+@console_script
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
 def main(cfg: DictConfig) -> float | list[float] | None:
     """Console entry point; in a sweep, returns the trial's objective(s) to the sweeper."""
+    from runners.trial import run_trial
+
     return run_trial(train, cfg)
 
 

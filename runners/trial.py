@@ -9,6 +9,7 @@ runners/mlflow_run.py, documented in docs/sweeps.md, read by ``analysis/``); a f
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import uuid
@@ -22,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from flowlm.experiment_kind import mark_model_training
 from runners.common import release_run_dir
+from runners.console import quiet_library_notices
 from runners.mlflow_run import ERROR_TAG, MAX_VALUE, end_with_error, run_tags, trial_params
 from runners.objectives import ObjectiveError, objective_keys, objective_values, parse_key
 
@@ -35,8 +37,10 @@ def run_trial(task: Callable[[DictConfig], dict], cfg: DictConfig) -> float | li
     sweeper optimises; None without one. With ``sweep.continue_on_error`` a failing trial is marked FAILED in
     MLflow and returns None, which hydra-optuna-sweeper records as a failed trial; either sweeper goes on, and the
     multirun exits with status 1 at its end (``SweepCallback``).
-    A wrong ``optimized_metric`` is the sweep's mistake, not the trial's: it stops the sweep.
+    A wrong ``optimized_metric`` is the sweep's mistake, not the trial's: it stops the sweep. Each trial notes its
+    outcome (objective values, or its error) for the multirun's summary line (``SweepCallback``).
     """
+    quiet_library_notices()  # again here: a trial may run in a process of its own (joblib, submitit)
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN:
         try:
@@ -60,6 +64,7 @@ def run_trial(task: Callable[[DictConfig], dict], cfg: DictConfig) -> float | li
     finally:
         _release(cfg)
     record_success(cfg, result.get("mlflow_run_id"), values)
+    _note_success(cfg, values)
     return _returned(values)
 
 
@@ -175,12 +180,22 @@ def record_failure(cfg: DictConfig, err: BaseException) -> None:
         log.exception("could not record the failed trial in MLflow")
 
 
-# The folder where the trials of the running multirun note their failures (set by SweepCallback; inherited by
-# trials in joblib workers and submitit jobs, which run in other processes than the sweep's).
-FAILURES_ENV = "FLOWLM_SWEEP_FAILURES"
+# The folder where the trials of the running multirun note their outcomes (set by SweepCallback; inherited by
+# trials in joblib workers and submitit jobs, which run in other processes than the sweep's): a failed trial's
+# error in ``<trial_id>``, a finished trial's number and objective values in ``<trial_id>.done`` (JSON).
+NOTES_ENV = "FLOWLM_SWEEP_NOTES"
+DONE_SUFFIX = ".done"
+
+
+def _note(name: str, text: str) -> None:
+    folder = os.environ.get(NOTES_ENV)
+    if folder:
+        Path(folder, name).write_text(text)
 
 
 def _note_failure(cfg: DictConfig, err: BaseException) -> None:
-    folder = os.environ.get(FAILURES_ENV)
-    if folder:
-        Path(folder, str(cfg.sweep.trial_id)).write_text(f"{type(err).__name__}: {err}"[:MAX_VALUE])
+    _note(str(cfg.sweep.trial_id), f"{type(err).__name__}: {err}"[:MAX_VALUE])
+
+
+def _note_success(cfg: DictConfig, values: Sequence[float]) -> None:
+    _note(f"{cfg.sweep.trial_id}{DONE_SUFFIX}", json.dumps({"trial": int(cfg.sweep.trial), "values": list(values)}))

@@ -1,10 +1,12 @@
 """Test environment: offline Hugging Face, headless matplotlib, runs and caches under a temporary folder, and a
 guard that fails a test which writes into the checkout."""
 
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,6 +33,18 @@ def runs_env(tmp_path, monkeypatch):
     """A test-local runs/data folder."""
     isolate_runs(monkeypatch, tmp_path)
     return tmp_path
+
+
+@contextlib.contextmanager
+def module_runs(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Path]:
+    """For a module-scoped fixture: ``isolate_runs`` under a new folder ``name`` (yielded), undone on leaving."""
+    root = tmp_path_factory.mktemp(name)
+    mp = pytest.MonkeyPatch()
+    isolate_runs(mp, root)
+    try:
+        yield root
+    finally:
+        mp.undo()
 
 
 # ------------------------------------------------------------------ nothing is written into the checkout
@@ -163,6 +177,11 @@ FAST = ["debug=fast"]
 SHORT = ["debug=short"]
 
 
+def cpu_run(experiment: str, *extra: str) -> list[str]:
+    """Overrides of a tiny untracked CPU run of ``experiment`` (FAST, no logger), then ``extra``."""
+    return [f"experiment={experiment}", "scale=cpu", *FAST, "logger=none", *extra]
+
+
 def compose_config(config_name: str = "train", overrides: list[str] | None = None):
     """Compose a config from conf/ exactly as the console scripts would."""
     from hydra import compose, initialize_config_dir
@@ -182,3 +201,24 @@ def random_ar_module(*, vocab: int, seq_len: int, seed: int = 0):
     for p in module.parameters():
         torch.nn.init.normal_(p, std=0.2)
     return module.eval()
+
+
+def gsm8k_datamodule(tmp_path: Path, **options):
+    """``GSM8KDataModule`` on the fixture GSM8K problems (training and evaluation), the shipped tiny tokenizer, L = 256
+    (every example fits), batch 4, its cache under ``tmp_path``; ``options`` add to or replace these."""
+    from fixtures.make_fixtures import HERE, TOKENIZER_DIR
+
+    from datamodules.gsm8k import GSM8KDataModule
+
+    problems = str(HERE / "gsm8k_sample.jsonl")
+    args = {
+        "train_files": problems,
+        "eval_files": problems,
+        "tokenizer": str(TOKENIZER_DIR),
+        "seq_len": 256,
+        "min_response_tokens": 8,
+        "cache_dir": tmp_path / "cache",
+        "batch_size": 4,
+        **options,
+    }
+    return GSM8KDataModule(**args)

@@ -1,13 +1,18 @@
-"""Helpers for tests that run more than one process: the environment of a `flowlm-train` subprocess, a spawn with
-a hang guard, and callbacks that tests add to such a subprocess (``PYTHONPATH`` = the repository root):
+"""Helpers for tests that run more than one process: the environment of a `flowlm-train` subprocess and a wait for
+the flag it writes, a spawn of gloo ranks with a hang guard (and the FSDP2 step every such test compares), and
+callbacks that tests add to such a subprocess (``PYTHONPATH`` = the repository root):
 ``+callbacks.<name>._target_=tests.process_helpers.<Class>``. Nothing here imports ``conftest``, so a subprocess
 can import it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -45,6 +50,91 @@ def spawn_ranks(worker, tmp_path, *, nprocs: int = 2, timeout_s: int = 180, what
     for process in context.processes:
         process.kill()
     pytest.fail(f"{what} hung")
+
+
+def rank_outputs(worker, tmp_path, *, nprocs: int = 2, **spawn) -> list[str]:
+    """``spawn_ranks(worker, tmp_path, ...)``, then the text each rank r wrote to ``<tmp_path>/rank<r>``."""
+    spawn_ranks(worker, tmp_path, nprocs=nprocs, **spawn)
+    return [(tmp_path / f"rank{rank}").read_text() for rank in range(nprocs)]
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, init_file: str, world_size: int = 2) -> Iterator[None]:
+    """Inside: this process (one thread) is rank ``rank`` of a gloo group. Leaving without an error passes a barrier
+    first, so no rank tears gloo down while another still has collectives in flight."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def tiny_adapter_holder() -> torch.nn.Module:
+    """A module holding an adapted tiny random Llama MDM (trainable parts perturbed off zero), seeded."""
+    from flowlm.backbones.llama import BidirectionalLM, LlamaAdaLNAdapter
+
+    torch.manual_seed(0)
+    base = BidirectionalLM(embed_rows=65, head_rows=64, mask_id=64, hidden_size=32, n_layers=2, n_heads=4,
+                           n_kv_heads=2, intermediate_size=48)  # fmt: skip
+    holder = torch.nn.Module()
+    holder.net = LlamaAdaLNAdapter(base, cond_dim=16, lora_rank=4)
+    with torch.no_grad():
+        for p in holder.net.parameters():
+            if p.requires_grad:
+                p.normal_(std=0.05)
+    return holder
+
+
+def sgd_step(holder, ids, targets, times):
+    """One SGD step on the mean cross-entropy; returns the logits before it."""
+    params = [p for p in holder.parameters() if p.requires_grad]
+    logits = holder.net(ids, times)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    torch.optim.SGD(params, lr=0.5).step()
+    return logits.detach()
+
+
+def sharded_step_error(rank: int, prepare: Callable[[torch.nn.Module], None] | None = None) -> tuple[float, int]:
+    """Rank r of 2 (inside ``gloo_rank``): FSDP2 over the decoder layers and the adapter of ``tiny_adapter_holder``
+    (``prepare(holder)`` first), one step on its half of the batch, compared with the unsharded model on the whole
+    batch (the gradient mean over ranks = the full batch's). Returns max |Δ| over the logits and the trained
+    weights, and how many trained parameters are DTensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from lightning_modules.sharding import shard
+
+    holder, reference = tiny_adapter_holder(), tiny_adapter_holder()
+    gen = torch.Generator().manual_seed(3)
+    ids, targets = torch.randint(0, 65, (4, 9), generator=gen), torch.randint(0, 64, (4, 9), generator=gen)
+    times = torch.rand(4, generator=gen)
+    if prepare is not None:
+        prepare(holder)
+    assert shard(holder, init_device_mesh("cpu", (2,)))
+    rows = slice(2 * rank, 2 * rank + 2)
+    local = sgd_step(holder, ids[rows], targets[rows], times[rows])
+    full = sgd_step(reference, ids, targets, times)
+    want = dict(reference.named_parameters())
+    diffs = [(local - full[rows]).abs().max().item()]
+    n_dtensor = 0
+    for name, p in holder.named_parameters():
+        if p.requires_grad:
+            n_dtensor += isinstance(p, DTensor)
+            value = p.full_tensor() if isinstance(p, DTensor) else p
+            diffs.append((value - want[name]).abs().max().item())
+    return max(diffs), n_dtensor
+
+
+def wait_for_flag(proc: subprocess.Popen, flag: Path, *, timeout_s: float, poll_s: float, never: str) -> None:
+    """Wait until ``proc`` writes ``flag``; fail with its output if it exits first, or with ``never`` after
+    ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not flag.exists():
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        assert time.monotonic() < deadline, never
+        time.sleep(poll_s)
 
 
 class KillAtStep(Callback):

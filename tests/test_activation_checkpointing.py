@@ -10,7 +10,7 @@ import torch
 from lightning_modules.mdm import MDMModule
 from lightning_modules.mlfm import MLFMModule
 from lightning_modules.sharding import checkpoint_activations
-from tests.process_helpers import spawn_ranks
+from tests.process_helpers import gloo_rank, rank_outputs, sharded_step_error
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32 on CPU: the recomputed forward runs the same kernels, so ~bit-equal
 
@@ -112,42 +112,18 @@ def test_nothing_to_checkpoint_is_refused():
 def _fsdp_ac_worker(rank: int, init_file: str, out_dir: str) -> None:
     """Rank r of 2: activation checkpointing, then FSDP2 over the decoder layers and the adapter, its half of the
     batch, one SGD step; compared with the plain unsharded model on the whole batch."""
-    import torch.distributed as dist
-    from test_pretrained_llama_family import _fsdp_step, _tiny_adapter_holder
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
 
-    from lightning_modules.sharding import shard
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        holder, reference = _tiny_adapter_holder(), _tiny_adapter_holder()
-        gen = torch.Generator().manual_seed(3)
-        ids, targets = torch.randint(0, 65, (4, 9), generator=gen), torch.randint(0, 64, (4, 9), generator=gen)
-        times = torch.rand(4, generator=gen)
+    def checkpointed(holder: torch.nn.Module) -> None:
         assert checkpoint_activations(holder) == 2  # before sharding, as configure_model does
-        assert shard(holder, init_device_mesh("cpu", (2,)))
-        rows = slice(2 * rank, 2 * rank + 2)
-        local = _fsdp_step(holder, ids[rows], targets[rows], times[rows])
-        full = _fsdp_step(reference, ids, targets, times)
-        want = dict(reference.named_parameters())
-        diffs = [(local - full[rows]).abs().max().item()]
-        for name, p in holder.named_parameters():
-            if p.requires_grad:
-                value = p.full_tensor() if isinstance(p, DTensor) else p
-                diffs.append((value - want[name]).abs().max().item())
-        (Path(out_dir) / f"rank{rank}").write_text(f"{max(diffs):.3e}")
-        dist.barrier()  # no rank tears gloo down while the other still has collectives in flight
-    finally:
-        dist.destroy_process_group()
+
+    with gloo_rank(rank, init_file):
+        diff, _ = sharded_step_error(rank, prepare=checkpointed)
+        (Path(out_dir) / f"rank{rank}").write_text(f"{diff:.3e}")
 
 
 @pytest.mark.slow
 def test_checkpointing_under_fsdp2_on_two_cpu_processes_trains_like_one_plain_process(tmp_path):
-    spawn_ranks(
-        _fsdp_ac_worker, tmp_path, timeout_s=180, what="FSDP2 ranks"
-    )  # a hang fails the test instead of blocking it
-    for rank in (0, 1):
-        diff = float((tmp_path / f"rank{rank}").read_text())
+    # a hang fails the test instead of blocking it
+    for rank, out in enumerate(rank_outputs(_fsdp_ac_worker, tmp_path, timeout_s=180, what="FSDP2 ranks")):
+        diff = float(out)
         assert diff < 1e-5, (rank, diff)

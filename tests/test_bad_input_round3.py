@@ -23,8 +23,8 @@ from lightning_modules.checkpoints import verify_checkpoint
 from runners.common import SIGTERM_STATUS, check_run_name
 from runners.evaluate import evaluate
 from runners.train import train
-from tests.conftest import FAST, compose_config, isolate_runs
-from tests.process_helpers import subprocess_env
+from tests.conftest import FAST, compose_config, module_runs
+from tests.process_helpers import subprocess_env, wait_for_flag
 from tests.test_sampler_contract import FREE, SAMPLER_YAMLS, Counted, _run, _sampler
 
 BIN = Path(sys.executable).parent
@@ -44,9 +44,7 @@ def _eval(ckpt: Path, *overrides: str):
 @pytest.fixture(scope="module")
 def step2_ckpt(tmp_path_factory) -> Path:
     """last.ckpt of a 2-step run (its own runs folder)."""
-    root = tmp_path_factory.mktemp("trained")
-    with pytest.MonkeyPatch.context() as mp:
-        isolate_runs(mp, root)
+    with module_runs(tmp_path_factory, "trained"):
         result = train(compose_config(overrides=[*RUN, "logger=none"]))
     assert result["global_step"] == 2
     return Path(result["run_dir"]) / "checkpoints" / "last.ckpt"
@@ -91,11 +89,7 @@ def test_sigterm_ends_a_training_with_status_143_and_keeps_its_checkpoint(runs_e
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 180
-        while not flag.exists():
-            assert proc.poll() is None, proc.communicate()[0][-4000:]
-            assert time.monotonic() < deadline, "the run never reached step 3"
-            time.sleep(0.1)
+        wait_for_flag(proc, flag, timeout_s=180, poll_s=0.1, never="the run never reached step 3")
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=120)[0]
     finally:

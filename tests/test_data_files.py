@@ -11,11 +11,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import FAST, compose_config
+from conftest import FAST, compose_config, gsm8k_datamodule
 from fixtures.make_fixtures import HERE, TOKENIZER_DIR
 from omegaconf import OmegaConf
 
-from datamodules.gsm8k import GSM8KDataModule
 from datamodules.text import TextDataModule
 from datamodules.token_cache import TokenCacheDataModule
 from flowlm.tasks.files import DataFileError
@@ -146,14 +145,6 @@ def test_a_good_file_still_loads(tmp_path):
 def test_a_bad_gsm8k_eval_file_is_found_before_the_training_split_is_tokenised(tmp_path, no_tokenising):
     bad = tmp_path / "eval.jsonl"
     bad.write_bytes(GSM8K.read_bytes().splitlines(keepends=True)[0] + b'{"question": 3}\n')
-    dm = GSM8KDataModule(
-        train_files=str(GSM8K),
-        eval_files=str(bad),
-        tokenizer=str(TOKENIZER_DIR),
-        seq_len=256,
-        min_response_tokens=8,
-        cache_dir=tmp_path / "cache",
-        batch_size=4,
-    )
+    dm = gsm8k_datamodule(tmp_path, eval_files=str(bad))
     with pytest.raises(DataFileError, match=r"eval\.jsonl: line 2: field 'question' is of type int, not a string"):
         dm.prepare_data()

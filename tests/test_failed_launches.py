@@ -20,7 +20,7 @@ from lightning_modules.mdm import MDMModule
 from runners.common import RUN_CONFIG
 from runners.evaluate import evaluate
 from runners.train import train
-from runners.trial import FAILURES_ENV, _note_failure
+from runners.trial import NOTES_ENV, _note_failure
 from sweeps.multirun import SweepCallback
 
 RUN = ["experiment=sudoku_mdm_uncond", "scale=cpu", *FAST]
@@ -46,7 +46,7 @@ def test_a_missing_data_file_writes_nothing_and_the_fixed_command_runs(runs_env)
     with pytest.raises(FileNotFoundError, match="nothing matches /nonexistent.jsonl"):
         train(compose_config(overrides=[*TEXT, "data.files=/nonexistent.jsonl"]))
     assert not (runs_env / "runs").exists()  # was: run_config.yaml with data.files, refusing the fixed command
-    result = train(compose_config(overrides=[*TEXT, "data.files=tests/fixtures/tinystories_sample.jsonl"]))
+    result = train(compose_config(overrides=[*TEXT, "data.files=data/cpu/tinystories_sample.jsonl"]))
     assert result["global_step"] == 2
 
 
@@ -224,13 +224,13 @@ def _sweep_config(root: Path):
 
 
 def test_a_sweep_with_a_failed_trial_exits_non_zero_after_all_trials(tmp_path, monkeypatch):
-    monkeypatch.setenv(FAILURES_ENV, "")  # restored after the test, whatever happens in it
+    monkeypatch.setenv(NOTES_ENV, "")  # restored after the test, whatever happens in it
     callback = SweepCallback()
     callback.on_multirun_start(_sweep_config(tmp_path))
     _note_failure(OmegaConf.create({"sweep": {"trial_id": "trial-abc"}}), ValueError("bad threshold"))
     with pytest.raises(SystemExit, match=r"sweep s: 1 trial\(s\) failed.*\n  trial-abc: ValueError: bad threshold"):
         callback.on_multirun_end(_sweep_config(tmp_path))
-    assert not list(tmp_path.glob(".failed-*"))  # its notes are removed
+    assert not list(tmp_path.glob(".trials-*"))  # its notes are removed
 
     callback.on_multirun_start(_sweep_config(tmp_path))  # a relaunch: the earlier launch's failures are not its own
     callback.on_multirun_end(_sweep_config(tmp_path))

@@ -13,7 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from tests.process_helpers import spawn_ranks, subprocess_env
+from tests.process_helpers import gloo_rank, rank_outputs, subprocess_env
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,15 +141,12 @@ def test_compile_is_in_place_and_idempotent():
 
 def _unequal_forwards(rank: int, init_file: str, out_dir: str) -> None:
     """Worker of the test below: 1 or 3 evaluation forwards per rank inside full_parameters, then a training step."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     from lightning_modules.sharding import full_parameters
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, init_file):
         torch.manual_seed(0)  # the same initial weights on both ranks, and in the unsharded reference
         module, reference = _tiny_mdm(), _tiny_mdm()
         reference.load_state_dict(module.state_dict())
@@ -162,17 +159,12 @@ def _unequal_forwards(rank: int, init_file: str, out_dir: str) -> None:
         module(x, t).sum().backward()  # training works again: every unit resharded, hooks intact
         sharded = isinstance(module.net.embed.weight, DTensor) and module.net.embed.weight.grad is not None
         Path(out_dir, f"rank{rank}").write_text(f"{equal} {sharded}")
-        dist.barrier()  # no rank tears gloo down while the other still has collectives in flight
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_ranks_may_run_different_numbers_of_forwards_inside_full_parameters(tmp_path):
-    spawn_ranks(
-        _unequal_forwards, tmp_path, timeout_s=120, what="ranks with different numbers of forwards"
-    )  # a hang fails the test instead of blocking it
-    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["True True"] * 2
+    what = "ranks with different numbers of forwards"  # a hang fails the test instead of blocking it
+    assert rank_outputs(_unequal_forwards, tmp_path, timeout_s=120, what=what) == ["True True"] * 2
 
 
 # ------------------------------------------------------------------------ sharded checkpoint folders
@@ -315,7 +307,7 @@ def test_fmlm_plus_on_a_pretrained_llama_trains_under_fsdp2_while_ranks_draw_dif
     cmd = [str(BIN / "flowlm-train"), "experiment=tinygsm_fmlm_plus_init_llada", "scale=cpu", "debug=short"]
     cmd += ["data.batch_size=4", "micro_batch_size=1", "activation_checkpointing=true", "eval.max_batches=1"]
     cmd += ["data.num_workers=0", "data.num_proc=null", "data.seq_len=256", "data.min_response_tokens=16"]
-    cmd += ["data.train_files=tests/fixtures/tinygsm_sample.jsonl", "data.eval_files=tests/fixtures/gsm8k_sample.jsonl"]
+    cmd += ["data.train_files=data/cpu/tinygsm_sample.jsonl", "data.eval_files=data/cpu/gsm8k_sample.jsonl"]
     cmd += [*FSDP2_CPU, "trainer.max_steps=2", "trainer.enable_progress_bar=false"]
     proc = subprocess.Popen(
         cmd, env=subprocess_env(tmp_path), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -249,7 +249,7 @@ def test_mdm_loss_never_masks_what_a_shifted_model_cannot_predict(layout, scored
 
 def test_flowlm_eval_checks_the_data_tokens_before_compute(mdm_run, monkeypatch):
     """flowlm-eval runs lightning_modules.vocabulary.check_data_tokens on the loaded module before any sampling."""
-    import runners.evaluate
+    import lightning_modules.vocabulary
 
     _, ckpt = mdm_run
     seen = []
@@ -258,7 +258,8 @@ def test_flowlm_eval_checks_the_data_tokens_before_compute(mdm_run, monkeypatch)
         seen.append(module)
         raise ValueError("checked")
 
-    monkeypatch.setattr(runners.evaluate, "check_data_tokens", refuse)
+    # evaluate() imports it when it runs (the entry module stays light: tests/test_first_hour.py)
+    monkeypatch.setattr(lightning_modules.vocabulary, "check_data_tokens", refuse)
     with pytest.raises(ValueError, match="checked"):
         evaluate(compose_config("eval", overrides=[f"ckpt_path={ckpt}", "eval.nfe=[2]", "logger=none"]))
     assert len(seen) == 1 and isinstance(seen[0], MDMModule)

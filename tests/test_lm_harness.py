@@ -35,7 +35,7 @@ from runners import lm_harness
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "tests" / "fixtures" / "lm_eval"
-TOKENIZER = "tests/fixtures/tiny_tokenizer"
+TOKENIZER = "data/cpu/tiny_tokenizer"
 V, L = 513, 64  # the tiny tokenizer's 512 ids + [PAD]; the row length
 BACKBONE = {"d_model": 32, "n_layers": 1, "n_heads": 4, "cond_dim": 16}
 
@@ -468,8 +468,8 @@ def test_a_sampler_of_another_family_is_refused_naming_the_familys_own(checkpoin
 
 
 def test_a_tokenizer_of_another_vocabulary_is_refused(checkpoints):
-    with pytest.raises(ValueError, match="trained on 513 data tokens; tokenizer 'tests/fixtures/tiny_llada'"):
-        lm_harness.FlowLM(checkpoint=str(checkpoints["mdm"]), tokenizer="tests/fixtures/tiny_llada", device="cpu")
+    with pytest.raises(ValueError, match="trained on 513 data tokens; tokenizer 'data/cpu/tiny_llada'"):
+        lm_harness.FlowLM(checkpoint=str(checkpoints["mdm"]), tokenizer="data/cpu/tiny_llada", device="cpu")
 
 
 def test_a_checkpoint_without_a_tokenizer_is_refused(checkpoints):

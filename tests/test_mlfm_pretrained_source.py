@@ -66,10 +66,10 @@ def test_a_random_backbone_without_init_from_warns_that_it_adapts_a_random_mdm()
 
 
 def test_the_shipped_tiny_smdm_file_is_current():
-    """tests/fixtures/tiny_smdm/mdm-tiny.safetensors (scale=cpu of gsm8k_mlfm_smdm) is what make.py writes."""
+    """data/cpu/tiny_smdm/mdm-tiny.safetensors (scale=cpu of gsm8k_mlfm_smdm) is what make.py writes."""
     from fixtures.tiny_smdm.make import PATH, build
     from safetensors.torch import load_file
 
     shipped, fresh = load_file(str(PATH)), build()
-    assert shipped.keys() == fresh.keys(), "stale tests/fixtures/tiny_smdm: run its make.py"
-    assert all(torch.equal(shipped[k], fresh[k]) for k in fresh), "stale tests/fixtures/tiny_smdm: run its make.py"
+    assert shipped.keys() == fresh.keys(), "stale data/cpu/tiny_smdm: run its make.py"
+    assert all(torch.equal(shipped[k], fresh[k]) for k in fresh), "stale data/cpu/tiny_smdm: run its make.py"

@@ -4,12 +4,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures.make_fixtures import HERE, TOKENIZER_DIR
+from conftest import gsm8k_datamodule
+from fixtures.make_fixtures import TOKENIZER_DIR
 
 from datamodules.gsm8k import GSM8KDataModule
 from datamodules.sources import PAD_TOKEN, load_tokenizer
-
-GSM8K = HERE / "gsm8k_sample.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +59,7 @@ def test_a_token_outside_the_vocabulary_is_refused(llama_tok, bad):
 
 def gsm_dm(tmp_path: Path, tokenizer: Path, pad_token: str = "eos") -> GSM8KDataModule:
     """The fixture GSM8K problems, L = 256 (every example fits)."""
-    return GSM8KDataModule(
-        train_files=str(GSM8K),
-        eval_files=str(GSM8K),
-        tokenizer=str(tokenizer),
-        seq_len=256,
-        min_response_tokens=8,
-        cache_dir=tmp_path / "cache",
-        batch_size=4,
-        num_proc=1,
-        pad_token=pad_token,
-    )
+    return gsm8k_datamodule(tmp_path, tokenizer=str(tokenizer), num_proc=1, pad_token=pad_token)
 
 
 def test_gsm8k_rows_pad_with_eos_and_mask_stays_at_vocab_size(tmp_path):

@@ -21,7 +21,7 @@ from flowlm.pretrained.files import resolve_source
 from flowlm.pretrained.llada import LLADA_8B, load_llada
 from flowlm.pretrained.smdm import load_smdm
 from flowlm.samplers import ConfidenceSampler, SemiARConfidenceSampler
-from tests.process_helpers import spawn_ranks
+from tests.process_helpers import gloo_rank, rank_outputs, sharded_step_error
 
 TOL = 1e-4
 D, LAYERS, HEADS, INTER = 32, 2, 4, 48
@@ -35,6 +35,7 @@ def _reference(arch: str, vocab: int, kv_heads: int, theta: float, eps: float, d
         vocab_size=vocab,
         hidden_size=d,
         intermediate_size=inter,
+        hidden_act="silu",  # what BidirectionalLM states (transformers' default)
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
         num_key_value_heads=kv_heads,
@@ -345,14 +346,9 @@ def test_confidence_samplers_run_on_the_loaded_model_and_keep_the_prompt(llada_m
         (ConfidenceSampler(temperature=temperature, score="sampled"), 5),
         (SemiARConfidenceSampler(block_length=4, temperature=temperature), 6),
     ):
+        gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
-            out = sampler(
-                llada_model.denoiser(),
-                prompt=prompt,
-                prompt_mask=prompt_mask,
-                nfe=nfe,
-                generator=torch.Generator().manual_seed(0),
-            )
+            out = sampler(llada_model.denoiser(), prompt=prompt, prompt_mask=prompt_mask, nfe=nfe, generator=gen)
         assert torch.equal(out.tokens[prompt_mask], prompt[prompt_mask])
         assert not (out.tokens == llada_model.mask_id).any()  # [MASK] is inside LLaDA's vocabulary: never proposed
         assert out.nfe == nfe and bool(((out.confidence >= 0) & (out.confidence <= 1)).all())
@@ -478,72 +474,19 @@ def test_backbone_configs_build_or_fail_offline_saying_how_to_provide_the_source
 
 
 # ------------------------------------------------------------------------------------------------------ FSDP2
-def _tiny_adapter_holder():
-    """A module holding an adapted tiny random Llama MDM (trainable parts perturbed off zero), seeded."""
-    from flowlm.backbones.llama import LlamaAdaLNAdapter
-
-    torch.manual_seed(0)
-    base = BidirectionalLM(embed_rows=65, head_rows=64, mask_id=64, hidden_size=D, n_layers=LAYERS, n_heads=HEADS,
-                           n_kv_heads=2, intermediate_size=INTER)  # fmt: skip
-    holder = torch.nn.Module()
-    holder.net = LlamaAdaLNAdapter(base, cond_dim=16, lora_rank=4)
-    with torch.no_grad():
-        for p in holder.net.parameters():
-            if p.requires_grad:
-                p.normal_(std=0.05)
-    return holder
-
-
-def _fsdp_step(holder, ids, targets, times):
-    """One SGD step on the mean cross-entropy; returns the logits before it."""
-    params = [p for p in holder.parameters() if p.requires_grad]
-    logits = holder.net(ids, times)
-    torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
-    torch.optim.SGD(params, lr=0.5).step()
-    return logits.detach()
-
-
 def _fsdp_worker(rank: int, init_file: str, out_dir: str) -> None:
     """Rank r of 2: FSDP2 over the decoder layers and the adapter, its half of the batch, one step; compared with
     the unsharded model on the whole batch (the gradient mean over ranks = the full batch's)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-
-    from lightning_modules.sharding import shard
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        holder, reference = _tiny_adapter_holder(), _tiny_adapter_holder()
-        gen = torch.Generator().manual_seed(3)
-        ids, targets = torch.randint(0, 65, (4, 9), generator=gen), torch.randint(0, 64, (4, 9), generator=gen)
-        times = torch.rand(4, generator=gen)
-        assert shard(holder, init_device_mesh("cpu", (2,)))
-        rows = slice(2 * rank, 2 * rank + 2)
-        local = _fsdp_step(holder, ids[rows], targets[rows], times[rows])
-        full = _fsdp_step(reference, ids, targets, times)
-        want = dict(reference.named_parameters())
-        diffs = [(local - full[rows]).abs().max().item()]
-        n_dtensor = 0
-        for name, p in holder.named_parameters():
-            if p.requires_grad:
-                n_dtensor += isinstance(p, DTensor)
-                value = p.full_tensor() if isinstance(p, DTensor) else p
-                diffs.append((value - want[name]).abs().max().item())
-        Path(out_dir, f"rank{rank}").write_text(f"{max(diffs):.3e} {n_dtensor}")
-        dist.barrier()  # no rank tears gloo down while the other still has collectives in flight
-    finally:
-        dist.destroy_process_group()
+    with gloo_rank(rank, init_file):
+        diff, n_dtensor = sharded_step_error(rank)
+        Path(out_dir, f"rank{rank}").write_text(f"{diff:.3e} {n_dtensor}")
 
 
 @pytest.mark.slow
 def test_fsdp2_on_two_cpu_processes_trains_the_adapted_llama_like_one_process(tmp_path):
-    spawn_ranks(
-        _fsdp_worker, tmp_path, timeout_s=180, what="FSDP2 ranks"
-    )  # a hang fails the test instead of blocking it
-    for rank in (0, 1):
-        diff, n_dtensor = (tmp_path / f"rank{rank}").read_text().split()
+    # a hang fails the test instead of blocking it
+    for rank, out in enumerate(rank_outputs(_fsdp_worker, tmp_path, timeout_s=180, what="FSDP2 ranks")):
+        diff, n_dtensor = out.split()
         assert float(diff) < 1e-5 and int(n_dtensor) > 0, (rank, diff, n_dtensor)
 
 
@@ -625,16 +568,13 @@ def test_a_deferred_load_reads_no_data_but_checks_the_files(tmp_path, monkeypatc
 def _broadcast_worker(rank: int, init_file: str, out_dir: str) -> None:
     """Rank 0 loads the tiny LLaDA; rank 1 builds it on the meta device (no data read); after ``shard`` both hold
     rank 0's weights and buffers, and the sharded forward gives the unsharded model's logits."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     from flowlm.pretrained.files import tensors_from_rank_zero
     from lightning_modules.sharding import shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
+    with gloo_rank(rank, init_file):
         folder = Path(out_dir, "llada")
         reference = load_llada(folder, dtype="float32")
         with tensors_from_rank_zero(rank != 0):
@@ -652,17 +592,13 @@ def _broadcast_worker(rank: int, init_file: str, out_dir: str) -> None:
         with torch.no_grad():
             diffs.append((holder.net(ids) - reference(ids)).abs().max().item())
         Path(out_dir, f"rank{rank}").write_text(f"{max(diffs):.3e} {n_dtensor} {int(meta_before)}")
-        dist.barrier()  # no rank tears gloo down while the other still has collectives in flight
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_fsdp2_rank_one_gets_rank_zeros_weights_without_reading_the_source(tmp_path):
     _write_llada(tmp_path / "llada", _reference("llama", 64, 2, 5e5, 1e-5), _llada_config(64, D, INTER, 2))
-    spawn_ranks(_broadcast_worker, tmp_path, timeout_s=180, what="FSDP2 broadcast ranks")
-    for rank in (0, 1):
-        diff, n_dtensor, meta_before = (tmp_path / f"rank{rank}").read_text().split()
+    for rank, out in enumerate(rank_outputs(_broadcast_worker, tmp_path, timeout_s=180, what="FSDP2 broadcast ranks")):
+        diff, n_dtensor, meta_before = out.split()
         assert float(diff) == 0.0 and int(n_dtensor) > 0 and int(meta_before) == (rank == 1), (rank, diff)
 
 
@@ -698,7 +634,7 @@ def test_a_hub_name_in_the_cache_loads_from_its_snapshot(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("name", "ids"), [("llada", (515, 528, 513, 512)), ("dream", (516, 528, 515, 514))])
 def test_the_shipped_tiny_folders_are_current_and_laid_out_as_the_released_ones(tmp_path, name, ids):
-    """tests/fixtures/tiny_{llada,dream} (scale=cpu of tinygsm_fmlm_plus_init_{llada,dream}) are what
+    """data/cpu/tiny_{llada,dream} (scale=cpu of tinygsm_fmlm_plus_init_{llada,dream}) are what
     tests/fixtures/tiny_llama_family.py writes, file for file; through the loader and the data's tokenizer code they
     have the released layout: the special tokens after the text ids, [MASK] the tokenizer's own (LLaDA's found by
     name, Dream's named), PAD = EOS, a head padded beyond the tokenizer."""

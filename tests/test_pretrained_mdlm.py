@@ -279,21 +279,20 @@ def test_pad_row_for_the_suites_gpt2_data(tmp_path):
     torch.testing.assert_close(out[..., keep].log_softmax(-1), out.log_softmax(-1)[..., keep], atol=1e-6, rtol=0)
 
 
+def _fit_started(cls, **sources):
+    """A ``cls`` module on the MDLM-shaped DiT with its pretrained ``sources``, checked and read as at fit start."""
+    module = cls(data_vocab_size=DATA, seq_len=L, backbone=BACKBONE, optim={}, **sources)
+    module.validate_inputs()
+    module.on_fit_start()
+    return module
+
+
 def test_fmlm_plus_init_from_mdlm_computes_mdlms_logits_at_time_zero(tmp_path):
     """FMLM+ initialised from MDLM (``method.init_from``, zero_t_embedding): at s = t = 0, on one-hot inputs, the
     student's logits are MDLM's over the data tokens ([MASK] row dropped)."""
     state = mdlm_tensors(4)
     write_hf_folder(tmp_path / "mdlm", state)
-    flow = FMLMPlusModule(
-        data_vocab_size=DATA,
-        seq_len=L,
-        backbone=BACKBONE,
-        optim={},
-        init_from=str(tmp_path / "mdlm"),
-        zero_t_embedding=True,
-    )
-    flow.validate_inputs()
-    flow.on_fit_start()
+    flow = _fit_started(FMLMPlusModule, init_from=str(tmp_path / "mdlm"), zero_t_embedding=True)
     flow.eval()
     assert flow.init_report["sliced"] == ["embed.weight", "final.linear.weight", "final.linear.bias"]
     x = ids(4).clamp(max=DATA - 1)  # data tokens (a flow state never holds [MASK])
@@ -306,16 +305,7 @@ def test_fmlm_plus_teacher_from_mdlm(tmp_path):
     """The frozen MDM teacher of a distilled FMLM+ (``method.teacher``) read from MDLM's .ckpt: MDLM's EMA logits."""
     live, ema = mdlm_tensors(5), mdlm_tensors(6)
     write_lightning_ckpt(tmp_path / "mdlm.ckpt", live, ema)
-    flow = FMLMPlusModule(
-        data_vocab_size=DATA,
-        seq_len=L,
-        backbone=BACKBONE,
-        optim={},
-        teacher=str(tmp_path / "mdlm.ckpt"),
-        shares={"distill": 0.25},
-    )
-    flow.validate_inputs()
-    flow.on_fit_start()
+    flow = _fit_started(FMLMPlusModule, teacher=str(tmp_path / "mdlm.ckpt"), shares={"distill": 0.25})
     teachers = flow.teachers()
     assert teachers["mask_id"] == DATA
     x = ids(5)
@@ -329,9 +319,7 @@ def test_mlfm_adapter_from_mdlm_computes_mdlms_logits_at_init(tmp_path):
     tokens are MDLM's (MLFM's identity at init, methods.md §6)."""
     state = mdlm_tensors(7)
     write_hf_folder(tmp_path / "mdlm", state)
-    module = MLFMModule(data_vocab_size=DATA, seq_len=L, backbone=BACKBONE, optim={}, init_from=str(tmp_path / "mdlm"))
-    module.validate_inputs()
-    module.on_fit_start()
+    module = _fit_started(MLFMModule, init_from=str(tmp_path / "mdlm"))
     module.eval()
     x = ids(7)
     ref = mdlm_reference(state, x)
@@ -441,7 +429,7 @@ def test_flowlm_eval_scores_an_mdlm_folder_on_the_suites_text_data(tmp_path, run
         f"ckpt_path={tmp_path / 'mdlm'}",
         "data=tiny_owt",
         "eval=text_mdm",
-        "eval.metric.evaluator=tests/fixtures/tiny_evaluator",
+        "eval.metric.evaluator=data/cpu/tiny_evaluator",
         "eval.nfe=[4]",
         "eval.max_batches=1",
         "data.batch_size=4",
@@ -453,7 +441,7 @@ def test_flowlm_eval_scores_an_mdlm_folder_on_the_suites_text_data(tmp_path, run
 
 
 def test_the_shipped_tiny_mdlm_folder_is_current_and_reads_as_at_paper_scale():
-    """tests/fixtures/tiny_mdlm (scale=cpu of owt_fmlm_plus_init_mdlm / owt_mlfm_mdlm) is what its make.py writes; it
+    """data/cpu/tiny_mdlm (scale=cpu of owt_fmlm_plus_init_mdlm / owt_mlfm_mdlm) is what its make.py writes; it
     resolves and loads through the suite's reader for the run's data (the tiny tokenizer's 512 ids + the [PAD] the
     suite adds = 513 data tokens, MDLM's 512 + [MASK]): the PAD row is inserted as for GPT-2 data and MDLM-OWT, the
     logits are MDLM's forward's, and the configured CPU-scale backbone is the one the reader builds."""
@@ -464,11 +452,11 @@ def test_the_shipped_tiny_mdlm_folder_is_current_and_reads_as_at_paper_scale():
     from datamodules.sources import load_tokenizer
 
     shipped, fresh = load_file(str(WEIGHTS)), build()
-    assert shipped.keys() == fresh.keys(), "stale tests/fixtures/tiny_mdlm: run its make.py"
-    assert all(torch.equal(shipped[k], fresh[k]) for k in fresh), "stale tests/fixtures/tiny_mdlm: run its make.py"
-    assert json.loads(CONFIG_FILE.read_text()) == CONFIG, "stale tests/fixtures/tiny_mdlm: run its make.py"
+    assert shipped.keys() == fresh.keys(), "stale data/cpu/tiny_mdlm: run its make.py"
+    assert all(torch.equal(shipped[k], fresh[k]) for k in fresh), "stale data/cpu/tiny_mdlm: run its make.py"
+    assert json.loads(CONFIG_FILE.read_text()) == CONFIG, "stale data/cpu/tiny_mdlm: run its make.py"
     assert (CONFIG["hidden_dim"], CONFIG["n_heads"], CONFIG["n_blocks"]) == (D, HEADS, BLOCKS)  # mdlm_reference's
-    tokenizer = load_tokenizer("tests/fixtures/tiny_tokenizer")
+    tokenizer = load_tokenizer("data/cpu/tiny_tokenizer")
     data = len(tokenizer)  # the run's data vocabulary: [PAD] added at 512, MDLM's [MASK] id
     assert data == CONFIG["vocab_size"] == 513 and tokenizer.pad_token_id == 512
     assert resolve_source(str(FOLDER)) == FOLDER

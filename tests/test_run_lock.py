@@ -27,6 +27,7 @@ from runners.common import (
     write_run_config,
 )
 from tests.conftest import FAST, compose_config
+from tests.process_helpers import wait_for_flag
 
 pytest_plugins = ["pytester"]
 
@@ -188,11 +189,7 @@ def test_a_second_flowlm_train_is_refused_and_the_relaunch_after_a_sigkill_resum
     run_dir = runs_env / "runs" / "sudoku_mdm_uncond" / "cpu" / "seed0"
     last = run_dir / "checkpoints" / "last.ckpt"
     try:
-        deadline = time.monotonic() + 300
-        while not flag.exists():
-            assert first.poll() is None, first.communicate()[0][-4000:]
-            assert time.monotonic() < deadline, "the first launch never reached step 3"
-            time.sleep(0.2)
+        wait_for_flag(first, flag, timeout_s=300, poll_s=0.2, never="the first launch never reached step 3")
         saved = last.stat().st_mtime_ns
         second = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=PROJECT_DIR)
         out = second.stdout + second.stderr

@@ -5,7 +5,7 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
-from conftest import FAST, SHORT, compose_config, isolate_runs
+from conftest import FAST, SHORT, compose_config, cpu_run, module_runs
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
@@ -23,11 +23,8 @@ SCALES = sorted(p.stem for p in (Path(CONF_DIR) / "scale").glob("*.yaml"))
 @pytest.fixture(scope="module")
 def shared_runs(tmp_path_factory):
     """One runs/data folder for all experiment configs, so FMLM+ init/distill configs find their MDM."""
-    root = tmp_path_factory.mktemp("experiments")
-    mp = pytest.MonkeyPatch()
-    isolate_runs(mp, root)
-    yield root
-    mp.undo()
+    with module_runs(tmp_path_factory, "experiments") as root:
+        yield root
 
 
 def fast_text(cfg) -> list[str]:
@@ -38,12 +35,12 @@ def fast_text(cfg) -> list[str]:
         "data.num_workers=0",
         "data.num_proc=null",
     ]
-    over += ["backbone=tiny", "eval.metric.evaluator=tests/fixtures/tiny_evaluator", "eval.max_batches=1"]
+    over += ["backbone=tiny", "eval.metric.evaluator=data/cpu/tiny_evaluator", "eval.max_batches=1"]
     if "gsm8k" in cfg.data._target_:
         files = "tinygsm" if cfg.data.response_field == "code" else "gsm8k"
         over += [
-            f"data.train_files=tests/fixtures/{files}_sample.jsonl",
-            "data.eval_files=tests/fixtures/gsm8k_sample.jsonl",
+            f"data.train_files=data/cpu/{files}_sample.jsonl",
+            "data.eval_files=data/cpu/gsm8k_sample.jsonl",
             "data.seq_len=256",
             "data.min_response_tokens=16",
         ]
@@ -52,13 +49,13 @@ def fast_text(cfg) -> list[str]:
         over += ["eval.nfe=[4]"]
         over += [
             "data.name=null",
-            "data.files=tests/fixtures/tinystories_sample.jsonl",
+            "data.files=data/cpu/tinystories_sample.jsonl",
             "data.val_split=null",
             "data.val_last_n=40",
             "data.seq_len=64",
         ]
     loader = str(cfg.backbone.get("_target_", "")).rsplit(".", 1)[-1]
-    tokenizer = "tests/fixtures/tiny_tokenizer"
+    tokenizer = "data/cpu/tiny_tokenizer"
     if loader == "load_smdm":  # a pretrained SMDM: its tiny CPU-scale file
         over += [f"backbone.{k}={v}" for k, v in TINY_SMDM.items()] + ["method.adapter.cond_dim=32"]
     elif loader in TINY_FOLDERS:  # LLaDA / Dream by hub name: their CPU scale's tiny folder, weights and tokenizer
@@ -76,17 +73,17 @@ def fast_text(cfg) -> list[str]:
     return over + [f"data.tokenizer={tokenizer}"]
 
 
-# conf/scale/gsm8k_mlfm_smdm/cpu.yaml's backbone (the shipped tests/fixtures/tiny_smdm file)
+# conf/scale/gsm8k_mlfm_smdm/cpu.yaml's backbone (the shipped data/cpu/tiny_smdm file)
 TINY_SMDM = {
-    "source": "tests/fixtures/tiny_smdm/mdm-tiny.safetensors",
+    "source": "data/cpu/tiny_smdm/mdm-tiny.safetensors",
     "filename": "null",
     "dtype": "null",
     "config": "{n_layer:2,n_head:4,n_embd:32,intermediate_size:64,n_query_groups:2,vocab_size:512,"
     "padding_multiple:64,block_size:1024}",
 }
-# conf/scale/owt_mdlm/cpu.yaml's backbone sizes and init_from (the shipped tests/fixtures/tiny_mdlm folder)
+# conf/scale/owt_mdlm/cpu.yaml's backbone sizes and init_from (the shipped data/cpu/tiny_mdlm folder)
 TINY_MDLM = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "scale" / "owt_mdlm" / "cpu.yaml"))
-# conf/scale/tinygsm_{llada,dream}/cpu.yaml's backbone and tokenizer (the shipped tests/fixtures/tiny_{llada,dream})
+# conf/scale/tinygsm_{llada,dream}/cpu.yaml's backbone and tokenizer (the shipped data/cpu/tiny_{llada,dream})
 TINY_FOLDERS = {
     f"load_{name}": OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / "scale" / f"tinygsm_{name}" / "cpu.yaml"))
     for name in ("llada", "dream")
@@ -101,10 +98,10 @@ def test_every_experiment_runs_fast_dev_run(experiment, scale, shared_runs):
     # Sudoku on the tiny DiT at every scale, as text (fast_text): the paper scale's mini DiT is the same code at
     # another width (built in tests/test_scales.py's compose and the backbone tests); its 2 steps cost 13 s a run
     fast = [*FAST, "backbone=tiny"] if base.data._target_.startswith("datamodules.sudoku") else fast_text(base)
-    if base.method._target_.endswith("ARModule"):  # AR spends one NFE per token: keep its budget (unresolved)
-        nfe = OmegaConf.to_container(base.eval, resolve=False)["nfe"]
+    if base.method._target_.endswith("ARModule"):  # AR spends one NFE per token: keep its budget
+        nfe = list(base.eval.nfe)  # resolved at this experiment's scale (the family's budgets)
         fast = [o for o in fast if not o.startswith("eval.nfe")]
-        fast.append(f"eval.nfe={nfe}" if isinstance(nfe, str) else f"eval.nfe=[{','.join(map(str, nfe))}]")
+        fast.append(f"eval.nfe=[{','.join(map(str, nfe))}]")
     # the CPU's own precision at every scale: the paper scale's bf16-mixed is emulated, ≈ 10× slower, on a CPU
     # without bf16 kernels (docs/performance.md#cpu-precision); the same as before where the CPU has them
     fast = [*fast, f"trainer.precision={cpu_precision()}"]
@@ -124,21 +121,18 @@ def test_every_experiment_runs_fast_dev_run(experiment, scale, shared_runs):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """One short tracked run of the tiny unconditional experiment, shared by the tracking/eval tests."""
-    root = tmp_path_factory.mktemp("tracked")
-    mp = pytest.MonkeyPatch()
-    isolate_runs(mp, root)
-    cfg = compose_config(
-        overrides=[
-            "experiment=sudoku_mdm_uncond",
-            "scale=cpu",
-            *FAST,
-            "trainer.max_steps=4",
-            "trainer.val_check_interval=4",
-        ]
-    )
-    result = train(cfg)
-    yield cfg, result, root
-    mp.undo()
+    with module_runs(tmp_path_factory, "tracked") as root:
+        cfg = compose_config(
+            overrides=[
+                "experiment=sudoku_mdm_uncond",
+                "scale=cpu",
+                *FAST,
+                "trainer.max_steps=4",
+                "trainer.val_check_interval=4",
+            ]
+        )
+        result = train(cfg)
+        yield cfg, result, root
 
 
 def test_mlflow_run_holds_params_metrics_artifacts(trained):
@@ -304,30 +298,17 @@ def test_eval_on_a_user_puzzle_file(runs_env):
 def test_fmlm_plus_refuses_wrong_mdm_sources(trained, runs_env):
     _, result, _ = trained
     mdm_ckpt = Path(result["run_dir"], "checkpoints", "last.ckpt")
-    base = [
-        "experiment=sudoku_fmlm_plus_init_uncond",
-        "scale=cpu",
-        *FAST,
-        "logger=none",
-        f"method.init_from={mdm_ckpt}",
-    ]
+    base = cpu_run("sudoku_fmlm_plus_init_uncond", f"method.init_from={mdm_ckpt}")
     with pytest.raises(ValueError, match="another backbone size"):
         train(compose_config(overrides=[*base, "backbone.d_model=64"]))
-    with pytest.raises(ValueError, match="another backbone size: .*no counterpart here"):  # was: trained on 1 of 4
+    advice = r"another backbone size, a DiT of n_layers=4 \(here n_layers=1\).*backbone=tiny"  # the size first
+    with pytest.raises(ValueError, match=advice):
         train(compose_config(overrides=[*base, "backbone.n_layers=1"]))
     with pytest.raises(ValueError, match="vocabulary of 6 data tokens, this run has 4"):
         train(compose_config(overrides=[*base, "data.box_rows=2", "data.box_cols=2", "data.num_train=64"]))
-    flow = train(
-        compose_config(overrides=["experiment=sudoku_fmlm_plus_scratch_uncond", "scale=cpu", *FAST, "logger=none"])
-    )
+    flow = train(compose_config(overrides=cpu_run("sudoku_fmlm_plus_scratch_uncond")))
     flow_ckpt = Path(flow["run_dir"], "checkpoints", "last.ckpt")
-    distill = [
-        "experiment=sudoku_fmlm_plus_distill_uncond",
-        "scale=cpu",
-        *FAST,
-        "logger=none",
-        f"method.teacher={flow_ckpt}",
-    ]
+    distill = cpu_run("sudoku_fmlm_plus_distill_uncond", f"method.teacher={flow_ckpt}")
     with pytest.raises(ValueError, match="teacher .* is a 'flow' checkpoint, expected a 'mdm' one"):
         train(compose_config(overrides=distill))
     assert not list((runs_env / "runs").glob("sudoku_fmlm_plus_init_uncond/**/checkpoints/*.ckpt"))

@@ -46,13 +46,13 @@ def test_every_experiment_composes_at_every_scale_apart():
             cfg = _composed(experiment, scale)
             assert cfg.name == experiment and cfg.scale.name == scale
             assert OmegaConf.select(cfg, "reference", default="absent") != "absent", f"{experiment}: no reference"
-            if cfg.reference is not None:  # the number the header cites is analysis/reference.yaml's
+            if cfg.reference is not None:  # a row of analysis/reference.yaml, which alone holds the number
                 table = reference_numbers()[cfg.reference.task]
                 ref = (cfg.reference.model, cfg.reference.sampler)
                 rows = [r for r in table["rows"] if (r["model"], r["sampler"]) == ref]
                 assert rows or cfg.reference.nfe is None, f"{experiment}: {cfg.reference} not in reference.yaml"
                 if rows:
-                    assert rows[0]["values"][cfg.reference.nfe] == cfg.reference.value, (experiment, rows[0])
+                    assert cfg.reference.nfe in rows[0]["values"], (experiment, rows[0])
             apart.append((cfg.paths.run_dir, cfg.task, cfg.sweep.name))
             if cfg.source is not None:  # the source MDM's checkpoint, same seed and scale
                 mdm = _composed(cfg.source, scale)

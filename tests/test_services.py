@@ -24,6 +24,7 @@ from mlflow.tracking import MlflowClient
 
 from flowlm.project import PROJECT_DIR
 from tests.conftest import compose_config
+from tests.process_helpers import wait_for_flag
 
 BIN = Path(sys.executable).parent
 SERVER_SCRIPT = PROJECT_DIR / "scripts" / "mlflow_server.sh"
@@ -264,11 +265,7 @@ def test_a_preempted_and_requeued_trial_resumes_its_folder_and_mlflow_run(tmp_pa
         cmd, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
-        deadline = time.monotonic() + 240
-        while not flag.exists():
-            assert proc.poll() is None, proc.communicate()[0][-4000:]
-            assert time.monotonic() < deadline, "the first attempt never reached step 6"
-            time.sleep(0.2)
+        wait_for_flag(proc, flag, timeout_s=240, poll_s=0.2, never="the first attempt never reached step 6")
         (trial_dir,) = (tmp_path / "runs" / "sweeps" / "requeue").glob("trial-*")
         assert torch.load(trial_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
         jobs = []

@@ -11,7 +11,7 @@ from pathlib import Path
 import mlflow
 import optuna
 import pytest
-from conftest import FAST, isolate_runs
+from conftest import FAST, cpu_run, module_runs
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -55,16 +55,11 @@ def sweep_runs(root: Path, sweep: str):
 @pytest.fixture(scope="module")
 def flow_ckpt(tmp_path_factory):
     """A 2-step FMLM+ checkpoint (unconditional 6×6) for the sampling-only sweeps."""
-    root = tmp_path_factory.mktemp("sweeps")
-    mp = pytest.MonkeyPatch()
-    isolate_runs(mp, root)
     from conftest import compose_config
 
-    result = train(
-        compose_config(overrides=["experiment=sudoku_fmlm_plus_scratch_uncond", "scale=cpu", *FAST, "logger=none"])
-    )
-    yield Path(result["run_dir"], "checkpoints", "last.ckpt"), root
-    mp.undo()
+    with module_runs(tmp_path_factory, "sweeps") as root:
+        result = train(compose_config(overrides=cpu_run("sudoku_fmlm_plus_scratch_uncond")))
+        yield Path(result["run_dir"], "checkpoints", "last.ckpt"), root
 
 
 def test_optuna_multi_objective_sweep_over_a_checkpoint(flow_ckpt):

@@ -334,7 +334,7 @@ def test_tinygsm_trains_on_code_and_evaluates_on_gsm8k_gold(tmp_path, tok_dir, t
 
 def test_tiny_data_configs_run_offline_and_shipped_tokenizer_is_current(runs_env, tok_dir, base_size):
     shipped, fresh = (d / "tokenizer.json" for d in (TOKENIZER_DIR, tok_dir))
-    assert shipped.read_text() == fresh.read_text(), "stale tests/fixtures/tiny_tokenizer: run make_fixtures.py"
+    assert shipped.read_text() == fresh.read_text(), "stale data/cpu/tiny_tokenizer: run make_fixtures.py"
     for name, seq_len in (("tiny_tinystories", 128), ("tiny_owt", 64), ("tiny_gsm8k", 256), ("tiny_tinygsm", 256)):
         cfg = compose_config("train", [f"data={name}"])
         dm = instantiate(cfg.data)

@@ -203,6 +203,7 @@ def test_the_entry_points_run_the_check_before_compute(monkeypatch, tmp_path, sm
     """flowlm-train calls check_data_tokens right after building the module (nothing written yet)."""
     from conftest import FAST, compose_config, isolate_runs
 
+    import lightning_modules.vocabulary
     import runners.train
 
     isolate_runs(monkeypatch, tmp_path)
@@ -212,7 +213,8 @@ def test_the_entry_points_run_the_check_before_compute(monkeypatch, tmp_path, sm
         seen.append((datamodule, module))
         raise ValueError("checked")
 
-    monkeypatch.setattr(runners.train, "check_data_tokens", refuse)
+    # train() imports it when it runs (the entry module stays light: tests/test_first_hour.py)
+    monkeypatch.setattr(lightning_modules.vocabulary, "check_data_tokens", refuse)
     llama = ["backbone=llama/tiny", "backbone.embed_rows=10", "backbone.head_rows=9", "backbone.mask_id=9"]
     with pytest.raises(ValueError, match="checked"):
         runners.train.train(compose_config(overrides=["experiment=sudoku_mdm_easy", "scale=cpu", *FAST, *llama]))

@@ -29,11 +29,11 @@ class MLFMAdapter(nn.Module):
         self,
         base: DiT,
         *,
+        lora_targets: Sequence[str] = BLOCK_LINEARS,
+        lora_head: bool = True,
         lora_rank: int = 8,
         lora_alpha: float = 16.0,
         lora_dropout: float = 0.0,
-        lora_targets: Sequence[str] = BLOCK_LINEARS,
-        lora_head: bool = True,
         train: Sequence[str] = ("time_adaln", "lora"),
     ) -> None:
         super().__init__()

@@ -25,26 +25,28 @@ SIZES: dict[str, dict[str, int]] = {
 # sinusoid of the raw t ∈ [0, 1]; no dropout on attention probabilities (dropout only on the residual branches);
 # attention logits soft-capped at 50 (flash-attn's softcap); the continuous input x·E and the time conditioning in
 # float32 under autocast.
-RELEASED_OPTIONS: dict[str, object] = {
-    "embed_init": "kaiming_uniform",
-    "time_scale": 1.0,
-    "attn_dropout": 0.0,
-    "attn_softcap": 50.0,
-    "input_fp32": True,
-    "time_fp32": True,
-}
+RELEASED_OPTIONS: dict[str, object] = dict(
+    embed_init="kaiming_uniform",
+    time_scale=1.0,
+    attn_dropout=0.0,
+    attn_softcap=50.0,
+    input_fp32=True,
+    time_fp32=True,
+)
 # What this suite did before these options existed (N(0, 1) embedding, 1000·t, attention dropout = the residual
 # dropout, no soft-cap, x·E in the autocast dtype): checkpoints written then are read with these values
 # (``legacy_backbone_options``), and any of them can still be chosen for a new run.
-LEGACY_OPTIONS: dict[str, object] = {
-    "embed_init": "normal",
-    "time_scale": 1000.0,
-    "attn_dropout": None,  # = the residual dropout
-    "attn_softcap": 0.0,
-    "input_fp32": False,
-    "time_fp32": False,
-}
+LEGACY_OPTIONS: dict[str, object] = dict(
+    embed_init="normal",
+    time_scale=1000.0,
+    attn_dropout=None,  # = the residual dropout
+    attn_softcap=0.0,
+    input_fp32=False,
+    time_fp32=False,
+)
 EMBED_INITS = ("kaiming_uniform", "normal")
+# An adapter's extra adaLN modulation: one tensor for every block, then one for the final layer (DiTBlock.forward).
+ExtraMods = list[Tensor] | None
 
 
 def legacy_backbone_options(backbone: dict) -> dict:
@@ -412,12 +414,9 @@ class DiT(nn.Module):
                 f"need attn_softcap ≥ 0, time_scale > 0, 0 ≤ attn_dropout < 1; got {attn_softcap}, {time_scale}, "
                 f"{attn_dropout}"
             )
-        self.vocab_size = vocab_size
-        self.d_model = d_model
-        self.two_times = two_times
-        self.causal = causal
-        self.input_fp32 = input_fp32
-        self.time_fp32 = time_fp32
+        self.vocab_size, self.d_model = vocab_size, d_model
+        self.two_times, self.causal = two_times, causal
+        self.input_fp32, self.time_fp32 = input_fp32, time_fp32
         self.embed = nn.Embedding(vocab_size, d_model)  # N(0, 1), torch's default
         if embed_init == "kaiming_uniform":
             nn.init.kaiming_uniform_(self.embed.weight, a=math.sqrt(5))  # U(±1/√d): fan_in = d for a (|V|, d) matrix
@@ -484,26 +483,14 @@ class DiT(nn.Module):
         return self.forward_embeddings(self.input_embeddings(x), s, t, pinned=pinned)
 
     def forward_embeddings(
-        self,
-        h: Tensor,
-        s: Tensor,
-        t: Tensor | None = None,
-        *,
-        extra: list[Tensor] | None = None,
-        pinned: Tensor | None = None,
+        self, h: Tensor, s: Tensor, t: Tensor | None = None, *, extra: ExtraMods = None, pinned: Tensor | None = None
     ) -> Tensor:
         """Logits for inputs given directly as embeddings h (B, L, d) (MLFM feeds these); ``extra`` holds an
         adapter's modulation for every block and then the final layer (see DiTBlock.forward)."""
         return self.final.linear(self.head_features(h, s, t, extra=extra, pinned=pinned))
 
     def head_features(
-        self,
-        h: Tensor,
-        s: Tensor,
-        t: Tensor | None = None,
-        *,
-        extra: list[Tensor] | None = None,
-        pinned: Tensor | None = None,
+        self, h: Tensor, s: Tensor, t: Tensor | None = None, *, extra: ExtraMods = None, pinned: Tensor | None = None
     ) -> Tensor:
         """``forward_embeddings`` up to the output head's input (B, L, d): the logits are ``final.linear`` of it,
         for callers that apply the head in vocabulary chunks (flowlm/ops/summary.py)."""

@@ -256,10 +256,10 @@ def execute_responses(
     extract: str = "released",
     entry: str = "simple_math_problem",
     entry_fallback: bool = False,
+    sandbox: str = "os",
     timeout_s: float = 5.0,
     memory_mb: int = 512,
     workers: int = 4,
-    sandbox: str = "os",
 ) -> tuple[list[str], list[ExecResult]]:
     """Extract the program of each response and run it in the sandbox: (extracted programs, results).
 

@@ -13,14 +13,8 @@ import torch
 from torch import Tensor
 
 from flowlm.backbones.llama import BidirectionalLM
-from flowlm.pretrained.files import (
-    check_state,
-    checkpoint_files,
-    load_tensors,
-    read_json,
-    resolve_source,
-    tensor_shapes,
-)
+from flowlm.pretrained.files import read_json, resolve_source
+from flowlm.pretrained.llama_family import bidirectional_spec, block_shapes, check_expected, load_backbone
 
 # Dream-v0-7B's shapes (third-party configs, docs/pretrained.md), for `expect=` in conf/backbone/dream_7b.yaml.
 DREAM_7B = {
@@ -31,6 +25,17 @@ DREAM_7B = {
     "intermediate_size": 18944,
     "vocab_size": 152064,
 }
+# BidirectionalLM size argument → Dream config field
+SIZE_FIELDS = {
+    "embed_rows": "vocab_size",
+    "head_rows": "vocab_size",
+    "hidden_size": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "intermediate_size": "intermediate_size",
+}
+QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")  # the biased projections
 
 
 def dream_config(config: dict, expect: dict | None = None) -> dict:
@@ -57,30 +62,18 @@ def dream_config(config: dict, expect: dict | None = None) -> dict:
         "max_positions": config.get("max_position_embeddings", 131072),
         "mask_id": config["mask_token_id"],
     }
-    bad = {key: (cfg.get(key), value) for key, value in (expect or {}).items() if cfg.get(key) != value}
-    if bad:
-        raise ValueError(f"Dream config.json does not match the expected config: {{field: (found, expected)}} {bad}")
-    return cfg
+    return check_expected(cfg, expect, "Dream config.json")
 
 
 def expected_keys(cfg: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor name and shape of a Qwen2ForCausalLM state dict for this config (no buffers)."""
     d, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     kv = cfg["num_key_value_heads"] * (d // cfg["num_attention_heads"])
-    shapes = {
-        "self_attn.q_proj.weight": (d, d),
-        "self_attn.q_proj.bias": (d,),
-        "self_attn.k_proj.weight": (kv, d),
-        "self_attn.k_proj.bias": (kv,),
-        "self_attn.v_proj.weight": (kv, d),
-        "self_attn.v_proj.bias": (kv,),
-        "self_attn.o_proj.weight": (d, d),
-        "mlp.gate_proj.weight": (inter, d),
-        "mlp.up_proj.weight": (inter, d),
-        "mlp.down_proj.weight": (d, inter),
-        "input_layernorm.weight": (d,),
-        "post_attention_layernorm.weight": (d,),
-    }
+    shapes = {}
+    for name, shape in block_shapes(d, kv, inter).items():
+        shapes[name] = shape
+        if name in QKV:  # Qwen2's q/k/v biases, each after its weight
+            shapes[name.replace(".weight", ".bias")] = shape[:1]
     keys = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,), "lm_head.weight": (vocab, d)}
     for i in range(cfg["num_hidden_layers"]):
         keys |= {f"model.layers.{i}.{name}": shape for name, shape in shapes.items()}
@@ -94,21 +87,8 @@ def to_backbone_state(state: dict[str, Tensor], cfg: dict) -> dict[str, Tensor]:
 
 def backbone_spec(cfg: dict) -> dict:
     """The ``BidirectionalLM`` arguments equivalent to a Dream config (Qwen2 decoder, shifted logits)."""
-    return {
-        "arch": "qwen2",
-        "embed_rows": cfg["vocab_size"],
-        "head_rows": cfg["vocab_size"],
-        "hidden_size": cfg["hidden_size"],
-        "n_layers": cfg["num_hidden_layers"],
-        "n_heads": cfg["num_attention_heads"],
-        "n_kv_heads": cfg["num_key_value_heads"],
-        "intermediate_size": cfg["intermediate_size"],
-        "rope_theta": cfg["rope_theta"],
-        "rms_norm_eps": cfg["rms_norm_eps"],
-        "max_positions": cfg["max_positions"],
-        "mask_id": cfg["mask_id"],
-        "shift_logits": True,  # Dream eval/generation: logits = cat(raw[:, :1], raw[:, :-1])
-    }
+    # Dream eval/generation: logits = cat(raw[:, :1], raw[:, :-1])
+    return bidirectional_spec(cfg, "qwen2", SIZE_FIELDS, shift_logits=True)
 
 
 def load_dream(
@@ -118,8 +98,5 @@ def load_dream(
     bidirectional Qwen2 backbone with shifted logits; config, names and shapes are checked before any tensor is read."""
     path = resolve_source(source, allow_patterns=["*.json", "*.safetensors"])
     cfg = dream_config(read_json(path / "config.json"), expect)
-    files = checkpoint_files(path)
-    check_state(tensor_shapes(files), expected_keys(cfg), source=str(path), config="Dream config.json")
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    state = load_tensors(files, deferrable=True)  # on the meta device where rank 0 broadcasts them (FSDP2)
-    return BidirectionalLM.from_state(backbone_spec(cfg), to_backbone_state(state, cfg), dtype)
+    mapping = (expected_keys, to_backbone_state, backbone_spec)
+    return load_backbone(path, cfg, mapping, config="Dream config.json", dtype=dtype)

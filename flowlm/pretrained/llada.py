@@ -14,14 +14,8 @@ import torch
 from torch import Tensor
 
 from flowlm.backbones.llama import BidirectionalLM
-from flowlm.pretrained.files import (
-    check_state,
-    checkpoint_files,
-    load_tensors,
-    read_json,
-    resolve_source,
-    tensor_shapes,
-)
+from flowlm.pretrained.files import read_json, resolve_source
+from flowlm.pretrained.llama_family import bidirectional_spec, block_shapes, check_expected, load_backbone
 
 # config.json fields whose value this mapping assumes; any other value is refused (a different architecture).
 REQUIRED = {
@@ -56,6 +50,16 @@ TOP_NAMES = {
     "model.transformer.ln_f.weight": "model.norm.weight",
     "model.transformer.ff_out.weight": "lm_head.weight",  # the LM head (untied)
 }
+# BidirectionalLM size argument → LLaDA config field
+SIZE_FIELDS = {
+    "embed_rows": "vocab_rows",
+    "head_rows": "vocab_rows",
+    "hidden_size": "d_model",
+    "n_layers": "n_layers",
+    "n_heads": "n_heads",
+    "n_kv_heads": "n_kv_heads",
+    "intermediate_size": "mlp_hidden_size",
+}
 
 
 def llada_config(config: dict, expect: dict | None = None) -> dict:
@@ -79,27 +83,15 @@ def llada_config(config: dict, expect: dict | None = None) -> dict:
         "max_positions": config.get("max_sequence_length", 4096),
         "mask_id": config.get("mask_token_id", 126336),
     }
-    bad = {key: (cfg.get(key), value) for key, value in (expect or {}).items() if cfg.get(key) != value}
-    if bad:
-        raise ValueError(f"LLaDA config.json does not match the expected config: {{field: (found, expected)}} {bad}")
-    return cfg
+    return check_expected(cfg, expect, "LLaDA config.json")
 
 
 def expected_keys(cfg: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor name and shape of ``LLaDAModelLM.state_dict()`` for this config."""
     d, inter, hd = cfg["d_model"], cfg["mlp_hidden_size"], cfg["d_model"] // cfg["n_heads"]
     kv = cfg["n_kv_heads"] * hd
-    shapes = {
-        "attn_norm.weight": (d,),
-        "q_proj.weight": (d, d),
-        "k_proj.weight": (kv, d),
-        "v_proj.weight": (kv, d),
-        "attn_out.weight": (d, d),
-        "ff_norm.weight": (d,),
-        "ff_proj.weight": (inter, d),
-        "up_proj.weight": (inter, d),
-        "ff_out.weight": (d, inter),
-    }
+    block = block_shapes(d, kv, inter)
+    shapes = {name: block[target] for name, target in BLOCK_NAMES.items()}
     keys = {
         "model.transformer.wte.weight": (cfg["vocab_rows"], d),
         "model.transformer.ln_f.weight": (d,),
@@ -121,21 +113,7 @@ def to_backbone_state(state: dict[str, Tensor], cfg: dict) -> dict[str, Tensor]:
 
 def backbone_spec(cfg: dict) -> dict:
     """The ``BidirectionalLM`` arguments equivalent to a LLaDA config."""
-    return {
-        "arch": "llama",
-        "embed_rows": cfg["vocab_rows"],
-        "head_rows": cfg["vocab_rows"],
-        "hidden_size": cfg["d_model"],
-        "n_layers": cfg["n_layers"],
-        "n_heads": cfg["n_heads"],
-        "n_kv_heads": cfg["n_kv_heads"],
-        "intermediate_size": cfg["mlp_hidden_size"],
-        "rope_theta": cfg["rope_theta"],
-        "rms_norm_eps": cfg["rms_norm_eps"],
-        "max_positions": cfg["max_positions"],
-        "mask_id": cfg["mask_id"],
-        "shift_logits": False,  # position i predicts token i
-    }
+    return bidirectional_spec(cfg, "llama", SIZE_FIELDS, shift_logits=False)  # position i predicts token i
 
 
 def load_llada(
@@ -145,8 +123,5 @@ def load_llada(
     Llama backbone; config, names and shapes are checked before any tensor is read."""
     path = resolve_source(source, allow_patterns=["*.json", "*.safetensors"])
     cfg = llada_config(read_json(path / "config.json"), expect)
-    files = checkpoint_files(path)
-    check_state(tensor_shapes(files), expected_keys(cfg), source=str(path), config="LLaDA config.json")
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    state = load_tensors(files, deferrable=True)  # on the meta device where rank 0 broadcasts them (FSDP2)
-    return BidirectionalLM.from_state(backbone_spec(cfg), to_backbone_state(state, cfg), dtype)
+    mapping = (expected_keys, to_backbone_state, backbone_spec)
+    return load_backbone(path, cfg, mapping, config="LLaDA config.json", dtype=dtype)

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from flowlm.backbones.llama import BidirectionalLM
-from flowlm.pretrained.files import check_state, checkpoint_files, load_tensors, resolve_source, tensor_shapes
+from flowlm.pretrained.files import resolve_source
+from flowlm.pretrained.llama_family import load_backbone
 
 # Diff_LLaMA configs of lit_gpt/config.py (ML-GSAI/SMDM) with a public checkpoint on nieshen/SMDM: (n_layer, n_head,
 # n_embd, intermediate_size); all MHA (n_query_groups = n_head), vocab 32000 padded to a multiple of 64, block 2048.
@@ -145,8 +146,5 @@ def load_smdm(
     read. ``dtype``: cast to it (default: as stored)."""
     cfg = smdm_config(config)
     path = resolve_source(source, filename=filename)
-    files = checkpoint_files(path)
-    check_state(tensor_shapes(files), expected_keys(cfg), source=str(path), config=f"SMDM {config}")
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    state = load_tensors(files, deferrable=True)  # on the meta device where rank 0 broadcasts them (FSDP2)
-    return BidirectionalLM.from_state(backbone_spec(cfg), to_backbone_state(state, cfg), dtype)
+    mapping = (expected_keys, to_backbone_state, backbone_spec)
+    return load_backbone(path, cfg, mapping, config=f"SMDM {config}", dtype=dtype)
