@@ -13,7 +13,7 @@ import pandas as pd
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
-from analysis.heatmaps import varying_params
+from analysis.heatmaps import IGNORED_LEAVES, varying_params
 
 # eval/<sampler>/nfe<budget>/<metric>, as callbacks.sampling_eval logs them.
 EVAL_KEY = re.compile(r"^eval/(?P<sampler>[^/]+)/nfe(?P<nfe_budget>\d+)/(?P<metric>.+)$")
@@ -24,19 +24,8 @@ COST_METRICS = ("nfe", "sec_per_sample")
 RUN_COLUMNS = ["experiment", "run_id", "name", "method", "seed", "sweep", "trial", "setting"]
 # Params that differ between runs of one setting: seeds (any key ending in `seed`), names, paths (the run folder
 # holds the seed, a source checkpoint's path too), and knobs that change neither the model nor its scores.
-SETTING_IGNORED_LEAVES = {
-    "name",
-    "run_name",
-    "init_from",
-    "teacher",
-    "ckpt_path",
-    "run_dir",
-    "root",
-    "data_dir",
-    "cache_dir",
+SETTING_IGNORED_LEAVES = IGNORED_LEAVES | {
     "hf_cache_dir",
-    "default_root_dir",
-    "dirpath",
     "num_workers",
     "gen_workers",
     "num_proc",
