@@ -136,7 +136,7 @@ def softcap_section(args, device, log) -> dict:
     from flowlm.backbones.dit import SIZES, flex_capped_attention, written_capped_attention
 
     if device.type != "cuda":
-        log("attention soft-cap: the FlexAttention path is CUDA-only (tests/test_protocol.py checks it on the CPU)")
+        log("attention soft-cap: the FlexAttention path is CUDA-only (tests/integration/test_protocol.py: on the CPU)")
         return {}
     size = SIZES[args.backbone]
     heads, head_dim = size["n_heads"], size["d_model"] // size["n_heads"]
@@ -187,10 +187,10 @@ def sampler_section(args, device, log) -> dict:
 
 def sync_section(args, device, log) -> dict:
     """Host syncs per training step (the module's loss with its draws, backward, clipping, AdamW) of each method,
-    counted by CUDA's sync debug mode over 3 steps after a warm-up one; on a CPU, tests/test_host_syncs.py counts
-    the ops that would sync (Lightning's loop and callbacks included)."""
+    counted by CUDA's sync debug mode over 3 steps after a warm-up one; on a CPU,
+    tests/samplers/test_host_syncs.py counts the ops that would sync (Lightning's loop and callbacks included)."""
     if device.type != "cuda":
-        log("host syncs per training step: counted on CUDA only (on a CPU: tests/test_host_syncs.py)")
+        log("host syncs per training step: counted on CUDA only (on a CPU: tests/samplers/test_host_syncs.py)")
         return {}
     from common import build_module, synthetic_batch
 

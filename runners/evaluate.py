@@ -35,7 +35,7 @@ DEFAULT_NAME = "eval"
 def evaluate(cfg: DictConfig) -> dict:
     """Check the checkpoint against the data and samplers (before compute), then run every sampler × budget."""
     # Lightning, torch and what builds on them are imported here, not at the top: `flowlm-eval --help` (and --cfg,
-    # --info) answer without them (tests/test_first_hour.py).
+    # --info) answer without them (tests/runners/test_first_hour.py).
     import lightning as L
 
     from callbacks.progress import progress_callbacks

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 def train(cfg: DictConfig) -> dict:
     """Build data, model, evaluation and trainer from ``cfg``; fit (or resume); evaluate; return the results."""
     # Lightning, torch and what builds on them are imported here, not at the top: `flowlm-train --help` (and --cfg,
-    # --info) answer without them (tests/test_first_hour.py).
+    # --info) answer without them (tests/runners/test_first_hour.py).
     import lightning as L
     import torch.distributed as dist
     from hydra.utils import instantiate

@@ -1,0 +1,106 @@
+"""The performance benchmarks run end to end in a tiny mode and print their ratio lines (no timing assertions)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RATIO = r"\d+\.\d{3}"
+COMMANDS = {
+    "throughput": [
+        "benchmarks/throughput.py",
+        *("--batch 2 --seq-len 8 --vocab 200 --steps 3 --warmup 1 --reps 1 --memory".split()),
+        *("--methods mdm fmlm_plus mlfm fmlm_plus_dense fmlm_plus_onehot fmlm_plus_fused".split()),
+    ],
+    "sampler_overhead": [
+        "benchmarks/sampler_overhead.py",
+        *("--batch 2 --seq-len 12 --vocab 6 --nfe 2 --reps 1".split()),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def outputs() -> dict[str, subprocess.CompletedProcess]:
+    """Both scripts, started together (two processes: the imports dominate), each on one thread."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for name, args in COMMANDS.items()
+    }
+    done = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return done
+
+
+def test_throughput_prints_lightning_vs_bare_and_fmlm_cost_ratios(outputs):
+    run = outputs["throughput"]
+    assert run.returncode == 0, run.stderr[-3000:]
+    for method in ("mdm", "fmlm_plus", "mlfm"):
+        assert re.search(rf"^ratio lightning/bare \[{method}\]: {RATIO} ", run.stdout, re.M), run.stdout
+    for flow in ("fmlm_plus", "fmlm_plus_dense", "fmlm_plus_onehot", "fmlm_plus_fused"):  # defaults; earlier paths
+        assert re.search(
+            rf"^ratio {flow}/mdm step cost: {RATIO} \(bare loop\), {RATIO} \(Lightning\)", run.stdout, re.M
+        )
+    assert "theory 1.333" in run.stdout  # batch 2: one diagonal row, one off-diagonal row → 1 + 2·(1/2)/3
+    for flow in ("fmlm_plus", "fmlm_plus_dense", "fmlm_plus_onehot", "fmlm_plus_fused"):  # the FLOP-counted limit
+        limit = re.search(
+            rf"FLOPs of one step \(FlopCounterMode, forward \+ backward\): {flow} / mdm = ({RATIO})", run.stdout
+        )
+        assert limit and float(limit.group(1)) > 1.0, run.stdout  # the teachers' passes add to the student's
+    for method in ("mdm", "fmlm_plus"):  # --memory: one training step's peak
+        assert re.search(rf"^peak memory of one training step \[{method}\]: \d+\.\d MiB", run.stdout, re.M)
+
+
+def test_step_flops_count_the_backward():
+    """One MDM step's matrix-product FLOPs are ≈ 3× its loss's forward (the backward's two products per forward
+    product; the input embedding is a lookup, its attention's backward counted by torch as such)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch
+    from common import build_module, matmul_flops, synthetic_batch
+    from throughput import loss_function, step_flops
+
+    module = build_module("mdm", backbone="tiny", vocab=200, seq_len=8, seed=0)
+    batch = synthetic_batch(4, 8, 200, seed=0)
+    loss = loss_function("mdm", module)
+    step = step_flops(module, loss, batch, precision="32-true", device=torch.device("cpu"))
+    with torch.no_grad():
+        forward = matmul_flops(lambda: loss(batch, 0))
+    assert 2.9 < step / forward <= 3.0
+    assert all(p.grad is None for p in module.parameters())  # the count leaves no gradients behind
+
+
+def test_sampler_overhead_prints_a_ratio_per_sampler(outputs):
+    run = outputs["sampler_overhead"]
+    assert run.returncode == 0, run.stderr[-3000:]
+    names = sorted(p.stem for p in (ROOT / "conf" / "sampler").glob("*.yaml") if p.stem != "ar")
+    variants = ["pr_n2", "mlfm_ccfg_otp", "pr_onehot", "a_priori_onehot", "flow_map_onehot", "pr_dense"]
+    variants += ["a_priori_dense", "block_dense", "confidence_dense"]  # the full log δ; the dense ranking
+    variants += ["flow_map_dense", "flm_euler_dense", "pr_n2_dense", "mlfm_dense", "mlfm_ccfg_otp_dense"]
+    for name in [*names, *variants, "confidence_full", "ancestral_full"]:
+        assert re.search(rf"^ratio sampler/\(NFE × forward\) \[{name}\]: {RATIO} ", run.stdout, re.M), run.stdout
+    assert re.search(r"^ratio sampler/\(NFE × forward\) \[ar\]: n/a", run.stdout, re.M)
+    assert "matmul FLOPs / (NFE × forward) |" in run.stdout  # the limit where a step needs a |V|×d product
+    assert "ms / MDM forward" in run.stdout  # the denominator: the network's own cost, an MDM forward on ids
+    assert re.search(rf"^ratio flow forward/MDM forward: {RATIO} \(states over the vocabulary", run.stdout, re.M)
+
+
+def test_gpu_check_fails_fast_without_cuda():
+    """Without a CUDA device the GPU script stops at once with a clear message (before importing the suite)."""
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    run = subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert run.returncode != 0
+    assert "no CUDA device" in run.stdout + run.stderr
