@@ -208,7 +208,7 @@ def test_sigkill_during_a_cross_filesystem_save_keeps_the_previous_checkpoint(se
     root = runs_env
     ckpts = root / "runs" / RUN_DIR / "checkpoints"
     faults = [
-        "+callbacks.faults._target_=tests.test_atomic_checkpoints.SaveFaults",
+        "+callbacks.faults._target_=tests.lightning_modules.test_atomic_checkpoints.SaveFaults",
         f"+callbacks.faults.folder={ckpts}",
     ]
     if second_fs == "tmpfs":
@@ -418,7 +418,7 @@ def test_ddp_rank_zero_saves_atomically_across_filesystems(tmp_path):
     ckpts = tmp_path / "runs" / RUN_DIR / "checkpoints"
     ddp = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
     faults = [
-        "+callbacks.faults._target_=tests.test_atomic_checkpoints.SaveFaults",
+        "+callbacks.faults._target_=tests.lightning_modules.test_atomic_checkpoints.SaveFaults",
         f"+callbacks.faults.boundary={tmp_path / 'runs'}",
         f"+callbacks.faults.folder={ckpts}",
         "+callbacks.faults.nth=2",

@@ -232,7 +232,10 @@ def fsdp2_run(tmp_path_factory):
     """One 4-step FSDP2 run on 2 CPU processes; its root folder and the weights gathered at its end."""
     root = tmp_path_factory.mktemp("fsdp2")
     gathered = root / "gathered.pt"
-    gather = ["+callbacks.gather._target_=tests.test_fsdp.GatherWeights", f"+callbacks.gather.path={gathered}"]
+    gather = [
+        "+callbacks.gather._target_=tests.lightning_modules.test_fsdp.GatherWeights",
+        f"+callbacks.gather.path={gathered}",
+    ]
     proc = _run([str(BIN / "flowlm-train"), *TINY, *FSDP2_CPU, "trainer.max_steps=4", *gather], root)
     return root, proc, torch.load(gathered, weights_only=False)
 

@@ -75,7 +75,7 @@ def test_sigterm_ends_a_training_with_status_143_and_keeps_its_checkpoint(runs_e
         "data.num_train=64",  # 8 batches an epoch: step 3 is mid-epoch
         "trainer.max_steps=6",
         "trainer.enable_progress_bar=false",  # checkpoints at steps 2 and 4; stopped at step 3
-        "+callbacks.pause._target_=tests.test_bad_input_round3.PauseUntilSigterm",
+        "+callbacks.pause._target_=tests.runners.test_bad_input_round3.PauseUntilSigterm",
         "+callbacks.pause.step=3",
         f"+callbacks.pause.flag={flag}",
     ]

@@ -176,7 +176,7 @@ def test_a_second_flowlm_train_is_refused_and_the_relaunch_after_a_sigkill_resum
     from runners.train import train
 
     flag = runs_env / "paused"
-    pause = ["+callbacks.pause._target_=tests.test_run_lock.PauseAt", "+callbacks.pause.step=3"]
+    pause = ["+callbacks.pause._target_=tests.runners.test_run_lock.PauseAt", "+callbacks.pause.step=3"]
     cmd = [str(BIN / "flowlm-train"), *RUN, "trainer.max_steps=4"]
     first = subprocess.Popen(
         [*cmd, *pause, f"+callbacks.pause.flag={flag}"],
@@ -204,7 +204,7 @@ def test_a_second_flowlm_train_is_refused_and_the_relaunch_after_a_sigkill_resum
         first.communicate()
     start = runs_env / "start"
     relaunch = compose_config(
-        overrides=[*RUN, "trainer.max_steps=4", "+callbacks.start._target_=tests.test_run_lock.StartStep"]
+        overrides=[*RUN, "trainer.max_steps=4", "+callbacks.start._target_=tests.runners.test_run_lock.StartStep"]
         + [f"+callbacks.start.path={start}"]
     )
     assert train(relaunch)["global_step"] == 4

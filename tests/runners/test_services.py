@@ -256,7 +256,7 @@ def test_a_preempted_and_requeued_trial_resumes_its_folder_and_mlflow_run(tmp_pa
         "eval.nfe=[2]",
         "trainer.max_steps=8",
         "trainer.val_check_interval=4",  # a checkpoint at step 4; the first attempt is stopped at step 6
-        "+callbacks.pause._target_=tests.test_services.PauseOnFirstAttempt",
+        "+callbacks.pause._target_=tests.runners.test_services.PauseOnFirstAttempt",
         "+callbacks.pause.step=6",
         f"+callbacks.pause.flag={flag}",
         "sweep.name=requeue",
