@@ -194,6 +194,13 @@ def export(source: str | os.PathLike, out_dir: str | os.PathLike, *, trust_pickl
     if remote is not None:  # a DiT MDM, flow or AR model: AutoModel.from_pretrained(out, trust_remote_code=True)
         config.update(remote[0])
         writers.append(remote[1])
+    layout = fmt.source_layout(meta.get("family"), hparams.get("backbone") or {}, state)
+    if meta.get("family") == "mlfm":  # the LoRA as a PEFT adapter over base/, the MDM; the time adaLN beside
+        layout = fmt.mlfm_peft(state, **_mlfm_parts(hparams, meta, run_config))
+    if layout is not None:  # a LLaMA-family MDM: its source's tensor names and config keys
+        state, keys, write = layout
+        config.update(keys)
+        writers.append(write)
 
     def files(folder: Path) -> None:
         for write in writers:
@@ -201,6 +208,34 @@ def export(source: str | os.PathLike, out_dir: str | os.PathLike, *, trust_pickl
 
     fmt.write_export(out, state=state, config=config, card=model_card(config, run_config), files=files)
     return out
+
+
+def _mlfm_parts(hparams: dict, meta: dict, run_config: dict) -> dict:
+    """``mlfm_peft``'s arguments: the frozen MDM's record (as an MDM module's), LoraConfig's alpha and dropout (the
+    adapter's options, else its defaults) and the named base (``init_from``, else the backbone's pretrained source)."""
+    import inspect
+
+    from flowlm.backbones.adapters import MLFMAdapter
+    from flowlm.backbones.llama import LlamaAdaLNAdapter
+    from lightning_modules.mdm import MDMModule
+
+    adapter_cls = LlamaAdaLNAdapter if "_target_" in hparams["backbone"] else MLFMAdapter
+    defaults = inspect.signature(adapter_cls).parameters
+    options = hparams.get("adapter") or {}
+    lora = {key: options.get(key, defaults[key].default) for key in ("lora_alpha", "lora_dropout")}
+    sizes = {"data_vocab_size": meta.get("data_vocab_size"), "seq_len": meta.get("seq_len")}
+    mdm = f"{MDMModule.__module__}.{MDMModule.__qualname__}"
+    base_record = {
+        "family": "mdm",
+        "class_path": mdm,
+        **sizes,
+        "backbone": hparams["backbone"],
+        "hyper_parameters": {**sizes, "backbone": hparams["backbone"], "optim": {}, "time_conditioning": False},
+        "flowlm": {"family": "mdm", "class_path": mdm, **sizes, "config": None},
+    }
+    source = (run_config.get("backbone") or {}).get("source")
+    name = str(hparams.get("init_from") or source or "base")
+    return {"hparams": hparams, "base_record": base_record, "lora": lora, "base_name": name}
 
 
 def _tokenizer(run_config: dict, meta: dict):
@@ -238,7 +273,7 @@ tags: [flowlm, {config["family"]}, diffusion-language-model]
 # {run_config.get("name", "flowlm model")}
 
 A flowlm `{config["family"]}` model (`{config["class_path"]}`), exported by `flowlm-export` from
-`{config["source_checkpoint"]}`. Weights: {config["weights"]} (`model.safetensors`, the module's own names).
+`{config["source_checkpoint"]}`. Weights: {config["weights"]} (`model.safetensors`, {_names(config)}).
 
 | | |
 |---|---|
@@ -265,8 +300,24 @@ The last validation loss and sampling scores at or before step {config["global_s
 """
 
 
+def _names(config: dict) -> str:
+    layout = config.get("weights_layout")
+    return "the module's own names" if layout is None else f"{layout.upper()}'s own names and config keys"
+
+
 def _transformers_use(config: dict) -> str:
-    """The model card's transformers line, for an export that ships the transformers files."""
+    """The model card's transformers line, for an export that transformers loads."""
+    layout = config.get("weights_layout")
+    if layout == "dream":
+        return (
+            "\nIn Dream's layout (Qwen2 names): `AutoModelForCausalLM.from_pretrained(DIR)` (transformers' Qwen2, "
+            "bidirectional: `is_causal` false); Dream's shift: the prediction for position i is `logits[:, i - 1]`."
+        )
+    if layout is not None:
+        return (
+            f"\nIn {layout.upper()}'s layout (its tensor names and config keys): "
+            "`AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` (transformers' Llama, bidirectional)."
+        )
     if "auto_map" not in config:
         return ""
     return (

@@ -100,3 +100,31 @@ def load_dream(
     cfg = dream_config(read_json(path / "config.json"), expect)
     mapping = (expected_keys, to_backbone_state, backbone_spec)
     return load_backbone(path, cfg, mapping, config="Dream config.json", dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------- writing the layout
+def from_backbone_state(state: dict[str, Tensor], cfg: dict) -> dict[str, Tensor]:
+    """``BidirectionalLM`` tensors → Dream's names: the same (``Qwen2ForCausalLM``'s)."""
+    return dict(state)
+
+
+def source_config(spec: dict) -> dict | None:
+    """Dream's ``config.json`` fields (Qwen2's, plus ``mask_token_id``; ``dream_config`` reads them back) for a
+    ``BidirectionalLM`` spec in Dream's layout (Qwen2, shifted logits, a head as wide as the embedding); None for
+    another."""
+    if spec["arch"] != "qwen2" or not spec["shift_logits"] or spec["embed_rows"] != spec["head_rows"]:
+        return None
+    return {
+        "hidden_size": spec["hidden_size"],
+        "num_hidden_layers": spec["n_layers"],
+        "num_attention_heads": spec["n_heads"],
+        "num_key_value_heads": spec["n_kv_heads"],
+        "intermediate_size": spec["intermediate_size"],
+        "vocab_size": spec["embed_rows"],
+        "max_position_embeddings": spec["max_positions"],
+        "rope_theta": spec["rope_theta"],
+        "rms_norm_eps": spec["rms_norm_eps"],
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "mask_token_id": spec["mask_id"],
+    }

@@ -6,6 +6,8 @@ hyper-parameters and ``flowlm`` record), ``model.safetensors`` (the checkpoint's
 when an EMA ran, under the module's own names ``net.*``, dtypes as saved), ``README.md`` (a model card) and the
 tokenizer's files when the run had a tokenizer. A DiT network of the MDM, flow or AR family also gets the
 transformers files (``transformers_files``): ``AutoModel.from_pretrained(folder, trust_remote_code=True)`` loads it.
+A LLaMA-family MDM is written in its source's own layout instead (``source_layout``: SMDM, LLaDA or Dream tensor names
+and config keys, which the source's loader and transformers read), and read back into ``net.*`` names.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import os
 import shutil
 import stat
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from torch import Tensor
 
 import flowlm.backbones.dit as dit_module
+from flowlm.pretrained import dream, llada, smdm
+from flowlm.pretrained.files import check_state
 
 MARK = "flowlm_export"  # config.json key holding the format version
 VERSION = 1
@@ -29,7 +34,118 @@ CARD = "README.md"
 PARTIAL = ".flowlm-export-partial"  # the folder an export is written into before it is moved into place
 REMOTE = Path(__file__).with_name("hf_remote")  # the transformers configuration and model shipped in an export
 REMOTE_FILES = ("configuration_flowlm.py", "modeling_flowlm.py")
-AUTO_FAMILIES = ("mdm", "flow", "ar")  # DiT families transformers loads (MLFM's adapter and the LLaMA family: not yet)
+AUTO_FAMILIES = ("mdm", "flow", "ar")  # DiT families FlowLMModel loads (MLFM: mlfm_peft; LLaMA family: source_layout)
+LAYOUT_KEY = "weights_layout"  # config.json key naming the source layout model.safetensors is in (absent: net.*)
+
+
+@dataclass(frozen=True)
+class SourceLayout:
+    """A LLaMA-family source's layout for a ``BidirectionalLM``: its config.json fields for a spec (None: the spec
+    is not this layout), the loader's config read back from them, the tensor names both ways, its names' shapes, and
+    how transformers loads it (config keys and the remote files shipped, none for a stock class)."""
+
+    fields: Callable[[dict], dict | None]
+    read: Callable[[dict], dict]
+    to_source: Callable[[dict, dict], dict]
+    to_backbone: Callable[[dict, dict], dict]
+    expected: Callable[[dict], dict]
+    transformers: dict
+    remote: tuple[str, ...] = ()
+
+
+SOURCE_LAYOUTS = {
+    "smdm": SourceLayout(
+        lambda spec: None if (lit := smdm.litgpt_fields(spec)) is None else {"litgpt_config": lit},
+        lambda config: smdm.smdm_config(config["litgpt_config"]),
+        smdm.from_backbone_state,
+        smdm.to_backbone_state,
+        smdm.expected_keys,
+        {
+            "model_type": "smdm",
+            "architectures": ["SMDMForMaskedLM"],
+            "auto_map": {
+                "AutoConfig": "configuration_smdm.SMDMConfig",
+                "AutoModel": "modeling_smdm.SMDMForMaskedLM",
+                "AutoModelForCausalLM": "modeling_smdm.SMDMForMaskedLM",
+            },
+        },
+        ("configuration_smdm.py", "modeling_smdm.py"),
+    ),
+    "llada": SourceLayout(
+        llada.source_config,
+        llada.llada_config,
+        llada.from_backbone_state,
+        llada.to_backbone_state,
+        llada.expected_keys,
+        {  # LLaDA's own auto_map: its released modeling_llada.py may replace the one shipped here
+            "model_type": "llada",
+            "architectures": ["LLaDAModelLM"],
+            "auto_map": {
+                "AutoConfig": "configuration_llada.LLaDAConfig",
+                "AutoModel": "modeling_llada.LLaDAModelLM",
+                "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+            },
+        },
+        ("configuration_llada.py", "modeling_llada.py"),
+    ),
+    "dream": SourceLayout(  # Qwen2's names and keys: transformers' own Qwen2ForCausalLM, no remote code
+        dream.source_config,
+        dream.dream_config,
+        dream.from_backbone_state,
+        dream.to_backbone_state,
+        dream.expected_keys,
+        {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]},
+    ),
+}
+
+
+def decoder_keys(spec: dict) -> dict:
+    """transformers' Llama/Qwen2 config keys of a ``BidirectionalLM`` spec: the decoder run bidirectionally."""
+    return {
+        "hidden_size": spec["hidden_size"],
+        "num_hidden_layers": spec["n_layers"],
+        "num_attention_heads": spec["n_heads"],
+        "num_key_value_heads": spec["n_kv_heads"],
+        "intermediate_size": spec["intermediate_size"],
+        "vocab_size": spec["embed_rows"],
+        "max_position_embeddings": spec["max_positions"],
+        "rms_norm_eps": spec["rms_norm_eps"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec["rope_theta"]},
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "is_causal": False,  # create_causal_mask → create_bidirectional_mask
+        "use_cache": False,
+        "pad_token_id": None,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
+
+
+def source_layout(
+    family: str | None, backbone: dict, state: dict[str, Tensor]
+) -> tuple[dict[str, Tensor], dict, Callable[[Path], None]] | None:
+    """(tensors under the source's names, config.json keys, a writer of the transformers files) of an MDM whose
+    network is a ``BidirectionalLM`` in the SMDM, LLaDA or Dream layout (``state``: the module's ``net.*``); None for
+    another family or backbone, or a state with tensors the layout has no name for."""
+    if family != "mdm" or "_target_" not in backbone or any(not key.startswith("net.") for key in state):
+        return None
+    fitting = [(name, layout, layout.fields(backbone)) for name, layout in SOURCE_LAYOUTS.items()]
+    fitting = [entry for entry in fitting if entry[2] is not None]
+    if not fitting:
+        return None
+    name, layout, fields = fitting[0]
+    cfg = layout.read(fields)
+    plain = {key.removeprefix("net."): t for key, t in state.items()}
+    tensors = layout.to_source(plain, cfg)
+    if set(layout.to_backbone(tensors, cfg)) != set(plain) or not _holds(tensors, layout.expected(cfg)):
+        return None
+    keys = {**decoder_keys(backbone), **fields, **layout.transformers, LAYOUT_KEY: name}
+
+    def write(folder: Path) -> None:
+        for file in layout.remote:
+            shutil.copyfile(REMOTE / file, folder / file)
+
+    return tensors, keys, write
 
 
 def transformers_files(
@@ -58,6 +174,11 @@ def transformers_files(
         shutil.copyfile(dit_module.__file__, folder / "flowlm_dit.py")
 
     return keys, write
+
+
+def _holds(tensors: dict[str, Tensor], expected: dict[str, tuple[int, ...]]) -> bool:
+    """Whether ``tensors`` are exactly the names and shapes ``expected``."""
+    return tensors.keys() == expected.keys() and all(tuple(t.shape) == expected[k] for k, t in tensors.items())
 
 
 def is_export(path: Path) -> bool:
@@ -136,9 +257,109 @@ def read_export(folder: Path) -> tuple[dict, dict[str, Tensor]]:
     if not (folder / WEIGHTS).is_file():
         raise ValueError(f"{folder} is a flowlm export without its {WEIGHTS}")
     try:
-        return config, load_file(str(folder / WEIGHTS))
+        state = load_file(str(folder / WEIGHTS))
     except Exception as err:  # noqa: BLE001 - safetensors reports a cut file in several ways
         raise ValueError(
             f"{folder} is a corrupt flowlm export: its {WEIGHTS} is unreadable ({type(err).__name__}: {err}); a "
             "truncated copy: copy or export it again"
         ) from err
+    if config.get(LAYOUT_KEY) == PEFT_LAYOUT:
+        return config, mlfm_from_peft(folder, config, state)
+    layout = SOURCE_LAYOUTS.get(config.get(LAYOUT_KEY))
+    if config.get(LAYOUT_KEY) is not None and layout is None:
+        raise ValueError(f"{folder}: unknown {LAYOUT_KEY} {config[LAYOUT_KEY]!r}; known: {sorted(SOURCE_LAYOUTS)}")
+    if layout is None:
+        return config, state
+    cfg = layout.read(config)  # the source's config, as its loader reads it
+    found = {key: tuple(t.shape) for key, t in state.items()}
+    check_state(found, layout.expected(cfg), source=str(folder), config=f"{config[LAYOUT_KEY]} config.json")
+    return config, {f"net.{key}": t for key, t in layout.to_backbone(state, cfg).items()}
+
+
+# -------------------------------------------------------------------------------------------- MLFM as PEFT adapter
+PEFT_LAYOUT = "mlfm-peft"  # LAYOUT_KEY of an MLFM export: model.safetensors holds the time adaLN only
+BASE_DIR = "base"  # the frozen MDM, an export of its own (source layout or DiT transformers files)
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_HEAD = "base_model.model."  # PEFT's prefix of an adapter tensor name
+
+
+def mlfm_peft(
+    state: dict[str, Tensor], *, hparams: dict, base_record: dict, lora: dict, base_name: str
+) -> tuple[dict[str, Tensor], dict, Callable[[Path], None]] | None:
+    """An MLFM checkpoint (``state``: ``net.*``) as a PEFT adapter folder over its frozen MDM: (the time adaLN tensors,
+    config.json keys, a writer of ``adapter_config.json``, ``adapter_model.safetensors`` (the LoRA factors under
+    PEFT's names), the loader ``mlfm_peft.py`` with ``flowlm_dit.py``, and ``base/``, the MDM's own export).
+
+    PEFT carries the LoRA factors only: the time embedding and the per-layer adaLN modulation are not LoRA and act
+    through hooks (LLaMA family) or the DiT's ``extra`` modulation, which ``mlfm_peft.load_mlfm`` attaches. ``lora``:
+    LoraConfig's ``lora_alpha`` and ``lora_dropout``; ``base_record``: the MDM's flowlm record and hyper-parameters;
+    ``base_name``: the named base (``base_model_name_or_path``). None when the base loads in no transformers class."""
+    from peft import LoraConfig
+
+    backbone = hparams["backbone"]
+    base_state = {
+        "net." + key.removeprefix("net.base.").replace(".base_layer", ""): t
+        for key, t in state.items()
+        if key.startswith("net.base.") and ".lora_" not in key
+    }
+    llama = "_target_" in backbone
+    vocab = base_record["hyper_parameters"]["data_vocab_size"]
+    base_files = source_layout("mdm", backbone, base_state) if llama else transformers_files("mdm", backbone, vocab)
+    if base_files is None or any(not key.startswith("net.") for key in state):
+        return None
+    if llama:
+        base_state, base_keys, base_write = base_files
+    else:
+        (base_keys, base_write), base_state = base_files, {k: t.contiguous() for k, t in base_state.items()}
+    prefix = "" if llama else "net."  # the network inside transformers' model (FlowLMModel.net for a DiT)
+    factors = {k: t for k, t in state.items() if ".lora_" in k}
+    adapter = {}
+    for key, t in factors.items():  # net.base.<module>.lora_A.default.weight → base_model.model.<module>.lora_A.weight
+        module, _, rest = key.removeprefix("net.base.").partition(".lora_")
+        part, _, leaf = rest.partition(".default.")
+        adapter[f"{PEFT_HEAD}{prefix}{module}.lora_{part}.{leaf}"] = t.contiguous()
+    modules = sorted({key.removeprefix("net.base.").partition(".lora_")[0] for key in factors})
+    rank = next(t.shape[0] for k, t in factors.items() if ".lora_A." in k) if factors else 0
+    time = {key.removeprefix("net."): t for key, t in state.items() if not key.startswith("net.base.")}
+    info = {"prefix": prefix, "kind": "llama" if llama else "dit", "shift_logits": bool(backbone.get("shift_logits"))}
+    info["auto_class"] = "AutoModelForCausalLM" if llama else "AutoModel"
+    base_config = {**base_record, **base_keys, "mask_token_id": backbone.get("mask_id", vocab)}
+
+    def write(folder: Path) -> None:
+        config = LoraConfig(
+            r=rank, target_modules=[prefix + m for m in modules], base_model_name_or_path=base_name, **lora
+        )
+        config.save_pretrained(str(folder))
+        from safetensors.torch import save_file
+
+        save_file(adapter, str(folder / ADAPTER_WEIGHTS))
+        shutil.copyfile(REMOTE / "mlfm_peft.py", folder / "mlfm_peft.py")
+        shutil.copyfile(dit_module.__file__, folder / "flowlm_dit.py")
+        card = f"The frozen MDM under the MLFM adapter in `..` (named base: `{base_name}`).\n"
+        write_export(folder / BASE_DIR, state=base_state, config=base_config, card=card, files=base_write)
+
+    return time, {LAYOUT_KEY: PEFT_LAYOUT, "mlfm_peft": info}, write
+
+
+def mlfm_from_peft(folder: Path, config: dict, time: dict[str, Tensor]) -> dict[str, Tensor]:
+    """An MLFM export's ``net.*`` state from its parts: ``base/`` (the MDM), the PEFT adapter's LoRA factors (a
+    wrapped Linear's weight moves to ``<module>.base_layer``) and the time adaLN (``time``)."""
+    from safetensors.torch import load_file
+
+    _, base = read_export(folder / BASE_DIR)
+    head = PEFT_HEAD + config["mlfm_peft"]["prefix"]
+    adapter = load_file(str(folder / ADAPTER_WEIGHTS))
+    stray = [key for key in adapter if not key.startswith(head) or ".lora_" not in key]
+    if stray:
+        raise ValueError(f"{folder / ADAPTER_WEIGHTS} holds tensors that are no LoRA factor under {head!r}: {stray}")
+    out = {f"net.{key}": t for key, t in time.items()}
+    modules = set()
+    for key, t in adapter.items():
+        module, _, rest = key.removeprefix(head).partition(".lora_")
+        part, _, leaf = rest.partition(".")
+        out[f"net.base.{module}.lora_{part}.default.{leaf}"] = t
+        modules.add(module)
+    for key, t in base.items():
+        module, _, leaf = key.removeprefix("net.").rpartition(".")
+        out["net.base." + (f"{module}.base_layer.{leaf}" if module in modules else f"{module}.{leaf}")] = t
+    return out

@@ -125,3 +125,38 @@ def load_llada(
     cfg = llada_config(read_json(path / "config.json"), expect)
     mapping = (expected_keys, to_backbone_state, backbone_spec)
     return load_backbone(path, cfg, mapping, config="LLaDA config.json", dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------- writing the layout
+def from_backbone_state(state: dict[str, Tensor], cfg: dict) -> dict[str, Tensor]:
+    """``BidirectionalLM`` tensors → LLaDA's names (``to_backbone_state`` inverted)."""
+    out = {name: state[target] for name, target in TOP_NAMES.items()}
+    for i in range(cfg["n_layers"]):
+        out |= {f"model.transformer.blocks.{i}.{n}": state[f"model.layers.{i}.{t}"] for n, t in BLOCK_NAMES.items()}
+    return out
+
+
+def source_config(spec: dict) -> dict | None:
+    """LLaDA's ``config.json`` fields (OLMo names, ``llada_config`` reads them back) for a ``BidirectionalLM`` spec in
+    LLaDA's layout (Llama, [MASK] inside a vocabulary the head predicts in full, unshifted); None for another."""
+    if spec["arch"] != "llama" or spec["shift_logits"] or spec["embed_rows"] != spec["head_rows"]:
+        return None
+    return {
+        **REQUIRED,
+        "d_model": spec["hidden_size"],
+        "n_layers": spec["n_layers"],
+        "n_heads": spec["n_heads"],
+        "n_kv_heads": spec["n_kv_heads"],
+        "mlp_hidden_size": spec["intermediate_size"],
+        "vocab_size": spec["embed_rows"],
+        "embedding_size": spec["embed_rows"],
+        "max_sequence_length": spec["max_positions"],
+        "rope_theta": spec["rope_theta"],
+        "rms_norm_eps": spec["rms_norm_eps"],
+        "mask_token_id": spec["mask_id"],
+        "include_qkv_bias": False,
+        "rope_full_precision": True,
+        "layer_norm_with_affine": True,
+        "bias_for_layer_norm": False,
+        "block_group_size": 1,
+    }

@@ -148,3 +148,54 @@ def load_smdm(
     path = resolve_source(source, filename=filename)
     mapping = (expected_keys, to_backbone_state, backbone_spec)
     return load_backbone(path, cfg, mapping, config=f"SMDM {config}", dtype=dtype)
+
+
+# ------------------------------------------------------------------------------------------- writing the layout
+def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, n_head: int, n_query_groups: int) -> Tensor:
+    """(q, k, v) → lit-gpt's legacy fused QKV, the inverse of ``split_fused_qkv``: per query group g the rows
+    [q_{g,0} … q_{g,q_per_kv−1}, k_g, v_g], head_size rows each."""
+    hs, d = k.shape[0] // n_query_groups, q.shape[-1]
+    groups = (n_query_groups, -1, hs, d)
+    return torch.cat([q.reshape(groups), k.reshape(groups), v.reshape(groups)], dim=1).reshape(-1, d)
+
+
+def from_backbone_state(state: dict[str, Tensor], cfg: dict) -> dict[str, Tensor]:
+    """``BidirectionalLM`` tensors → SMDM's names (``to_backbone_state`` inverted), the QKV fused per query group."""
+    out = {
+        "transformer.wte.weight": state["model.embed_tokens.weight"],
+        "transformer.ln_f.weight": state["model.norm.weight"],
+        "lm_head.weight": state["lm_head.weight"],
+    }
+    for i in range(cfg["n_layer"]):
+        src, dst = f"model.layers.{i}.", f"transformer.h.{i}."
+        out |= {dst + name: state[src + target] for name, target in BLOCK_NAMES.items()}
+        q, k, v = (state[f"{src}self_attn.{p}_proj.weight"] for p in "qkv")
+        out[dst + "attn.attn.weight"] = fuse_qkv(q, k, v, cfg["n_head"], cfg["n_query_groups"])
+    return out
+
+
+def litgpt_fields(spec: dict) -> dict | None:
+    """The lit-gpt ``Config`` fields of a ``BidirectionalLM`` spec in SMDM's layout (Llama, [MASK] = the one extra
+    embedding row past the head's, RoPE θ = 1e4, unshifted), ``smdm_config`` reads them back; None for another
+    layout. The head's rows are the padded vocabulary (``padding_multiple`` 1)."""
+    smdm_like = spec["embed_rows"] == spec["head_rows"] + 1 == spec["mask_id"] + 1
+    if spec["arch"] != "llama" or spec["shift_logits"] or not smdm_like or spec["rope_theta"] != 10_000.0:
+        return None
+    return {
+        "name": f"Diff_LLaMA_{spec['n_layers']}x{spec['hidden_size']}",
+        "n_layer": spec["n_layers"],
+        "n_head": spec["n_heads"],
+        "n_embd": spec["hidden_size"],
+        "intermediate_size": spec["intermediate_size"],
+        "n_query_groups": spec["n_kv_heads"],
+        "vocab_size": spec["head_rows"],
+        "padding_multiple": 1,
+        "padded_vocab_size": spec["head_rows"],
+        "block_size": spec["max_positions"],
+        "norm_eps": spec["rms_norm_eps"],
+        "rotary_percentage": 1.0,
+        "bias": False,
+        "parallel_residual": False,
+        "_norm_class": "FusedRMSNorm",
+        "_mlp_class": "LLaMAMLP",
+    }

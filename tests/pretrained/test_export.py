@@ -39,12 +39,13 @@ def write_run_checkpoint(
     module_class: type = MDMModule,
     callbacks: dict | None = None,
     config: dict | None = None,
+    options: dict | None = None,
 ) -> MDMModule:
     """A checkpoint as flowlm-train writes it: EMA weights in state_dict, live ones in current_model_state, the
     flowlm record (the run config with ``config``'s sections), a ModelCheckpoint score (and ``callbacks``' states);
-    returns the module holding the EMA weights."""
+    ``options``: the module's own arguments. Returns the module holding the EMA weights."""
     torch.manual_seed(seed)
-    module = module_class(data_vocab_size=vocab, seq_len=L, backbone=backbone, optim={})
+    module = module_class(data_vocab_size=vocab, seq_len=L, backbone=backbone, optim={}, **(options or {}))
     with torch.no_grad():
         for p in module.parameters():
             p.copy_(0.3 * torch.randn_like(p))
@@ -187,9 +188,9 @@ def test_export_keeps_the_runs_pad_token(tmp_path):
 @pytest.mark.parametrize(
     ("layout", "module_class", "model_type", "rows", "mask"),
     [
-        ("llada", MDMModule, "flowlm-llama", V, 3),  # [MASK] inside the vocabulary
-        ("dream", MDMModule, "flowlm-qwen2", V, 3),
-        ("smdm", MDMModule, "flowlm-llama", V + 1, V),  # [MASK] = the extra embedding row
+        ("llada", MDMModule, "llada", V, 3),  # [MASK] inside the vocabulary; the source's layout
+        ("dream", MDMModule, "qwen2", V, 3),  # Dream's layout: transformers' Qwen2
+        ("smdm", MDMModule, "smdm", V + 1, V),  # [MASK] = the extra embedding row
         ("llada", FMLMPlusModule, "flowlm-llama", V, 3),  # LlamaFlowNet: the base's embedding and [MASK]
     ],
 )
@@ -206,6 +207,62 @@ def test_export_config_describes_a_llama_family_network(tmp_path, layout, module
     assert f"{rows} rows; [MASK] {mask}" in (out / "README.md").read_text()
     mine, theirs = load_module(tmp_path / "last.ckpt").state_dict(), load_module(out).state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(theirs[k], v) for k, v in mine.items())
+
+
+@pytest.mark.parametrize("layout", ["smdm", "llada", "dream", "llada_padded"])
+def test_a_llama_family_mdm_exports_in_its_sources_layout(tmp_path, layout):
+    """The weights carry exactly the source's tensor names and shapes, config.json the keys its loader reads: the
+    suite's SMDM / LLaDA / Dream loader reads the folder into the module's network bit for bit."""
+    from safetensors import safe_open
+
+    from flowlm.pretrained import dream, llada, smdm
+    from tests.pretrained.test_fmlm_plus_llama import tiny_llama
+
+    module = write_run_checkpoint(tmp_path / "last.ckpt", backbone=tiny_llama(layout, V))
+    out = export(tmp_path / "last.ckpt", tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    source = layout.removesuffix("_padded")
+    assert config["weights_layout"] == source
+    if source == "smdm":
+        cfg, net = smdm.smdm_config(config["litgpt_config"]), smdm.load_smdm(out, config=config["litgpt_config"])
+        expected = smdm.expected_keys(cfg)
+    else:
+        reader = llada if source == "llada" else dream
+        cfg = reader.llada_config(config) if source == "llada" else reader.dream_config(config)
+        net, expected = getattr(reader, f"load_{source}")(out), reader.expected_keys(cfg)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()} == expected
+    mine, theirs = module.net.state_dict(), net.state_dict()
+    assert mine.keys() == theirs.keys()
+    assert all(theirs[k].dtype == v.dtype and torch.equal(theirs[k], v) for k, v in mine.items())
+    assert net.spec == module.net.spec
+
+
+def test_a_llama_network_in_no_sources_layout_keeps_the_suites_names(tmp_path):
+    """SMDM's layout fixes RoPE θ = 1e4: another θ is exported under the module's names (net.*), read back as such."""
+    from tests.pretrained.test_fmlm_plus_llama import tiny_llama
+
+    write_run_checkpoint(tmp_path / "last.ckpt", backbone={**tiny_llama("smdm", V), "rope_theta": 5e5})
+    out = export(tmp_path / "last.ckpt", tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "flowlm-llama" and "weights_layout" not in config
+    mine, theirs = load_module(tmp_path / "last.ckpt").state_dict(), load_module(out).state_dict()
+    assert all(torch.equal(theirs[k], v) for k, v in mine.items())
+
+
+def test_a_source_layout_export_missing_a_tensor_is_refused_naming_it(tmp_path):
+    """A LLaDA-layout folder whose weights lack one block tensor is refused before the module is built."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.pretrained.test_fmlm_plus_llama import tiny_llama
+
+    write_run_checkpoint(tmp_path / "last.ckpt", backbone=tiny_llama("llada", V))
+    out = export(tmp_path / "last.ckpt", tmp_path / "export")
+    state = load_file(str(out / "model.safetensors"))
+    del state["model.transformer.blocks.1.ff_out.weight"]
+    save_file(state, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing 1 keys.*blocks\.1\.ff_out"):
+        load_module(out)
 
 
 def test_export_config_of_a_dit_flow_model_has_no_mask(tmp_path):
@@ -330,3 +387,30 @@ def test_a_truncated_export_is_reported_corrupt(tmp_path):
     (out / "model.safetensors").write_bytes(weights[: len(weights) // 2])
     with pytest.raises(ValueError, match="corrupt flowlm export: its model.safetensors is unreadable"):
         read_checkpoint(out)
+
+
+@pytest.mark.parametrize("layout", ["dit", "llada"])
+def test_an_mlfm_export_is_a_peft_adapter_that_round_trips(tmp_path, layout):
+    """The folder is a PEFT adapter (LoRA factors under PEFT's names, the targets, r and alpha of the run) over
+    base/, the time adaLN in model.safetensors; the suite reads it back as the same module, bit for bit."""
+    from safetensors import safe_open
+
+    from tests.pretrained.test_fmlm_plus_llama import tiny_llama
+
+    backbone, options = (BACKBONE, {"init_from": "mdm.ckpt"}) if layout == "dit" else (tiny_llama(layout, V), {})
+    options["adapter"] = {"lora_alpha": 5.0, "lora_rank": 3}
+    module = write_run_checkpoint(tmp_path / "last.ckpt", backbone=backbone, module_class=MLFMModule, options=options)
+    out = export(tmp_path / "last.ckpt", tmp_path / "export")
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    prefix = "net." if layout == "dit" else ""
+    assert (adapter["peft_type"], adapter["r"], adapter["lora_alpha"]) == ("LORA", 3, 5.0)
+    assert sorted(adapter["target_modules"]) == sorted(prefix + name for name in module.net.lora_names)
+    with safe_open(str(out / "adapter_model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert len(names) == 2 * len(module.net.lora_names)
+    assert all(name.startswith("base_model.model." + prefix) and ".default" not in name for name in names)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert not any(key.startswith("base.") for key in f.keys())  # the time adaLN only
+    mine, theirs = load_module(tmp_path / "last.ckpt").state_dict(), load_module(out).state_dict()
+    assert mine.keys() == theirs.keys()
+    assert all(theirs[k].dtype == v.dtype and torch.equal(theirs[k], v) for k, v in mine.items())

@@ -1,5 +1,7 @@
-"""An export loads with transformers alone: ``AutoModel.from_pretrained(folder, trust_remote_code=True)`` in a
-process where the suite cannot be imported gives the suite's logits for each DiT family (MDM, FMLM+, AR)."""
+"""An export loads with transformers alone, in a process where the suite cannot be imported, with the suite's logits:
+``AutoModel.from_pretrained(folder, trust_remote_code=True)`` for each DiT family (MDM, FMLM+, AR),
+``AutoModelForCausalLM`` for a LLaMA-family MDM in its source's layout (SMDM, LLaDA, Dream), and PEFT with the
+shipped loader for MLFM's adapter (on the DiT and on each LLaMA-family layout)."""
 
 from __future__ import annotations
 
@@ -17,13 +19,17 @@ from lightning_modules.mdm import MDMModule
 from runners.export import export
 from tests.pretrained.test_export import BACKBONE, L, V, write_run_checkpoint
 
-# Run in a fresh interpreter: every package of the suite is blocked, so only torch, transformers and the files in
-# the export folder can serve the load.
-LOADER = textwrap.dedent(
+# Run in a fresh interpreter: every package of the suite is blocked, so only torch, transformers (peft) and the files
+# in the export folder can serve the load.
+BLOCK_SUITE = textwrap.dedent(
     """
     import sys
     for name in ("flowlm", "lightning_modules", "runners", "callbacks", "datamodules", "analysis", "sweeps"):
         sys.modules[name] = None  # `import flowlm` now raises ImportError
+    """
+)
+LOADER = BLOCK_SUITE + textwrap.dedent(
+    """
     import json
 
     import torch
@@ -54,10 +60,32 @@ LOADER = textwrap.dedent(
 )
 
 
-def _trained(module_class: type, tmp_path, name: str):
+def run_without_suite(script: str, cases: dict, tmp_path) -> dict:
+    """Run ``script`` (which starts with ``BLOCK_SUITE``) on ``cases`` (saved for it as its argv[1]) in a fresh
+    interpreter outside the checkout; its last stdout line, parsed as JSON."""
+    torch.save(cases, tmp_path / "cases.pt")
+    env = {
+        **os.environ,
+        "HF_MODULES_CACHE": str(tmp_path / "hf_modules"),  # transformers copies the remote code here
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": "",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "cases.pt")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _trained(module_class: type, tmp_path, name: str, **options):
     path = tmp_path / name
     path.mkdir()
-    module = write_run_checkpoint(path / "last.ckpt", module_class=module_class, seed=3).eval()
+    module = write_run_checkpoint(path / "last.ckpt", module_class=module_class, seed=3, **options).eval()
     return module, export(path / "last.ckpt", path / "export")
 
 
@@ -88,29 +116,57 @@ def test_transformers_alone_loads_every_dit_family_with_the_suites_logits(tmp_pa
         cases["ar"] = {"folder": str(folder), "x": x, "logits": ar(x)}
     config = json.loads((folder / "config.json").read_text())
     assert config["auto_map"]["AutoModel"] == "modeling_flowlm.FlowLMModel" and config["dit"]["causal"] is True
-    torch.save(cases, tmp_path / "cases.pt")
-    env = {
-        **os.environ,
-        "HF_MODULES_CACHE": str(tmp_path / "hf_modules"),  # transformers copies the remote code here
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": "",
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", LOADER, str(tmp_path / "cases.pt")],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    worst = json.loads(done.stdout.strip().splitlines()[-1])  # {family: max |Δ|}
+    worst = run_without_suite(LOADER, cases, tmp_path)  # {family: max |Δ|}
     assert set(worst) == {"mdm", "flow", "ar"}
     assert all(value <= 1e-5 for value in worst.values()), worst  # NaN fails too
 
 
-def test_an_mlfm_or_llama_family_export_ships_no_transformers_files(tmp_path):
-    """Their adapter / source layout is not the DiT's: no half-working AutoModel files (the suite still reads them)."""
+# transformers' causal-LM auto class on each LLaMA-family layout: Qwen2 itself (Dream), the shipped Llama subclass
+# (LLaDA, SMDM; the source's names read through a registered renaming). Dream's logits are shifted by its convention.
+LLAMA_LOADER = BLOCK_SUITE + textwrap.dedent(
+    """
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cases = torch.load(sys.argv[1], weights_only=True)
+    worst = {}
+    for layout, case in cases.items():
+        model = AutoModelForCausalLM.from_pretrained(case["folder"], trust_remote_code=True).eval()
+        assert type(model).__name__ == case["cls"], (type(model).__name__, case["cls"])
+        assert model.config.is_causal is False
+        with torch.no_grad():
+            logits = model(case["x"]).logits
+        if model.config.weights_layout == "dream":  # prediction for position i = output at i - 1
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        assert logits.shape == case["logits"].shape, (layout, logits.shape)
+        worst[layout] = (logits - case["logits"]).abs().max().item()
+    print(json.dumps(worst))
+    """
+)
+
+
+def test_transformers_alone_loads_each_llama_family_layout_with_the_suites_logits(tmp_path):
+    """An MDM on SMDM's, LLaDA's and Dream's layout exports in that layout; transformers' AutoModelForCausalLM loads
+    it (Qwen2 for Dream, the shipped bidirectional Llama subclass for the others) with the suite's logits."""
+    from tests.pretrained.test_fmlm_plus_llama import tiny_llama
+
+    classes = {"smdm": "SMDMForMaskedLM", "llada": "LLaDAModelLM", "dream": "Qwen2ForCausalLM"}
+    gen = torch.Generator().manual_seed(0)
+    cases = {}
+    for layout, cls in classes.items():
+        mdm, folder = _trained(MDMModule, tmp_path, layout, backbone=tiny_llama(layout, V))
+        x = torch.randint(0, mdm.net.spec["embed_rows"], (3, L), generator=gen)  # every input id, [MASK] too
+        with torch.no_grad():
+            cases[layout] = {"folder": str(folder), "cls": cls, "x": x, "logits": mdm.net(x)}
+    worst = run_without_suite(LLAMA_LOADER, cases, tmp_path)
+    assert set(worst) == set(classes)
+    assert all(value <= 1e-5 for value in worst.values()), worst  # NaN fails too
+
+
+def test_an_mlfm_or_llama_family_export_ships_no_dit_transformers_files(tmp_path):
+    """Their adapter / source layout is not the DiT's: no half-working FlowLMModel files."""
     from flowlm.pretrained.export import transformers_files
 
     assert transformers_files("mlfm", BACKBONE, V) is None
@@ -119,3 +175,54 @@ def test_an_mlfm_or_llama_family_export_ships_no_transformers_files(tmp_path):
     assert keys["dit"]["vocab_size"] == V and keys["dit"]["two_times"] is True
     keys, _ = transformers_files("mdm", BACKBONE, V)
     assert keys["dit"]["vocab_size"] == V + 1 and keys["dit"]["two_times"] is False
+
+
+# PEFT over each MLFM export's base/; the shipped loader (mlfm_peft.py, from the folder) attaches the time adaLN.
+MLFM_LOADER = BLOCK_SUITE + textwrap.dedent(
+    """
+    import importlib.util
+    import json
+
+    import torch
+    from peft import PeftModel
+
+    cases = torch.load(sys.argv[1], weights_only=True)
+    worst = {}
+    for kind, case in cases.items():
+        spec = importlib.util.spec_from_file_location(f"mlfm_peft_{kind}", case["folder"] + "/mlfm_peft.py")
+        loader = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loader)
+        mlfm = loader.load_mlfm(case["folder"])
+        assert isinstance(mlfm.peft_model, PeftModel) and mlfm.peft_model.peft_config["default"].r == 8
+        with torch.no_grad():
+            logits = mlfm(case["z"], case["t"])
+        assert logits.shape == case["logits"].shape, (kind, logits.shape)
+        worst[kind] = (logits - case["logits"]).abs().max().item()
+    print(json.dumps(worst))
+    """
+)
+
+
+def test_peft_loads_the_mlfm_adapter_over_its_base_with_the_suites_logits(tmp_path):
+    """An MLFM on the DiT and on each LLaMA-family layout exports as a PEFT adapter over base/ (the MDM's own
+    export); PEFT + the shipped time adaLN reproduce the suite's logits, and the suite reads base/ as the MDM."""
+    from lightning_modules.checkpoints import load_module
+    from lightning_modules.mlfm import MLFMModule
+    from tests.pretrained.test_export import BACKBONE
+    from tests.pretrained.test_fmlm_plus_llama import tiny_llama
+
+    backbones = {"dit": BACKBONE, **{layout: tiny_llama(layout, V) for layout in ("smdm", "llada", "dream")}}
+    gen = torch.Generator().manual_seed(0)
+    cases = {}
+    for kind, backbone in backbones.items():
+        options = {"init_from": "mdm.ckpt"} if kind == "dit" else {}  # the DiT's MDM: not read by the export
+        mlfm, folder = _trained(MLFMModule, tmp_path, kind, backbone=backbone, options=options)
+        z, t = torch.randn(3, L, mlfm.net.base.d_model, generator=gen), torch.rand(3, generator=gen)
+        with torch.no_grad():
+            cases[kind] = {"folder": str(folder), "z": z, "t": t, "logits": mlfm.net(z, t, torch.zeros(3))}
+        base = load_module(folder / "base").net.state_dict()
+        plain = {k.replace(".base_layer", ""): v for k, v in mlfm.net.base.state_dict().items() if ".lora_" not in k}
+        assert base.keys() == plain.keys() and all(torch.equal(base[k], v) for k, v in plain.items())
+    worst = run_without_suite(MLFM_LOADER, cases, tmp_path)
+    assert set(worst) == set(backbones)
+    assert all(value <= 1e-5 for value in worst.values()), worst  # NaN fails too

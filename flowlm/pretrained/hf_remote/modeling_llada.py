@@ -1,0 +1,45 @@
+"""The transformers model of a flowlm export in LLaDA's layout (shipped by ``flowlm-export``; torch and transformers
+only). Not LLaDA's own ``modeling_llada.py``, which reads this folder too (same tensor names, same config keys):
+transformers' ``LlamaForCausalLM`` run bidirectionally, loading LLaDA's names through a registered renaming
+(``model.transformer.blocks.{i}.q_proj`` → ``model.layers.{i}.self_attn.q_proj``, …; the head
+``model.transformer.ff_out`` → ``lm_head``), which ``save_pretrained`` inverts.
+
+``AutoModel.from_pretrained(folder, trust_remote_code=True)(input_ids).logits``: (B, L, vocab), unshifted (position i
+predicts token i), over every id [MASK] included (a sampler sets the [MASK] logit to −∞).
+"""
+
+from transformers import LlamaForCausalLM
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import WeightRenaming
+
+from .configuration_llada import LLaDAConfig
+
+# LLaDA name (after model.transformer.blocks.{i}.) → transformers' Llama name (after model.layers.{i}.)
+BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "attn_out": "self_attn.o_proj",
+    "ff_norm": "post_attention_layernorm",
+    "ff_proj": "mlp.gate_proj",  # silu(ff_proj(h)) ⊙ up_proj(h)
+    "up_proj": "mlp.up_proj",
+    "ff_out": "mlp.down_proj",  # a block's ff_out; the head's is model.transformer.ff_out
+}
+RENAMES = [
+    WeightRenaming(r"^model\.transformer\.wte\.", "model.embed_tokens."),
+    WeightRenaming(r"^model\.transformer\.ln_f\.", "model.norm."),
+    WeightRenaming(r"^model\.transformer\.ff_out\.", "lm_head."),
+] + [
+    WeightRenaming(rf"^model\.transformer\.blocks\.(\d+)\.{name}\.", rf"model.layers.\1.{target}.")
+    for name, target in BLOCK_NAMES.items()
+]
+
+
+class LLaDAModelLM(LlamaForCausalLM):
+    """LLaDA's network on transformers' Llama: bidirectional attention, untied head over the whole vocabulary."""
+
+    config_class = LLaDAConfig
+
+
+register_checkpoint_conversion_mapping(LLaDAModelLM.__name__, RENAMES, overwrite=True)
