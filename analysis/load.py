@@ -19,8 +19,9 @@ from analysis.heatmaps import IGNORED_LEAVES, varying_params
 EVAL_KEY = re.compile(r"^eval/(?P<sampler>[^/]+)/nfe(?P<nfe_budget>\d+)/(?P<metric>.+)$")
 # Headline metric of a task, in order of preference (the first one an experiment logs is its primary metric).
 PRIMARY_METRICS = ("accuracy", "valid_pct", "gen_ppl", "exact_match")
-# Bookkeeping metrics logged beside every task metric.
-COST_METRICS = ("nfe", "sec_per_sample")
+# Bookkeeping metrics logged beside every task metric (callbacks/sampling_eval.py COST_KEYS; runs logged before the
+# NFE spread and TPF have only the first and the last).
+COST_METRICS = ("nfe", "nfe_std", "nfe_min", "nfe_p50", "nfe_p90", "nfe_max", "tpf", "sec_per_sample")
 RUN_COLUMNS = ["experiment", "run_id", "name", "method", "seed", "sweep", "trial", "setting"]
 # Params that differ between runs of one setting: seeds (any key ending in `seed`), names, paths (the run folder
 # holds the seed, a source checkpoint's path too), and knobs that change neither the model nor its scores.
@@ -195,7 +196,7 @@ def primary_metric(long: pd.DataFrame) -> str:
 def summarize(table: pd.DataFrame, metric: str) -> pd.DataFrame:
     """Per experiment × name × setting × sampler × budget (runs of one setting differ only in their seed:
     ``settings``): mean, std (ddof 1; 0 for one run), run count of ``metric`` and the mean NFE actually spent and
-    seconds per sample."""
+    seconds per sample (and, where logged, its spread over rows and the tokens per forward); the runs' sweep."""
     keys = ["experiment", "name", "setting", "sampler", "nfe_budget"]
     rows = table.dropna(subset=[metric])
     grouped = rows.groupby(keys, sort=False)
@@ -204,6 +205,7 @@ def summarize(table: pd.DataFrame, metric: str) -> pd.DataFrame:
     for cost in COST_METRICS:
         out[cost] = grouped[cost].mean() if cost in rows else np.nan
     out["method"] = grouped["method"].first()
+    out["sweep"] = grouped["sweep"].first()
     out["seeds"] = grouped["seed"].agg(lambda s: ",".join(str(v) for v in sorted(s.dropna().unique())))
     return out.reset_index().sort_values(keys, ignore_index=True)
 

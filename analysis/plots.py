@@ -23,34 +23,82 @@ LABELS = {
 }
 
 
+def curve_points(summary: pd.DataFrame) -> list[dict]:
+    """The speed–quality lines, one per (run name, sampler), sorted by x: x = the mean NFE actually spent (the
+    budget where none was logged), so an adaptive sampler sits at the NFE its rows needed, not at its cap; xerr = the
+    spread of the rows' NFE (``nfe_std``, 0 where not logged), y ± yerr = the metric's mean ± std over runs; seconds
+    per sample where logged (NaN otherwise); ``adaptive``: some point spent other than its budget or varied by row."""
+    lines = []
+    for (name, sampler), part in summary.groupby(["name", "sampler"], sort=False):
+        spent = part["nfe"] if "nfe" in part else pd.Series(np.nan, index=part.index)
+        x = spent.where(spent.notna(), part["nfe_budget"]).astype(float)
+        spread = part["nfe_std"] if "nfe_std" in part else pd.Series(np.nan, index=part.index)
+        seconds = part["sec_per_sample"] if "sec_per_sample" in part else pd.Series(np.nan, index=part.index)
+        order = np.argsort(x.to_numpy(), kind="stable")
+        xerr = spread.fillna(0.0).to_numpy(float)[order]
+        adaptive = bool((np.abs(x - part["nfe_budget"]) > 1e-9).any() or (xerr > 0).any())
+        lines.append(
+            {
+                "name": name,
+                "sampler": sampler,
+                "x": x.to_numpy()[order],
+                "xerr": xerr,
+                "y": part["mean"].to_numpy(float)[order],
+                "yerr": part["std"].to_numpy(float)[order],
+                "seconds": seconds.to_numpy(float)[order],
+                "n": int(part["n"].max()),
+                "adaptive": adaptive,
+            }
+        )
+    return lines
+
+
 def speed_quality(summary: pd.DataFrame, metric: str, path: Path, title: str) -> Path:
-    """NFE actually spent (log x) vs ``metric``: one line per (run name, sampler), mean ± std over runs (seeds)."""
-    fig, ax = plt.subplots(figsize=(8.5, 4.8), dpi=120)
+    """NFE actually spent (log x) vs ``metric``: one line per (run name, sampler), mean ± std over runs; adaptive
+    samplers (dashed, open markers) at their mean NFE with the rows' NFE spread as a horizontal bar. A second panel
+    plots the same against wall-clock seconds per sample where the runs logged it."""
+    lines = curve_points(summary)
+    timed = any(np.isfinite(line["seconds"]).any() for line in lines)
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(14 if timed else 8.5, 4.8), dpi=120, squeeze=False)
     names = list(dict.fromkeys(summary["name"]))
-    colors = plt.get_cmap("tab10" if summary.groupby(["name", "sampler"]).ngroups <= 10 else "tab20")
-    for i, ((name, sampler), part) in enumerate(summary.groupby(["name", "sampler"], sort=False)):
-        part = part.sort_values("nfe")
-        x = part["nfe"].where(part["nfe"].notna(), part["nfe_budget"])
-        ax.errorbar(
-            x,
-            part["mean"],
-            yerr=part["std"],
-            label=f"{name} · {sampler} (n={int(part['n'].max())})",
+    colors = plt.get_cmap("tab10" if len(lines) <= 10 else "tab20")
+    for i, line in enumerate(lines):
+        style = dict(
             color=colors(i % colors.N),
-            marker=MARKERS[names.index(name) % len(MARKERS)],
+            marker=MARKERS[names.index(line["name"]) % len(MARKERS)],
+            ls="--" if line["adaptive"] else "-",
+            mfc="none" if line["adaptive"] else None,
             capsize=3,
             lw=1.6,
             ms=5,
         )
+        label = f"{line['name']} · {line['sampler']} (n={line['n']})" + (" · adaptive" if line["adaptive"] else "")
+        axes[0, 0].errorbar(line["x"], line["y"], yerr=line["yerr"], xerr=line["xerr"], label=label, **style)
+        if timed:
+            keep = np.isfinite(line["seconds"])
+            axes[0, 1].errorbar(line["seconds"][keep], line["y"][keep], yerr=line["yerr"][keep], **style)
+    ax = axes[0, 0]
     ax.set_xscale("log")
-    budgets = sorted(summary["nfe_budget"].unique())
-    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ticks = sorted(
+        {float(b) for b in summary["nfe_budget"]} | {float(x) for ln in lines if ln["adaptive"] for x in ln["x"]}
+    )
+    ax.set_xticks(ticks, [f"{t:.3g}" for t in ticks], fontsize=7 if len(ticks) > 8 else None)
     ax.minorticks_off()
-    ax.set_xlabel("NFE actually spent (log scale)")
+    ax.set_xlabel("NFE actually spent, mean over rows (log scale; adaptive: ± row std)")
     ax.set_ylabel(LABELS.get(metric, metric) + " — mean ± std over runs")
     ax.set_title(title)
+    if timed:
+        wall = axes[0, 1]
+        seconds = np.concatenate([line["seconds"] for line in lines])
+        seconds = seconds[np.isfinite(seconds) & (seconds > 0)]
+        wide = seconds.size > 0 and seconds.max() > 10 * seconds.min()  # log scale only over a decade or more
+        wall.set_xscale("log" if wide else "linear")
+        wall.set_xlabel("wall-clock seconds per sample" + (" (log scale)" if wide else ""))
+        wall.set_title("the same against wall-clock time", fontsize=10)
+        wall.grid(alpha=0.3)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    axes[0, -1].legend(*ax.get_legend_handles_labels(), fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes[0, -1].get_legend().set_frame_on(False)
     return _save(fig, path)
 
 

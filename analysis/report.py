@@ -15,10 +15,12 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from analysis import plots
+from analysis.aup import ACCURACY_METRICS
 from analysis.calibration import pool_and_score
 from analysis.heatmaps import label_trials, sweep_grids
 from analysis.load import eval_table, load_calibration, load_runs, long_metrics, primary_metric, summarize
 from analysis.tables import (
+    aup_table,
     calibration_table,
     paper_table,
     reference_numbers,
@@ -31,6 +33,12 @@ from analysis.tables import (
 from flowlm.experiment_kind import mark_model_training
 
 REPORT_MD, REPORT_HTML = "report.md", "report.html"
+AUP_TEXT = (
+    "d3LLM's weighted area under the accuracy–TPF curve (tokens per forward: positions generated / NFE a row spent, "
+    "mean over rows), points more than 5 below the lowest-TPF point left out, accuracy weighted by "
+    "min(exp(−3 (1 − y / y_max)), 1) with y_max the experiment's best (analysis/aup.py); higher is better. One line "
+    "per run and sampler over its NFE budgets, one per sweep and sampler over all its trials."
+)
 
 
 @dataclass
@@ -174,6 +182,10 @@ def _experiment_sections(
     results = results_table(summary, metric)
     report.tables[f"results/{experiment}"] = results
     sections.append(Section(f"{metric} by NFE budget", f"Cells: mean ± std over runs ({measured}).", results, level=3))
+    if metric in ACCURACY_METRICS:
+        aup = aup_table(summary, metric)
+        report.tables[f"aup/{experiment}"] = aup
+        sections.append(Section("AUP: accuracy under parallelism", AUP_TEXT, aup, level=3))
 
     key = reference or task_key(runs)
     if key is not None and key in reference_numbers():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -15,13 +16,14 @@ from types import SimpleNamespace
 
 import pandas as pd
 
+from analysis.aup import aup_lines
 from analysis.report import REPORT_HTML, REPORT_MD, Report, Section, _inline, _render_html, _render_markdown
 from analysis.tables import reference_numbers
-from flowlm.tasks.sudoku import clues_for
+from flowlm.tasks.sudoku import SudokuLayout, clues_for
 
 # A table row's identity; with `seed` the identity of one measurement (the latest `date` wins on duplicates).
 KEY = ["board", "difficulty", "method", "variant", "sampler", "sampler_settings", "nfe_budget"]
-MEASURES = ["accuracy", "valid_pct", "distinct_valid", "train_copy_pct", "auroc", "wrong_pct", "nfe"]
+MEASURES = ["accuracy", "valid_pct", "distinct_valid", "train_copy_pct", "auroc", "wrong_pct", "nfe", "nfe_std", "tpf"]
 TRAINING = ["steps", "budget_steps", "wall_s", "final_val_loss"]
 DIFFICULTIES = ("easy", "medium", "hard")
 UNCOND_NFE = (1, 3, 9, 27, 36)  # the paper's 1 / 3 / 9 / 27 / 81 on a 36-cell board
@@ -151,8 +153,9 @@ def _is_number(value: str) -> bool:
 
 
 def aggregate(rows: pd.DataFrame) -> pd.DataFrame:
-    """One line per KEY: mean, std (ddof 1; 0 for one seed) and seed count of every measure; training facts as
-    means, ``converged`` as the number of converged seeds."""
+    """One line per KEY: mean, std (ddof 1; 0 for one seed) and seed count of every measure (``tpf`` completed by
+    ``with_tpf``); training facts as means, ``converged`` as the number of converged seeds."""
+    rows = with_tpf(rows)
     grouped = rows.groupby(KEY, sort=False, dropna=False)
     out = grouped.size().rename("n").to_frame()
     for m in MEASURES + TRAINING:
@@ -165,6 +168,24 @@ def aggregate(rows: pd.DataFrame) -> pd.DataFrame:
         out["confidence_kind"] = grouped["confidence_kind"].first()
     out["seeds"] = grouped["seed"].agg(lambda s: ",".join(str(v) for v in sorted(s.unique())))
     return out.reset_index()
+
+
+def with_tpf(rows: pd.DataFrame) -> pd.DataFrame:
+    """``rows`` with tokens per forward in every row: the logged ``tpf`` (the mean over rows of generated positions
+    / NFE spent), else, for rows of CSVs written before TPF was, generated positions / mean NFE: the same for
+    fixed-step samplers, at most the logged mean for adaptive ones (Jensen: mean(g / n) ≥ g / mean(n))."""
+    generated = pd.Series([generated_positions(b, d) for b, d in zip(rows["board"], rows["difficulty"], strict=True)])
+    derived = generated.set_axis(rows.index) / pd.to_numeric(rows["nfe"], errors="coerce").where(lambda v: v > 0)
+    logged = pd.to_numeric(rows["tpf"], errors="coerce") if "tpf" in rows else derived * float("nan")
+    return rows.assign(tpf=logged.fillna(derived))
+
+
+def generated_positions(board: str, difficulty: str) -> int:
+    """Positions a sampler generates per row on an n×n board: its sequence less the prompt (flowlm.tasks.sudoku's
+    SudokuLayout: the solution half's cells and separators when conditional, the n² cells otherwise)."""
+    n = int(str(board).split("x")[0])
+    layout = SudokuLayout(SimpleNamespace(n=n), conditional=difficulty != "uncond")  # the layout reads only n
+    return layout.seq_len - layout.prompt_len
 
 
 def empty_cells(board: str, difficulty: str) -> int:
@@ -316,6 +337,37 @@ def calibration_table(agg: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(lines, columns=["task", "model", "sampler", "confidence", "@4", "@full"])
 
 
+def aup_table(agg: pd.DataFrame) -> pd.DataFrame:
+    """AUP (analysis/aup.py) per task × model × sampler (× settings, where a sampler ran with several) over its NFE
+    budgets: accuracy (conditional) or % valid (unconditional) against tokens per forward, means over seeds; y_max =
+    the task's best line."""
+    columns = ["task", "model", "sampler", "points", "TPF", "AUP"]
+    lines = []
+    for d in [*DIFFICULTIES, "uncond"]:
+        metric = "valid_pct" if d == "uncond" else "accuracy"
+        part = agg[agg["difficulty"] == d]
+        if part.empty or f"{metric}_mean" not in part:
+            continue
+        points = part.rename(columns={f"{metric}_mean": metric, "tpf_mean": "tpf"}).dropna(subset=[metric])
+        got = aup_lines(points, ["method", "variant", "sampler", "sampler_settings"], metric)
+        for method, variant, sampler in _models(points):
+            mine = got[(got["method"] == method) & (got["variant"] == variant) & (got["sampler"] == sampler)]
+            labels = settings_labels(list(mine["sampler_settings"]))
+            for line in mine.itertuples(index=False):
+                label = labels[line.sampler_settings]
+                lines.append(
+                    {
+                        "task": d,
+                        "model": _label(method, variant),
+                        "sampler": f"{sampler} {label}" if label else sampler,
+                        "points": line.points,
+                        "TPF": "" if pd.isna(line.tpf_min) else f"{line.tpf_min:.3g}–{line.tpf_max:.3g}",
+                        "AUP": "" if pd.isna(line.aup) else f"{line.aup:.1f}",
+                    }
+                )
+    return pd.DataFrame(lines, columns=columns)
+
+
 # ---------------------------------------------------------------- verdicts
 REPRODUCES, FAILS, INCONCLUSIVE = "reproduces", "does not reproduce at this scale", "inconclusive"
 
@@ -339,7 +391,8 @@ PAPER, SUITE = "paper", "suite"  # a verdict's scope: where the paper states the
 # The claims judged, by id; where the papers state each: the `claims` of reference.yaml's tasks.
 CLAIMS = {
     "pr_beats_mdm": "FMLM+ PR at 4 NFE beats the MDM at full NFE (its better sampler)",
-    "pr_beats_fast_mdm": "FMLM+ PR at 4 NFE beats the MDM's best decoder at ≤ 4 mean NFE (adaptive ones included)",
+    "pr_beats_fast_mdm": "FMLM+ PR at 4 NFE beats the MDM's best decoder at ≤ 4 mean NFE (PR's own if lower; "
+    "adaptive ones by their mean NFE)",
     "pr_beats_a_priori": "PR beats the a-priori loop on the same checkpoint at low NFE ({nfe})",
     "init_distill_scratch": "MDM-initialised > distilled > scratch (PR at {nfe} NFE)",
     "mlfm_guidance": "MLFM: CCFG + OTP > CCFG > no guidance (NFE {nfe})",
@@ -409,11 +462,14 @@ def verdicts(agg: pd.DataFrame) -> pd.DataFrame:
             best = max(mdm, key=lambda c: c.mean) if mdm else None
             for v in ("scratch", "distill", "init"):
                 add("pr_beats_mdm", LOW_NFE, d, f"FMLM+ {v} PR@4", at("FMLM+", v, "pr", LOW_NFE), f"MDM@{full}", best)
-            fast = best_within_nfe(part, metric, "MDM", LOW_NFE)
-            if fast is not None:
-                for v in ("scratch", "distill", "init"):
-                    pr = at("FMLM+", v, "pr", LOW_NFE)
-                    add("pr_beats_fast_mdm", LOW_NFE, d, f"FMLM+ {v} PR@4", pr, fast[0], fast[1])
+            for v in ("scratch", "distill", "init"):
+                pr = at("FMLM+", v, "pr", LOW_NFE)
+                spent = cell(part, "nfe", method="FMLM+", variant=v, sampler="pr", nfe_budget=LOW_NFE)
+                bound = min(LOW_NFE, spent.mean) if spent is not None else LOW_NFE  # PR's mean NFE (early stop)
+                fast = best_within_nfe(part, metric, "MDM", bound)
+                if fast is not None:
+                    label = f"FMLM+ {v} PR@4" + (f" ({bound:.1f} NFE)" if bound < LOW_NFE else "")
+                    add("pr_beats_fast_mdm", LOW_NFE, d, label, pr, fast[0], fast[1])
         for nfe in (LOW_NFE,) if d != "uncond" else (3, 9):
             for v in ("scratch", "distill", "init"):
                 add(
@@ -433,18 +489,39 @@ def verdicts(agg: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(lines, columns=["claim", "task", "compared", "verdict", "scope", "stated"])
 
 
-def best_within_nfe(part: pd.DataFrame, metric: str, method: str, nfe: int) -> tuple[str, Cell] | None:
-    """The ``method``'s best line (any sampler and budget) whose mean NFE spent is at most ``nfe``: a fixed-step
-    sampler at that budget, or an adaptive one (threshold, EB) whose rows needed no more on average; its label
-    ('MDM eb@18 (3.9 NFE)') and cell. None when none is measured."""
+def best_within_nfe(part: pd.DataFrame, metric: str, method: str, nfe: float) -> tuple[str, Cell] | None:
+    """The ``method``'s best line (any sampler, settings and budget) whose mean NFE spent is at most ``nfe``: a
+    fixed-step sampler at that budget, or an adaptive one (threshold, EB) whose rows needed no more on average,
+    whatever its cap; its label ('MDM eb@18 (3.9 NFE)', the settings named where a sampler ran with several) and its
+    own cell. None when none is measured."""
     lines = part[(part["method"] == method) & (part["nfe_mean"] <= nfe + 1e-9)] if "nfe_mean" in part else part[:0]
+    lines = lines.dropna(subset=[f"{metric}_mean"]) if f"{metric}_mean" in lines else lines[:0]
     best: tuple[str, Cell] | None = None
     for _, line in lines.iterrows():
-        got = cell(part, metric, method=method, sampler=line["sampler"], nfe_budget=line["nfe_budget"])
-        if got is not None and (best is None or got.mean > best[1].mean):
-            label = f"{method} {line['sampler']}@{line['nfe_budget']} ({line['nfe_mean']:.1f} NFE)"
+        got = Cell(float(line[f"{metric}_mean"]), float(line[f"{metric}_std"]), int(line["n"]))
+        if best is None or got.mean > best[1].mean:
+            label = f"{method} {_sampler_label(part, line)}@{line['nfe_budget']} ({line['nfe_mean']:.1f} NFE)"
             best = (label, got)
     return best
+
+
+def _sampler_label(part: pd.DataFrame, line: pd.Series) -> str:
+    """The line's sampler, with the settings that tell it apart where ``part`` holds it under several ('eb
+    gamma=0.3')."""
+    if "sampler_settings" not in part:
+        return str(line["sampler"])
+    same = part[(part["method"] == line["method"]) & (part["sampler"] == line["sampler"])]
+    labels = settings_labels(list(dict.fromkeys(same["sampler_settings"].fillna("{}"))))
+    label = labels.get(line.get("sampler_settings") or "{}", "")
+    return f"{line['sampler']} {label}" if label else str(line["sampler"])
+
+
+def settings_labels(settings: list[str]) -> dict[str, str]:
+    """Per sampler-settings JSON, the keys whose values differ among ``settings``, as 'k=v, …' ('' for one)."""
+    parsed = {text: json.loads(text) for text in settings}
+    keys = sorted({k for d in parsed.values() for k in d})
+    differ = [k for k in keys if len({json.dumps(d.get(k)) for d in parsed.values()}) > 1]
+    return {text: ", ".join(f"{k}={d.get(k)}" for k in differ) for text, d in parsed.items()}
 
 
 def verdict_counts(table: pd.DataFrame) -> dict[str, int]:
@@ -528,6 +605,7 @@ def build_sudoku_report(
         "conditional": conditional_table(agg),
         "unconditional": unconditional_table(agg),
         "calibration": calibration_table(agg),
+        "aup": aup_table(agg),
         "verdicts": verdicts(agg),
     }
     rows.drop(columns=["file"]).to_csv(out / ROWS_CSV, index=False)
@@ -541,6 +619,7 @@ def build_sudoku_report(
         "conditional": machines_note(rows[rows["difficulty"].isin(DIFFICULTIES)]),
         "unconditional": machines_note(rows[rows["difficulty"] == "uncond"]),
         "calibration": machines_note(rows),
+        "aup": "",  # TPF does not depend on the machine; the accuracies' mix is named under their own tables
         "verdicts": machines_note(rows),
     }
     judged = tables["verdicts"]
@@ -604,6 +683,18 @@ def build_sudoku_report(
                 tables["calibration"],
             ),
             notes["calibration"],
+        ),
+        (
+            Section(
+                "AUP: accuracy under parallelism (d3LLM)",
+                "The weighted area under each decoder's curve of accuracy (conditional) or % valid (unconditional) "
+                "against tokens per forward (TPF: positions generated / NFE a row spent, mean over rows; rows of "
+                "older CSVs: positions / mean NFE), over the NFE budgets measured; points more than 5 below the "
+                "lowest-TPF point left out, each weighted by min(exp(−3 (1 − y / y_max)), 1), y_max the task's "
+                "best (analysis/aup.py). Higher is better; a single budget gives ρ₁y₁ alone.",
+                tables["aup"],
+            ),
+            notes["aup"],
         ),
     ]
     markdown, page = _render(sections, out, title)

@@ -9,6 +9,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from analysis.aup import aup_lines
+
 REFERENCE_FILE = Path(__file__).with_name("reference.yaml")
 # Decimals shown per metric (others: 1, as in the papers' percentage tables).
 DECIMALS = {"gen_ppl": 2, "auroc": 3}
@@ -62,6 +64,21 @@ def results_table(summary: pd.DataFrame, metric: str) -> pd.DataFrame:
             line[f"NFE {row['nfe_budget']}"] = cell
         lines.append(line)
     return pd.DataFrame(lines, columns=["run", "sampler", "runs", *(f"NFE {b}" for b in budgets)]).fillna("")
+
+
+def aup_table(summary: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """AUP (analysis/aup.py) of each run name × sampler over its NFE budgets, and of each sweep × sampler over all
+    its trials and budgets (a τ or γ grid: one curve); y_max = the best ``metric`` of the experiment. Columns: run,
+    sampler, points, TPF (range), AUP ('n/a' without TPF: runs logged before it)."""
+    points = summary.rename(columns={"mean": metric})
+    swept = points[points["sweep"].fillna("") != ""] if "sweep" in points else points[:0]
+    pooled = swept.assign(name="sweep " + swept["sweep"] + " (all trials)")
+    lines = aup_lines(pd.concat([points, pooled], ignore_index=True), ["name", "sampler"], metric)
+    rows = []
+    for line in lines.itertuples(index=False):
+        tpf = "" if pd.isna(line.tpf_min) else f"{line.tpf_min:.3g}–{line.tpf_max:.3g}"
+        rows.append([line.name, line.sampler, line.points, tpf, "n/a" if pd.isna(line.aup) else f"{line.aup:.1f}"])
+    return pd.DataFrame(rows, columns=["run", "sampler", "points", "TPF", "AUP"])
 
 
 def paper_table(summary: pd.DataFrame, metric: str, key: str, measured: str) -> pd.DataFrame:

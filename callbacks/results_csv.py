@@ -1,9 +1,10 @@
 """A run's evaluation rows as one CSV file in the results folder, in one schema (docs/results.md#results-csv).
 
 Each evaluation (re)writes ``<dir>/<task>/<name>_seed<seed>.csv``: one row per sampler × NFE budget, the task,
-model, sampler settings, metrics, the confidence AUROC, and the convergence facts (callbacks/convergence.py). The
-file name is the run's identity, so a resumed or rerun run replaces its rows; the report (``flowlm-report
---config-name report_sudoku``) merges every CSV under the folder, from any machine or day.
+model, sampler settings, the NFE spent (mean and its spread over rows) and tokens per forward, metrics, the
+confidence AUROC, and the convergence facts (callbacks/convergence.py). The file name is the run's identity, so a
+resumed or rerun run replaces its rows; the report (``flowlm-report --config-name report_sudoku``) merges every CSV
+under the folder, from any machine or day.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from flowlm.metrics.calibration import auroc
 from flowlm.project import git_commit
 
 METRICS = ("accuracy", "exact_match", "valid_pct", "distinct_valid", "train_copy_pct")
+# The NFE's spread over the rows and tokens per forward (callbacks/sampling_eval.py COST_KEYS); blank in older CSVs.
+SPREAD = ("nfe_std", "nfe_min", "nfe_p50", "nfe_p90", "nfe_max", "tpf")
 
 
 def method_label(module: object) -> str:
@@ -34,7 +37,7 @@ def method_label(module: object) -> str:
 
 COLUMNS = [
     "task", "board", "difficulty", "conditional", "method", "variant", "name", "sampler", "confidence_kind",
-    "sampler_settings", "nfe_budget", "nfe", "seed", *METRICS, "auroc", "wrong_pct", "calibration_tokens",
+    "sampler_settings", "nfe_budget", "nfe", *SPREAD, "seed", *METRICS, "auroc", "wrong_pct", "calibration_tokens",
     "sec_per_sample", "eval_step", "steps", "budget_steps", "wall_s", "final_val_loss", "converged",
     "precision", "device", "git_commit", "date",
 ]  # fmt: skip
@@ -111,6 +114,7 @@ class ResultsCSV(Callback):
                 "sampler_settings": json.dumps(settings, sort_keys=True),
                 "nfe_budget": budget,
                 "nfe": result["nfe"],
+                **{k: result.get(k, "") for k in SPREAD},
                 **{m: result.get(m, "") for m in METRICS},
                 **calibration_columns(conf, correct),
                 "sec_per_sample": result["sec_per_sample"],

@@ -6,6 +6,7 @@ import json
 import math
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -14,10 +15,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.trainer.states import TrainerFn
-from torchmetrics import MeanMetric, Metric
+from torchmetrics import CatMetric, MeanMetric, Metric
 
 from flowlm.ops.compiled import compiled_tails
-from flowlm.samplers.base import CONFIDENCE_KINDS, Sampler
+from flowlm.samplers.base import CONFIDENCE_KINDS, SampleOutput, Sampler
 from lightning_modules.sharding import full_parameters
 
 
@@ -50,6 +51,12 @@ class SamplingEvaluation(Callback):
 
     ``compile_tails``: run the samplers' passes over the logits compiled (``flowlm.ops.compiled``; seconds of
     compilation once per process, then one fused pass each: worth it at text vocabularies).
+
+    Cost keys beside the task metric (``COST_KEYS``): ``nfe``, the NFE spent per row, averaged (an adaptive sampler
+    spends its own per row, ``SampleOutput.row_nfe``; the budget is its cap); its spread over the rows, ``nfe_std``
+    (ddof 0), ``nfe_min``, ``nfe_p50``, ``nfe_p90``, ``nfe_max``; ``tpf``, tokens per forward, the mean over rows of
+    (positions generated) / (NFE the row spent), rows with nothing to generate left out; ``sec_per_sample``. The NFE
+    histogram of every sampler × budget (rows per NFE value) is logged as ``eval/step<step>/nfe_histogram.json``.
 
     ``every_n_steps``: during fit, sample only at validations whose step is a multiple of it (the validation loss is
     still computed at every validation); null samples at every one. The final weights are always
@@ -153,6 +160,8 @@ class SamplingEvaluation(Callback):
             (name, budget): {
                 "metric": self.metric_factory(datamodule=self._datamodule).to(pl_module.device),
                 "nfe": MeanMetric().to(pl_module.device),
+                "row_nfe": CatMetric().to(pl_module.device),  # every row's NFE, gathered over ranks: the spread
+                "tpf": MeanMetric(nan_strategy="ignore").to(pl_module.device),
                 "seconds": MeanMetric().to(pl_module.device),
                 "samples": [],
                 "calibration": CalibrationBuffer(self.calibration_tokens),
@@ -182,6 +191,9 @@ class SamplingEvaluation(Callback):
             seconds = _now(tokens.device) - start
             state["metric"].update(out.tokens, tokens)
             state["nfe"].update(out.mean_nfe(), weight=tokens.shape[0])  # per row (adaptive samplers: each its own)
+            row_nfe, tpf = row_costs(out, prompt_mask)
+            state["row_nfe"].update(row_nfe)
+            state["tpf"].update(tpf)
             state["seconds"].update(seconds / tokens.shape[0], weight=tokens.shape[0])
             room = self.num_logged_samples - len(state["samples"])
             if room > 0:
@@ -197,18 +209,21 @@ class SamplingEvaluation(Callback):
         self.results = []
         for (name, budget), state in self._states.items():
             values = {k: float(v) for k, v in state["metric"].compute().items()}
+            state["spent"] = _values(state["row_nfe"])  # on every rank: the gather is collective
             self.primary = self.primary or next(iter(values))
             row = {
                 "sampler": name,
                 "nfe_budget": budget,
                 "nfe": float(state["nfe"].compute()),
+                **nfe_spread(state["spent"]),
+                "tpf": float(state["tpf"].compute()),
                 "sec_per_sample": float(state["seconds"].compute()),
                 **values,
                 "step": trainer.global_step,
             }
             self.results.append(row)
             prefix = f"eval/{name}/nfe{budget}"
-            for key in [*values, "nfe", "sec_per_sample"]:
+            for key in [*values, *COST_KEYS]:
                 pl_module.log(f"{prefix}/{key}", row[key], sync_dist=False, rank_zero_only=True)
         if trainer.is_global_zero:
             self._log_artifacts(trainer)
@@ -240,15 +255,60 @@ class SamplingEvaluation(Callback):
             if hasattr(state["metric"], "artifact_rows")
         }
         buffers = {key: state["calibration"] for key, state in self._states.items() if len(state["calibration"])}
+        histogram = {
+            f"{name}/nfe{budget}": nfe_histogram(state["spent"]) for (name, budget), state in self._states.items()
+        }
         with tempfile.TemporaryDirectory() as tmp:
             npz = save_calibration(Path(tmp) / "calibration.npz", buffers, self.samplers) if buffers else None
             for lg in loggers:
                 lg.experiment.log_text(lg.run_id, self.table(), f"eval/step{step:07d}/table.md")
                 lg.experiment.log_text(lg.run_id, "\n".join(lines), f"eval/step{step:07d}/samples.md")
+                lg.experiment.log_dict(lg.run_id, histogram, f"eval/step{step:07d}/nfe_histogram.json")
                 if npz is not None:
                     lg.experiment.log_artifact(lg.run_id, str(npz), f"eval/step{step:07d}")
                 for path, text in jsonl.items():
                     lg.experiment.log_text(lg.run_id, text, path)
+
+
+COST_KEYS = ("nfe", "nfe_std", "nfe_min", "nfe_p50", "nfe_p90", "nfe_max", "tpf", "sec_per_sample")
+
+
+def row_costs(out: SampleOutput, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row (B,): the NFE it spent (``row_nfe``, else the call's ``nfe``) and its tokens per forward,
+    TPF = #{positions not in the prompt} / NFE, NaN for a row that spent none (nothing to generate)."""
+    generated = (~prompt_mask).sum(-1).double()
+    spent = torch.full_like(generated, float(out.nfe)) if out.row_nfe is None else out.row_nfe.double()
+    return spent, torch.where(spent > 0, generated / spent.clamp_min(1), torch.nan)
+
+
+def nfe_spread(row_nfe: np.ndarray) -> dict[str, float]:
+    """The spread of the rows' NFE: std (ddof 0), min, median, 90th percentile (linear interpolation), max; NaN
+    without rows."""
+    if row_nfe.size == 0:
+        return dict.fromkeys(("nfe_std", "nfe_min", "nfe_p50", "nfe_p90", "nfe_max"), math.nan)
+    p50, p90 = np.percentile(row_nfe, [50, 90])
+    return {
+        "nfe_std": float(row_nfe.std()),
+        "nfe_min": float(row_nfe.min()),
+        "nfe_p50": float(p50),
+        "nfe_p90": float(p90),
+        "nfe_max": float(row_nfe.max()),
+    }
+
+
+def nfe_histogram(row_nfe: np.ndarray) -> dict[str, int]:
+    """Rows per NFE value, in increasing NFE ('3': 120); integral values written without a decimal point."""
+    values, counts = np.unique(row_nfe, return_counts=True)
+    label = lambda v: str(int(v)) if float(v).is_integer() else f"{v:g}"
+    return {label(v): int(c) for v, c in zip(values, counts, strict=True)}
+
+
+def _values(metric: CatMetric) -> np.ndarray:
+    """A CatMetric's values (synced over ranks) as float64; empty before any update."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torchmetrics warns that compute() runs before update()
+        values = metric.compute()
+    return values.double().cpu().numpy() if isinstance(values, torch.Tensor) else np.zeros(0)
 
 
 class CalibrationBuffer:

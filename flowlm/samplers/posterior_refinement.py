@@ -23,8 +23,12 @@ class PosteriorRefinementSampler(PlannedSampler):
     as an MDM would: one NFE per round). Commit rule: p_max ≥ ``threshold`` plus at least ⌈#uncommitted /
     rounds_left⌉ top tokens (``commit="uniform"``) or exactly the top ``top_k`` (``commit="top_k"``, plus the
     threshold); the last round commits everything. Committed tokens become one-hot at s = 1 and are never revisited.
-    NFE = R × N. ``rounds=None`` takes R = budget // N, ``flow_steps=None`` N = budget // R (the released text
-    settings: R = 4 and N = 8 at 32 NFE on TinyStories, N = 32 at 128 on OWT), so one config serves an NFE sweep.
+    NFE = R × N: without ``early_stop`` the loop reads nothing back from the device, so it spends its R rounds even
+    when the threshold has committed every token sooner (later rounds then change nothing). ``early_stop=True``: one
+    host read per round, and the loop ends once every row is committed; ``row_nfe`` holds each row's N × (rounds it
+    had uncommitted tokens at), ``nfe`` the calls the batch made (≤ R × N). ``rounds=None`` takes R = budget // N,
+    ``flow_steps=None`` N = budget // R (the released text settings: R = 4 and N = 8 at 32 NFE on TinyStories,
+    N = 32 at 128 on OWT), so one config serves an NFE sweep.
 
     The draft is the argmax (the released code) or, at ``temperature`` > 0, a float64 Gumbel draw; it is scored by
     ``score``: "max_prob", p_max (methods' step 3; the default) or "sampled", the draft token's probability. The
@@ -45,6 +49,7 @@ class PosteriorRefinementSampler(PlannedSampler):
         confidence: str = "posterior",
         temperature: float = 0.0,
         score: str = "max_prob",
+        early_stop: bool = False,
     ) -> None:
         if rounds is not None and rounds < 1:
             raise ValueError(f"PR needs rounds ≥ 1, got {rounds}")
@@ -68,6 +73,7 @@ class PosteriorRefinementSampler(PlannedSampler):
         self.flow_steps, self.noise, self.confidence = flow_steps, noise, confidence
         self.temperature = check_temperature(temperature)
         self.score = check_score(score)
+        self.early_stop = bool(early_stop)
 
     @property
     def confidence_kind(self) -> str:
@@ -100,7 +106,7 @@ class PosteriorRefinementSampler(PlannedSampler):
         return self.plan(nfe, prompt.shape[-1])
 
     def sample(self, model: FlowDenoiser, prompt: Tensor, prompt_mask: Tensor, schedule, generator) -> SampleOutput:
-        """Sample with exactly R × N network calls."""
+        """Sample with R × N network calls (fewer with ``early_stop``, once every row is committed)."""
         rounds, steps = schedule
         space, device = model.states, prompt.device  # states over the vocabulary, or h = x·E (see FlowDenoiser)
         committed = prompt_mask.clone()
@@ -109,6 +115,7 @@ class PosteriorRefinementSampler(PlannedSampler):
         positions = torch.arange(prompt.shape[1], device=device)
         noise = space.noise(prompt.shape, generator, device)
         calls = 0
+        row_nfe = torch.zeros(prompt.shape[0], dtype=torch.long, device=device)
         for r in range(rounds):
             x = torch.where(committed[..., None], space.data(tokens), noise)
             if self.temperature == 0:  # the greedy draft reads (log p_max, argmax) only: no (B, L, |V|) log δ
@@ -121,13 +128,18 @@ class PosteriorRefinementSampler(PlannedSampler):
                 score = log_probs.amax(-1).exp() if self.score == "max_prob" else p_draft  # p_max
             calls += steps
             open_ = ~committed
+            row_nfe += steps * open_.any(-1)  # a row spends this round's calls while it holds an uncommitted token
             commit = self._commit_mask(score, open_, rounds - r, positions)
             tokens = torch.where(commit, draft, tokens)
             confidence = torch.where(commit, p_draft, confidence)
             committed = committed | commit
+            if self.early_stop and bool(committed.all()):  # the one host read per round early stopping costs
+                break
             if self.noise == "fresh" and r < rounds - 1:  # re-noise every uncommitted position with fresh N(0, I)
                 noise = space.noise(prompt.shape, generator, device)
-        return SampleOutput(tokens=tokens, confidence=confidence, nfe=calls)
+        return SampleOutput(
+            tokens=tokens, confidence=confidence, nfe=calls, row_nfe=row_nfe if self.early_stop else None
+        )
 
     def _draft(self, model: FlowDenoiser, x: Tensor, committed: Tensor, steps: int) -> Tensor:
         """log δ_{0,1} of the uncommitted tokens in N flow-map jumps (PR), or log δ_{0,0} (a-priori: N = 1)."""
