@@ -245,6 +245,11 @@ class FlowLM(LM):
         """The tokenizer as given (lm-eval fingerprints caches with it)."""
         return self.tokenizer_spec
 
+    @property
+    def nfe_spent(self) -> list[int]:
+        """The NFE each generated request spent, in the order generated (runners/mt_bench.py records it per answer)."""
+        return list(self._nfe)
+
     def get_model_info(self) -> dict:
         """What lm-eval adds to ``results["config"]``: the checkpoint, sampler and budget, the NFE spent."""
         return {MODEL_NAME: self.summary()}
