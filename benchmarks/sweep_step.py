@@ -1,0 +1,235 @@
+"""The Sudoku tables sweep's wall time per training step, against the bare step and the step's FLOP limit.
+
+Issue 35, item 1: where does a step of ``flowlm-train -m hparams_search=sudoku_tables`` go beyond the network? Three
+loops on the same module and the same data, side by side in one process (interleaved, so a shared machine moves
+them alike):
+
+  - **sweep**: the tables sweep's own training (``runners.train.train`` on the composed sweep config: validation every
+    50 steps, EMA, the convergence record, checkpoints every 50 steps, MLflow logging, the datamodule), timed from the
+    end of step ``warmup`` over 100 steps (``--window``), so the window holds two validations and two checkpoints
+    as every 100 steps of the sweep do; the sampling at the final weights is timed apart (one validation with the
+    samplers), as a cost per model;
+  - **lightning**: the same module under a bare ``lightning.Trainer`` (no validation, logger, checkpoints or
+    callbacks; ``throughput.run_lightning``), on batches drawn from the same datamodule;
+  - **bare**: ``zero_grad → autocast(draw + loss) → backward → clip → AdamW → schedule`` (``throughput.run_bare``).
+
+The limit: the step's matrix-product FLOPs (torch's FlopCounterMode) at this machine's measured rate of a 2048²
+matmul in the step's precision (the physical limit of a step on this CPU). Printed: seconds per step of each loop,
+each over the bare step and over the limit.
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/sweep_step.py                   # sudoku_mdm_easy, the sweep's batch
+    .venv/bin/python benchmarks/sweep_step.py --experiment sudoku_fmlm_plus_scratch_uncond --reps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+from common import autocast
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+from probes import matmul_flops, median
+from throughput import quiet_lightning, run_bare, run_lightning
+
+from flowlm.project import CONF_DIR
+from runners.common import build
+
+VAL_EVERY = 50  # the sweep's validation and checkpoint interval
+
+
+def sweep_config(experiment: str, seed: int, root: str, steps: int, overrides: list[str]):
+    """The tables sweep's config for one model, its runs under ``root``, stopped after ``steps`` steps, sampling
+    only where asked (``eval.every_n_steps`` past the end: none inside the timed window; no final evaluation)."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=[
+                "hparams_search=sudoku_tables",
+                f"experiment={experiment}",
+                "scale=cpu",
+                f"seed={seed}",
+                f"paths.root={root}",
+                f"trainer.max_steps={steps}",
+                "callbacks.convergence.stop=false",
+                "callbacks.results_csv.dir=null",
+                *overrides,
+            ],
+        )
+    with open_dict(cfg):
+        cfg.eval.every_n_steps = 10**9
+        cfg.final_eval = False
+    return cfg
+
+
+class StepClock:
+    """Lightning callback: the wall time at the end of every training batch, and of every validation."""
+
+    def __init__(self) -> None:
+        from lightning.pytorch.callbacks import Callback
+
+        clock = self
+        self.steps: list[float] = []
+        self.validations: list[float] = []
+
+        class Hook(Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+                clock.steps.append(time.perf_counter())
+
+            def on_validation_end(self, trainer, pl_module) -> None:
+                clock.validations.append(time.perf_counter())
+
+        self.callback = Hook()
+
+
+def run_sweep(args, warmup: int) -> float:
+    """Seconds per step of the sweep's own training over ``args.window`` steps after ``warmup`` (a multiple of the
+    validation interval, so the window holds the sweep's share of validations and checkpoints)."""
+    import callbacks.progress as progress
+    from runners.train import train
+
+    clock = StepClock()
+    with tempfile.TemporaryDirectory() as root:
+        cfg = sweep_config(args.experiment, args.seed, root, warmup + args.window + 1, args.override)
+        progress.progress_callbacks, restore = _with_clock(progress.progress_callbacks, clock)
+        try:
+            train(cfg)
+        finally:
+            progress.progress_callbacks = restore
+    stamps = clock.steps
+    return (stamps[warmup + args.window - 1] - stamps[warmup - 1]) / args.window
+
+
+def _with_clock(progress_callbacks, clock: StepClock):
+    """``callbacks.progress.progress_callbacks`` (imported by ``runners.train.train`` when it runs) returning the
+    clock beside its own callbacks, so how the sweep's trainer is built stays the runner's."""
+
+    def patched(*a, **kw):
+        return [*progress_callbacks(*a, **kw), clock.callback]
+
+    return patched, progress_callbacks
+
+
+def sampling_seconds(args) -> float:
+    """Seconds of one validation with the sweep's samplers at its NFE budgets (the sampling at the final weights,
+    once per model), on the untrained module: the cost does not depend on the weights."""
+    import lightning as L
+
+    with tempfile.TemporaryDirectory() as root:
+        cfg = sweep_config(args.experiment, args.seed, root, 1, args.override)
+        datamodule = build(cfg.data)
+        module = build(cfg.method, data_vocab_size=datamodule.vocab_size, seq_len=datamodule.seq_len)
+        evaluation = build(cfg.eval)
+        evaluation.every_n_steps = None
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            precision=cfg.trainer.precision,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[evaluation],
+            default_root_dir=root,
+        )
+        start = time.perf_counter()
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+        return time.perf_counter() - start
+
+
+def module_and_batches(args):
+    """The sweep's module (untrained) and eight of its datamodule's training batches."""
+    with tempfile.TemporaryDirectory() as root:
+        cfg = sweep_config(args.experiment, args.seed, root, 1, args.override)
+        datamodule = build(cfg.data)
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+        module = build(cfg.method, data_vocab_size=datamodule.vocab_size, seq_len=datamodule.seq_len)
+        batches = []
+        for batch in datamodule.train_dataloader():
+            batches.append(batch)
+            if len(batches) == 8:
+                break
+    return cfg, module, batches
+
+
+def matmul_rate(precision: str, reps: int = 5) -> float:
+    """FLOP/s of a 2048² matrix product in the step's precision (bf16 under bf16-mixed), the best of ``reps``."""
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
+    a = torch.randn(2048, 2048, dtype=dtype)
+    b = torch.randn(2048, 2048, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * 2048**3 / best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--experiment", default="sudoku_mdm_easy", help="a model of the tables sweep")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=1, help="interleaved repetitions of the three loops")
+    ap.add_argument("--bare-steps", type=int, default=30, help="timed steps of the bare and Lightning loops")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each loop")
+    ap.add_argument("--window", type=int, default=100, help="timed steps of the sweep loop (a multiple of 50)")
+    ap.add_argument("override", nargs="*", help="more Hydra overrides of the sweep's config")
+    args = ap.parse_args()
+    if args.window % VAL_EVERY or args.window <= 0:
+        ap.error(f"--window must be a positive multiple of the sweep's validation interval, {VAL_EVERY}")
+    quiet_lightning()
+    cfg, module, batches = module_and_batches(args)
+    precision = str(cfg.trainer.precision)
+    device = torch.device("cpu")
+
+    def loss(batch: dict, i: int):
+        return module.loss(batch, module.draw(batch, i, stage="train")).loss
+
+    seconds: dict[str, list[float]] = {"bare": [], "lightning": [], "sweep": []}
+    steps = args.warmup + args.bare_steps
+    kw = {"steps": steps, "warmup": args.warmup, "precision": precision, "device": device}
+    for _ in range(args.reps):
+        seconds["bare"].append(run_bare(module, loss, batches, **kw)[0])
+        seconds["lightning"].append(run_lightning(module, batches, **kw)[0])
+        seconds["sweep"].append(run_sweep(args, args.warmup))
+        seconds["bare"].append(run_bare(module, loss, batches, **kw)[0])
+    sampling = sampling_seconds(args)
+
+    def one_step() -> None:
+        with autocast(precision, device):
+            value = loss(batches[0], 0)
+        value.backward()
+
+    flops = matmul_flops(one_step)
+    module.zero_grad(set_to_none=True)
+    rate = matmul_rate(precision)
+    limit = flops / rate
+    bare = median(seconds["bare"])
+    print(
+        f"# tables sweep step: {args.experiment} seed {args.seed}, batch {cfg.data.batch_size}, {precision}, "
+        f"torch threads {torch.get_num_threads()}, {args.reps} interleaved reps; step {flops / 1e9:.1f} GFLOP "
+        f"(matmuls, forward + backward), matmul rate {rate / 1e9:.0f} GFLOP/s (2048², best of 5)"
+    )
+    print("| loop | s/step | × bare | × FLOP limit |")
+    print("|---|---|---|---|")
+    print(f"| FLOP limit | {limit:.4f} | {limit / bare:.2f} | 1.00 |")
+    for name, label in (
+        ("bare", "bare step (draw + loss + backward + clip + AdamW)"),
+        ("lightning", "Lightning, no validation / logging / callbacks"),
+        ("sweep", "the sweep's training (validation and checkpoint every 50, EMA, MLflow, data)"),
+    ):
+        s = median(seconds[name])
+        print(f"| {label} | {s:.4f} | {s / bare:.2f} | {s / limit:.2f} |")
+    sweep = median(seconds["sweep"])
+    print(
+        f"sampling at the final weights (one validation with the sweep's samplers and budgets): {sampling:.1f} s, "
+        f"the time of {sampling / sweep:.0f} sweep steps"
+    )
+
+
+if __name__ == "__main__":
+    main()
