@@ -1,14 +1,18 @@
 """Semi-AR MDM decoding with Fast-dLLM's block KV cache (``cache: none | prefix | dual``): seconds per decode, side by
-side in one process, against the FLOP ratio each cache should give.
+side in one process, against the FLOP ratio each cache should give, and seconds per NFE in units of one full forward
+of the same network on ids (measured in the same run: the figure that travels between machines).
 
-A randomly initialised MDM (the suite's DiT, GPT-2's vocabulary by default) completes ``--batch`` sequences: a
-``--prompt-len`` prompt, ``--answer-len`` positions to generate in blocks of ``--block``, ``--steps`` steps per block
-(NFE = blocks × steps for every cache). Repetitions are interleaved (the order rotates) and the medians compared.
-The FLOP estimate counts, per layer, the token-linear work (QKV, attention output, MLP: 12·d² per token) and the
-attention (2·n·L·d for n queries over L keys), and the head (2·d·|V| per position): a full pass is n = L; a prefix
-step n = the block and what follows it; a dual step n = the block. The block's first step is a full pass either way.
+A randomly initialised MDM completes ``--batch`` sequences: a ``--prompt-len`` prompt, ``--answer-len`` positions to
+generate in blocks of ``--block``, ``--steps`` steps per block (NFE = blocks × steps for every cache). The network
+(``--backbone``): the suite's DiT of ``--size``, or a tiny LLaMA-family MDM (transformers' Llama layers, SMDM's
+layout, ``--llama-width`` wide, 4 layers, 4 heads, SwiGLU 8/3 × the width). Repetitions are interleaved (the order
+rotates) and the medians compared. The FLOP estimate counts, per layer and computed position, the token-linear work
+(2 × the layer's multiply-adds per token: QKV, attention output, MLP) and the attention (4·n·L·d for n queries over
+L keys), and the head (2·d·|V| per position): a full pass is n = L; a prefix step n = the block and what follows it;
+a dual step n = the block. The block's first step is a full pass either way.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/block_cache.py                       # the GSM8K shape, tiny
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/block_cache.py                       # the GSM8K shape, tiny DiT
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/block_cache.py --backbone llama --reps 1   # a tiny LLaMA
     .venv/bin/python benchmarks/block_cache.py --prompt-len 32 --answer-len 32 --block 8 --vocab 64 --reps 1  # smoke
 """
 
@@ -27,11 +31,14 @@ from lightning_modules.mdm import MDMModule
 CACHES = ("none", "prefix", "dual")
 
 
-def flops(cache: str, *, length: int, prompt: int, block: int, steps: int, d: int, layers: int, vocab: int) -> float:
-    """Forward FLOPs of one decode (per sequence) by the estimate in the module docstring."""
+def flops(
+    cache: str, *, length: int, prompt: int, block: int, steps: int, d: int, layers: int, vocab: int, linear: int
+) -> float:
+    """Forward FLOPs of one decode (per sequence) by the estimate in the module docstring; ``linear``: a layer's
+    multiply-adds per token."""
 
     def window(n: int) -> float:
-        return layers * (12 * d * d * n + 4 * n * length * d) + 2 * d * vocab * n
+        return layers * (2 * linear * n + 4 * n * length * d) + 2 * d * vocab * n
 
     total = 0.0
     for start in range(prompt, length, block):
@@ -39,6 +46,39 @@ def flops(cache: str, *, length: int, prompt: int, block: int, steps: int, d: in
         n = {"none": length, "prefix": length - start, "dual": min(block, length - start)}[cache]
         total += (steps - 1) * window(n)
     return total
+
+
+def network(args: argparse.Namespace, length: int) -> tuple[MDMModule, dict]:
+    """The random MDM (weights N(0, 0.02²)) and its shape for the FLOP estimate (d, layers, linear)."""
+    if args.backbone == "dit":
+        size = SIZES[args.size]
+        backbone, d, layers = {"size": args.size}, size["d_model"], size["n_layers"]
+        linear = 12 * d * d  # QKV 3d², output d², MLP 2 × 4d²
+    else:
+        d, layers, inner = args.llama_width, 4, 8 * args.llama_width // 3
+        backbone = {
+            "_target_": "flowlm.backbones.llama.BidirectionalLM",
+            **{"hidden_size": d, "n_layers": layers, "n_heads": 4, "intermediate_size": inner},
+            **{"embed_rows": args.vocab + 1, "head_rows": args.vocab, "mask_id": args.vocab, "max_positions": length},
+        }
+        linear = 4 * d * d + 3 * d * inner  # Q, K, V, O; SwiGLU gate, up, down
+    torch.manual_seed(0)
+    module = MDMModule(data_vocab_size=args.vocab, seq_len=length, backbone=backbone, optim={}).eval()
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return module, {"d": d, "layers": layers, "linear": linear}
+
+
+def full_forward_seconds(model, prompt: torch.Tensor, reps: int) -> float:
+    """The median time of one full forward of the network on ids (B, L), after a warm-up call."""
+    t = torch.zeros(prompt.shape[0])
+    model.fn(prompt, t)
+    times = []
+    for _ in range(max(reps, 3)):
+        start = time.perf_counter()
+        model.fn(prompt, t)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -50,14 +90,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="steps per block")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=50257)
-    ap.add_argument("--size", default="tiny")
+    ap.add_argument("--backbone", choices=("dit", "llama"), default="dit")
+    ap.add_argument("--size", default="tiny", help="the DiT's size")
+    ap.add_argument("--llama-width", type=int, default=128, help="the tiny LLaMA's hidden size")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     length = args.prompt_len + args.answer_len
-    torch.manual_seed(0)
-    module = MDMModule(data_vocab_size=args.vocab, seq_len=length, backbone={"size": args.size}, optim={}).eval()
-    for p in module.parameters():
-        torch.nn.init.normal_(p, std=0.02)
+    module, shape = network(args, length)
     model = module.denoiser()
     prompt = torch.randint(0, args.vocab, (args.batch, length))
     mask = (torch.arange(length) < args.prompt_len).expand(args.batch, -1)
@@ -65,25 +104,28 @@ def main() -> None:
     samplers = {c: SemiARConfidenceSampler(block_length=args.block, cache=c) for c in CACHES}
     times: dict[str, list[float]] = {c: [] for c in CACHES}
     with torch.no_grad():
+        full = full_forward_seconds(model, prompt, args.reps)
         for rep in range(args.reps):
             for c in CACHES[rep % 3 :] + CACHES[: rep % 3]:
                 start = time.perf_counter()
                 out = samplers[c](model, prompt=prompt, prompt_mask=mask, nfe=nfe, generator=None)
                 times[c].append(time.perf_counter() - start)
                 assert out.nfe == nfe
-    size = SIZES[args.size]
-    shape = {"length": length, "prompt": args.prompt_len, "block": args.block, "steps": args.steps}
-    work = {c: flops(c, **shape, d=size["d_model"], layers=size["n_layers"], vocab=args.vocab) for c in CACHES}
+    decode = {"length": length, "prompt": args.prompt_len, "block": args.block, "steps": args.steps}
+    work = {c: flops(c, **decode, **shape, vocab=args.vocab) for c in CACHES}
     base = statistics.median(times["none"])
     setting = f"prompt {args.prompt_len} + answer {args.answer_len}, blocks of {args.block}, {args.steps} steps each"
     threads = torch.get_num_threads()
-    print(f"{args.size} DiT, |V| {args.vocab}, {setting} (NFE {nfe}), batch {args.batch}, {threads} threads")
-    print("| cache | s / decode (median) | speed-up | FLOP ratio (the limit) | speed-up / limit |")
-    print("|---|---|---|---|---|")
+    net = f"{args.size} DiT" if args.backbone == "dit" else f"tiny LLaMA (d {shape['d']}, {shape['layers']} layers)"
+    print(f"{net}, |V| {args.vocab}, {setting} (NFE {nfe}), batch {args.batch}, {threads} threads")
+    print(f"one full forward on ids: {full:.4f} s")
+    print("| cache | s / decode (median) | s / NFE ÷ full forward | speed-up | FLOP ratio (limit) | speed-up / limit |")
+    print("|---|---|---|---|---|---|")
     for c in CACHES:
         med = statistics.median(times[c])
         limit = work["none"] / work[c]
-        print(f"| {c} | {med:.3f} | {base / med:.2f}× | {limit:.2f}× | {base / med / limit:.2f} |")
+        per_nfe = med / nfe / full
+        print(f"| {c} | {med:.3f} | {per_nfe:.2f} | {base / med:.2f}× | {limit:.2f}× | {base / med / limit:.2f} |")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Sampler overhead: wall time of one sample batch / (NFE actually spent × one forward of an MDM on ids).
 
-For every sampler of conf/sampler/ (plus CCFG + OTP, two-step PR, and the earlier paths each sampler keeps as an
-option: flow states over the vocabulary, ``*_onehot``; float64 draws at every position, ``*_full``), on an untrained
+For every sampler of conf/sampler/ (plus CCFG + OTP, two-step PR, and the earlier paths: flow states over the
+vocabulary, ``*_onehot``, an option; float64 draws at every position, ``*_full``, and whole-tensor reads, ``*_dense``,
+the test oracles of tests/samplers/oracles.py and tests/models/oracles.py), on an untrained
 model of its family (MDM, FMLM+, MLFM: conf/method/*.yaml on conf/backbone/<size>.yaml; zero-initialised layers
 given small random weights so outputs are not exactly uniform), under ``torch.no_grad()`` and the autocast the
 evaluation callback uses:
@@ -35,6 +36,7 @@ vocabulary cost about as much as the output head. The earlier paths kept as opti
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -42,14 +44,18 @@ from common import autocast, build_module, load_group_config, model_parser, pars
 from probes import clock, elapsed, matmul_flops, median, peak_memory
 
 from flowlm.ops.compiled import compiled_tails
-from flowlm.project import CONF_DIR
+from flowlm.project import CONF_DIR, PROJECT_DIR
 from runners.common import build
+
+sys.path.insert(0, str(PROJECT_DIR))  # the earlier paths measured below are test oracles (tests/*/oracles.py)
+from tests.models.oracles import dense_view  # noqa: E402
 
 FAMILY_METHOD = {"mdm": "mdm", "flow": "fmlm_plus", "mlfm": "mlfm"}
 # Samplers whose interface is being changed elsewhere (not measured; listed with the reason).
 # A KV-cached AR step processes one new position, not a full forward: its cost is measured against the uncached
 # decoder instead (benchmarks/ar_kv_cache.py).
 NOT_MEASURED = {"ar": "n/a (KV cache: one position per call; see benchmarks/ar_kv_cache.py)"}
+FULL_DRAWS = "tests.samplers.oracles.FullDraw"  # the MDM samplers' earlier whole-tensor stream (test oracles)
 # Variants beyond conf/sampler/*.yaml: (name, config, sampler overrides, denoiser options).
 VARIANTS = [
     ("pr_n2", "pr", {"flow_steps": 2}, {}),
@@ -58,27 +64,27 @@ VARIANTS = [
     ("pr_onehot", "pr", {}, {"space": "onehot"}),
     ("a_priori_onehot", "a_priori", {}, {"space": "onehot"}),
     ("flow_map_onehot", "flow_map", {}, {"space": "onehot"}),
-    ("confidence_full", "confidence", {"draws": "full"}, {}),
-    ("ancestral_full", "ancestral", {"draws": "full"}, {}),
-    ("semi_ar_full", "semi_ar", {"draws": "full"}, {}),
+    ("confidence_full", "confidence", {"_target_": FULL_DRAWS + "Confidence"}, {}),
+    ("ancestral_full", "ancestral", {"_target_": FULL_DRAWS + "Ancestral"}, {}),
+    ("semi_ar_full", "semi_ar", {"_target_": FULL_DRAWS + "SemiAR"}, {}),
     # greedy drafts read off the full (B, L, |V|) log δ (the path before the chunked summary); the confidence
     # sampler's ranking over the whole float32 logits at once
-    ("pr_dense", "pr", {}, {"summary": "dense"}),
-    ("a_priori_dense", "a_priori", {}, {"summary": "dense"}),
-    ("block_dense", "block", {}, {"summary": "dense"}),
+    ("pr_dense", "pr", {}, {"dense": True}),
+    ("a_priori_dense", "a_priori", {}, {"dense": True}),
+    ("block_dense", "block", {}, {"dense": True}),
     # flow-map sub-steps lifting the full δ (B, L, |V|) before δ·E; MLFM reading whole posteriors
-    ("flow_map_dense", "flow_map", {}, {"summary": "dense"}),
-    ("flm_euler_dense", "flm_euler", {}, {"summary": "dense"}),
-    ("pr_n2_dense", "pr", {"flow_steps": 2}, {"summary": "dense"}),
-    ("mlfm_dense", "mlfm", {}, {"summary": "dense"}),
-    ("mlfm_ccfg_otp_dense", "mlfm", {"guidance": 2.0, "otp_eps": 0.05}, {"summary": "dense"}),
+    ("flow_map_dense", "flow_map", {}, {"dense": True}),
+    ("flm_euler_dense", "flm_euler", {}, {"dense": True}),
+    ("pr_n2_dense", "pr", {"flow_steps": 2}, {"dense": True}),
+    ("mlfm_dense", "mlfm", {}, {"dense": True}),
+    ("mlfm_ccfg_otp_dense", "mlfm", {"guidance": 2.0, "otp_eps": 0.05}, {"dense": True}),
     ("confidence_dense", "confidence", {}, {"dense_ranking": True}),
 ]
 
 
 # With --compile-tails: the samplers whose passes over the logits have a compiled version (flowlm/ops/compiled.py).
 COMPILED = ["confidence", "pr", "a_priori", "flow_map", "block"]
-COMPILED_VARIANTS = [("pr_dense_compiled", "pr", {}, {"summary": "dense", "compile": True})]
+COMPILED_VARIANTS = [("pr_dense_compiled", "pr", {}, {"dense": True, "compile": True})]
 
 
 def sampler_specs(compile_tails: bool = False) -> list[tuple[str, str, dict, dict]]:
@@ -88,6 +94,14 @@ def sampler_specs(compile_tails: bool = False) -> list[tuple[str, str, dict, dic
     compiled = [(f"{name}_compiled", name, {}, {"compile": True}) for name in COMPILED] if compile_tails else []
     compiled += COMPILED_VARIANTS if compile_tails else []
     return [(name, name, {}, {}) for name in names] + VARIANTS + compiled
+
+
+def view_of(module, options: dict):
+    """The module's sampler view with ``options``; ``dense``: without its head summaries (``dense_view``)."""
+    options = dict(options)
+    dense = options.pop("dense", False)
+    view = module.denoiser(**options)
+    return dense_view(view) if dense else view
 
 
 def make_sampler(config: str, overrides: dict):
@@ -126,7 +140,7 @@ def measure_sampler(module, sampler, args, device, prompt, prompt_mask, *, limit
     options = dict(denoiser_options or {})
     compile_tails = options.pop("compile", False)
     context = tails_context(compile_tails, options.pop("dense_ranking", False))
-    denoiser = module.denoiser(**options)
+    denoiser = view_of(module, options)
     bare, (inputs, kwargs) = limit
     clocks = (0, 1) if device.type == "cpu" else (0,)  # wall; and process CPU time on a CPU
 
@@ -428,12 +442,12 @@ def memory_rows(modules, args, device, prompt, prompt_mask, log) -> dict[str, fl
     MiB and over the confidence sampler's."""
     specs = [
         ("confidence", "confidence", {}, {}),
-        ("confidence_full", "confidence", {"draws": "full"}, {}),
+        ("confidence_full", "confidence", {"_target_": FULL_DRAWS + "Confidence"}, {}),
         ("pr", "pr", {}, {}),
-        ("pr_dense", "pr", {}, {"summary": "dense"}),
+        ("pr_dense", "pr", {}, {"dense": True}),
         ("pr_onehot", "pr", {}, {"space": "onehot"}),
         ("a_priori", "a_priori", {}, {}),
-        ("a_priori_dense", "a_priori", {}, {"summary": "dense"}),
+        ("a_priori_dense", "a_priori", {}, {"dense": True}),
     ]
     out = {}
     for name, config, overrides, options in specs:
@@ -442,7 +456,7 @@ def memory_rows(modules, args, device, prompt, prompt_mask, log) -> dict[str, fl
 
         def call(sampler=sampler, module=module, options=options) -> None:
             with torch.no_grad(), autocast(args.precision, device):
-                denoiser = module.denoiser(**options)
+                denoiser = view_of(module, options)
                 gen = torch.Generator(device=device).manual_seed(args.seed)
                 sampler(denoiser, prompt=prompt, prompt_mask=prompt_mask, nfe=args.nfe, generator=gen)
 

@@ -242,12 +242,14 @@ class KVCache:
 class BlockKVCache:
     """Keys and values of every layer of a bidirectional DiT for all ``length`` positions, for a semi-autoregressive
     decoder's windowed passes (flowlm/samplers/block_cache.py): a pass over positions ``start`` … ``start`` + n − 1
-    (``length`` below names that start, as ``KVCache.length`` does) stores their keys and values and attends to the
-    stored ones of every position; a pass from 0 over the whole sequence fills it."""
+    (``length`` below names that start, as ``KVCache.length`` does) stores their keys and values where ``fresh``
+    (B, n) holds (every one: None) and attends to the stored ones of every position; a pass from 0 over the whole
+    sequence fills it."""
 
     def __init__(self, n_layers: int, length: int) -> None:
         self.max_len = length
         self.length = 0  # the window's first position (the rotary offset of its keys)
+        self.fresh: Tensor | None = None
         self.keys: list[Tensor | None] = [None] * n_layers
         self.values: list[Tensor | None] = [None] * n_layers
 
@@ -260,8 +262,10 @@ class BlockKVCache:
                 raise ValueError("a block KV cache is filled by a full pass (start 0, every position) first")
             self.keys[layer], self.values[layer] = k.clone(), v.clone()
         else:
-            self.keys[layer][:, :, start : start + n] = k
-            self.values[layer][:, :, start : start + n] = v
+            for stored, new in ((self.keys[layer], k), (self.values[layer], v)):
+                if self.fresh is not None:  # the window's other positions keep (and attend to) the stored ones
+                    new = torch.where(self.fresh[:, None, :, None], new, stored[:, :, start : start + n])
+                stored[:, :, start : start + n] = new
         return self.keys[layer], self.values[layer], None
 
 
@@ -514,15 +518,18 @@ class DiT(nn.Module):
             raise ValueError("a block KV cache is for bidirectional DiTs: a causal one decodes with new_cache")
         return BlockKVCache(len(self.blocks), length)
 
-    def forward_window(self, x: Tensor, s: Tensor, cache: BlockKVCache, start: int) -> Tensor:
+    def forward_window(
+        self, x: Tensor, s: Tensor, cache: BlockKVCache, start: int, fresh: Tensor | None = None
+    ) -> Tensor:
         """Logits (B, n, |V|) of positions start … start + n − 1 (ids x (B, n)) attending to every position's keys
-        and values: the window's from this pass, the others' as ``cache`` holds them; stores the window's. With
-        start 0 and the whole sequence it is ``forward`` (per-sequence times s (B,)) and fills the cache."""
+        and values: the window's from this pass where ``fresh`` (B, n) holds (all: None), the others' as ``cache``
+        holds them; stores the fresh ones. With start 0 and the whole sequence it is ``forward`` (per-sequence times
+        s (B,)) and fills the cache."""
         h = self.input_embeddings(x)
         b, n, _ = h.shape
         if start < 0 or start + n > cache.max_len:
             raise ValueError(f"window {start} … {start + n - 1} outside the cache's {cache.max_len} positions")
-        cache.length = start
+        cache.length, cache.fresh = start, fresh
         c = self.condition(s, None, b, n)
         for i, block in enumerate(self.blocks):
             h = block(h, c, cache=cache, layer=i)

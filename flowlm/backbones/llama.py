@@ -17,6 +17,7 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaModel, Qwen2Config, Qwen2Model
+from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
@@ -195,25 +196,139 @@ class BidirectionalLM(nn.Module):
         out = self.model(inputs_embeds=h, attention_mask=attention_mask, use_cache=False).last_hidden_state
         return shift_logits(out) if self.shift_logits else out
 
+    def new_block_cache(self, length: int) -> BlockCache:
+        """An empty block KV cache over ``length`` positions (flowlm/samplers/block_cache.py)."""
+        if length > self.spec["max_positions"]:
+            raise ValueError(f"sequence length {length} exceeds max_positions={self.spec['max_positions']}")
+        return BlockCache(len(self.layers), length)
+
+    def forward_window(
+        self, x: Tensor, s: Tensor | None, cache: BlockCache, start: int, fresh: Tensor | None = None
+    ) -> Tensor:
+        """Logits (B, n, head_rows) of positions start … start + n − 1 (ids x (B, n)) through transformers' own
+        layers at those position ids, attending bidirectionally to every position's keys and values: the window's
+        from this pass where ``fresh`` (B, n) holds (all: None), the cache's elsewhere; stores the fresh ones. With
+        start 0 and the whole sequence it is ``forward`` and fills the cache. ``s`` is ignored (time-agnostic).
+
+        Shifted logits (Dream): position p reads the output at p − 1, so a window from start > 0 also runs position
+        start − 1 (its id as the cache holds it), a query only: its keys are not written."""
+        b, n = x.shape
+        if start < 0 or start + n > cache.max_len:
+            raise ValueError(f"window {start} … {start + n - 1} outside the cache's {cache.max_len} positions")
+        widen = self.shift_logits and start > 0
+        if widen:
+            if cache.ids is None:
+                raise ValueError("a block KV cache is filled by a full pass (start 0, every position) first")
+            x = torch.cat([cache.ids[:, start - 1 : start], x], dim=1)
+            edge = torch.zeros(b, 1, dtype=torch.bool, device=x.device)
+            fresh = torch.cat([edge, torch.ones_like(x[:, 1:], dtype=torch.bool) if fresh is None else fresh], dim=1)
+            start -= 1
+        cache.window(x, start, fresh)
+        positions = torch.arange(start, start + x.shape[1], device=x.device)[None]
+        out = self.model(
+            inputs_embeds=self.input_embeddings(x), position_ids=positions, cache=cache, use_cache=True
+        ).last_hidden_state
+        if widen:  # outputs at start − 1 … start + n − 2 are the predictions for start … start + n − 1
+            out = out[:, :-1]
+        elif self.shift_logits:
+            out = shift_logits(out)
+        return self.lm_head(out)
+
     def token_logits(self, x: Tensor) -> Tensor:
         """Logits over the head's tokens with the [MASK] logit (when the head has one) at −∞: a sampler never
         proposes [MASK] (MDLM's SUBS zero-masking; LLaDA/Dream keep [MASK] inside their vocabulary)."""
-        logits = self(x)
+        return self.without_mask_logit(self(x))
+
+    def without_mask_logit(self, logits: Tensor) -> Tensor:
+        """``logits`` with the [MASK] logit (when the head has one) at −∞."""
         if self.mask_id < self.head_rows:
             logits = logits.index_fill(-1, torch.tensor([self.mask_id], device=logits.device), -torch.inf)
         return logits
 
     def denoiser(self) -> MaskedDenoiser:
-        """This model as the MDM samplers see it (time-agnostic). With shifted logits position 0 has no prediction
-        (Dream's generation asserts it is unmasked: BOS or prompt), so a [MASK] there is refused before the call."""
+        """This model as the MDM samplers see it (time-agnostic), with windowed passes over a block KV cache. With
+        shifted logits position 0 has no prediction (Dream's generation asserts it is unmasked: BOS or prompt), so a
+        [MASK] there is refused before the call."""
 
-        def fn(x: Tensor, t: Tensor) -> Tensor:
+        def check(x: Tensor) -> None:
             # one host read per call, negligible beside a pretrained model's forward
             if self.shift_logits and bool((x[:, 0] == self.mask_id).any()):
                 raise ValueError("a shifted-logits model (Dream) predicts nothing at position 0: keep it unmasked")
+
+        def fn(x: Tensor, t: Tensor) -> Tensor:
+            check(x)
             return self.token_logits(x)
 
-        return MaskedDenoiser(fn=fn, mask_id=self.mask_id, time_conditioned=False)
+        def windowed(length: int):
+            cache = self.new_block_cache(length)
+
+            def read(x: Tensor, t: Tensor, start: int, fresh: Tensor | None = None) -> Tensor:
+                if start == 0:
+                    check(x)
+                return self.without_mask_logit(self.forward_window(x, t, cache, start, fresh))
+
+            return read
+
+        return MaskedDenoiser(fn=fn, mask_id=self.mask_id, time_conditioned=False, windowed=windowed)
+
+
+class BlockCacheLayer(CacheLayerMixin):
+    """One decoder layer's keys and values (B, H_kv, length, head_dim) at every position, rotated at their own
+    positions: a pass over the window ``start`` … (set by ``BlockCache.window``) writes its keys where ``fresh``
+    holds and returns every position's (bidirectional attention, no mask)."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self.length, self.start, self.fresh = length, 0, None
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:  # noqa: D102
+        self.keys, self.values = key_states.clone(), value_states.clone()
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:  # noqa: D102
+        if not self.is_initialized:  # the filling pass (every position: BlockCache.window checked it)
+            self.lazy_initialization(key_states, value_states)
+            return self.keys, self.values
+        window = slice(self.start, self.start + key_states.shape[-2])
+        for stored, new in ((self.keys, key_states), (self.values, value_states)):
+            if self.fresh is not None:
+                new = torch.where(self.fresh[:, None, :, None], new, stored[:, :, window])
+            stored[:, :, window] = new
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # noqa: D102
+        return self.length, 0  # every query sees every position's key
+
+    def get_seq_length(self) -> int:  # noqa: D102
+        return self.length if self.is_initialized else 0
+
+    def get_max_length(self) -> int:  # noqa: D102
+        return self.length
+
+
+class BlockCache(Cache):
+    """transformers' ``Cache`` over ``BlockCacheLayer`` s: the LLaMA family's block KV cache for semi-autoregressive
+    decoding (flowlm/samplers/block_cache.py), with the ids each position was last run with (B, length), which a
+    shifted-logits window reads at its left edge."""
+
+    def __init__(self, n_layers: int, length: int) -> None:
+        super().__init__(layers=[BlockCacheLayer(length) for _ in range(n_layers)])
+        self.max_len = length
+        self.ids: Tensor | None = None
+
+    def window(self, x: Tensor, start: int, fresh: Tensor | None) -> None:
+        """The next pass runs ids x (B, n) at positions start … start + n − 1, writing keys where ``fresh``."""
+        n = x.shape[1]
+        if self.ids is None:
+            if start != 0 or n != self.max_len:
+                raise ValueError("a block KV cache is filled by a full pass (start 0, every position) first")
+            self.ids = x.clone()
+        elif fresh is None:
+            self.ids[:, start : start + n] = x
+        else:
+            self.ids[:, start : start + n] = torch.where(fresh, x, self.ids[:, start : start + n])
+        for layer in self.layers:
+            layer.start, layer.fresh = start, fresh
 
 
 def shift_logits(raw: Tensor) -> Tensor:

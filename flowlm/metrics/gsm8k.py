@@ -18,11 +18,10 @@ folder). How, detected once per process (``isolation``): as root, util-linux ``u
 the caller's own responsibility. No seccomp filter is installed.
 
 What is fed to the sandbox (``prepare_program``, ``execute_responses``) follows the released TinyGSM scorer of
-FMLM+ by default (``extract="released"``): the program starts at the first ``def ``, ends at the first textual
+FMLM+: the program starts at the first ``def ``, ends at the first textual
 stop marker, is taken from inside a Markdown fence if one follows, and loses trailing lines until it compiles; it
 runs with ``math`` available unimported; only ``simple_math_problem()`` is called (no fallback entry point); the
 answer matches the gold within an absolute 1e-3 (``answers_match(..., rel_tol=0, abs_tol=1e-3)``); timeout 5 s.
-``extract="raw"`` runs the response as generated (the suite's earlier behaviour, with ``entry_fallback=True``).
 """
 
 from __future__ import annotations
@@ -47,13 +46,11 @@ from pathlib import Path
 from typing import Literal
 
 __all__ = [
-    "CODE_EXTRACTIONS",
     "SANDBOXES",
     "ExecResult",
     "Isolation",
     "SandboxUnavailableError",
     "answers_match",
-    "check_extraction",
     "defines_name",
     "execute_responses",
     "extract_answer",
@@ -127,18 +124,11 @@ def answers_match(pred: float | None, gold: float | None, *, rel_tol: float = 1e
     return abs(p - g) <= bound
 
 
-CODE_EXTRACTIONS = ("released", "raw")
 # Textual end markers the released scorer cuts at (its decoded samples keep special tokens as text).
 _STOP_MARKERS = ("<|endoftext|>", "<|eot_id|>", "</s>")
 _FENCE = "`" * 3
 # The released scorer tries at most this many trailing-line cuts before giving up on compiling.
 _MAX_LINE_CUTS = 50
-
-
-def check_extraction(extract: str) -> None:
-    """Raise ValueError unless ``extract`` names a known code extraction."""
-    if extract not in CODE_EXTRACTIONS:
-        raise ValueError(f"code extraction must be one of {list(CODE_EXTRACTIONS)}, got {extract!r}")
 
 
 def _from_def(text: str) -> str:
@@ -170,20 +160,17 @@ def _compiles(code: str) -> bool:
     return True
 
 
-def extract_program(text: str, extract: str = "released") -> str:
-    """The program in a generated response: the released TinyGSM extraction, or the response as is (``raw``).
+def extract_program(text: str) -> str:
+    """The program in a generated response, as the released TinyGSM scorer extracts it, in its order.
 
-    Released extraction, in its order: keep from the first ``def `` on; cut at the first end marker
-    (``<|endoftext|>``, ``<|eot_id|>``, ``</s>``); if a fenced block (three backticks … three backticks) follows,
-    keep its inside; keep from its first ``def `` on; strip; then drop trailing lines (up to 49) until the rest
-    compiles. A text that never compiles comes back whole (stripped), so the sandbox reports its syntax error.
+    Keep from the first ``def `` on; cut at the first end marker (``<|endoftext|>``, ``<|eot_id|>``, ``</s>``); if a
+    fenced block (three backticks … three backticks) follows, keep its inside; keep from its first ``def `` on;
+    strip; then drop trailing lines (up to 49) until the rest compiles. A text that never compiles comes back whole
+    (stripped), so the sandbox reports its syntax error.
     Because the cut at ``def `` comes first, the opening fence of a fenced function is already gone and its closing
     fence is dropped by the compile step; the fence step only acts when two more fences follow the ``def `` (then
     the text between them is what runs, as in the released scorer).
     """
-    check_extraction(extract)
-    if extract == "raw":
-        return text
     text = _from_def(text)
     for marker in _STOP_MARKERS:
         text = text.split(marker, 1)[0]
@@ -240,20 +227,18 @@ def _with_math(code: str) -> str:
     return "".join([*lines[:after], "import math\n", *lines[after:]])
 
 
-def prepare_program(text: str, extract: str = "released") -> str:
-    """The code the sandbox runs for a response: ``extract_program``, plus ``import math`` when released.
+def prepare_program(text: str) -> str:
+    """The code the sandbox runs for a response: ``extract_program``, plus ``import math``.
 
     The released scorer executes in a namespace that already holds ``math``, so a program whose ``import math``
     stood before its ``def`` (and was cut away with the text there) still runs; the import reproduces that.
     """
-    code = extract_program(text, extract)
-    return _with_math(code) if extract == "released" else code
+    return _with_math(extract_program(text))
 
 
 def execute_responses(
     texts: Sequence[str],
     *,
-    extract: str = "released",
     entry: str = "simple_math_problem",
     entry_fallback: bool = False,
     sandbox: str = "os",
@@ -263,14 +248,13 @@ def execute_responses(
 ) -> tuple[list[str], list[ExecResult]]:
     """Extract the program of each response and run it in the sandbox: (extracted programs, results).
 
-    Defaults are the released TinyGSM protocol: released extraction, only ``entry`` is called (a program that
-    does not define it at module level is an ``error`` without running), 5 s timeout. ``entry_fallback=True``
+    Defaults are the released TinyGSM protocol: only ``entry`` is called (a program that does not define it at
+    module level is an ``error`` without running), 5 s timeout. ``entry_fallback=True``
     lets the sandbox call the last argument-free function (or a global ``result``/``answer``) instead.
     ``sandbox`` as in ``isolation``; an unavailable one raises before anything runs.
     """
-    check_extraction(extract)
     isolation(sandbox)
-    programs = [extract_program(text, extract) for text in texts]
+    programs = [extract_program(text) for text in texts]
     results: list[ExecResult | None] = [None] * len(programs)
     todo = []
     for i, code in enumerate(programs):
@@ -278,7 +262,7 @@ def execute_responses(
             results[i] = ExecResult("error", None, f"no function {entry!r} defined (entry_fallback is off)")
         else:
             todo.append(i)
-    codes = [_with_math(programs[i]) if extract == "released" else programs[i] for i in todo]
+    codes = [_with_math(programs[i]) for i in todo]
     ran = run_programs(codes, workers=workers, timeout_s=timeout_s, memory_mb=memory_mb, entry=entry, sandbox=sandbox)
     for i, result in zip(todo, ran, strict=True):
         results[i] = result

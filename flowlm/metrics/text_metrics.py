@@ -23,12 +23,12 @@ from flowlm.metrics.gsm8k import (
     Isolation,
     SandboxUnavailableError,
     answers_match,
-    check_extraction,
     execute_responses,
     extract_answer,
     isolation,
 )
 from flowlm.metrics.text import GenerativePerplexity, check_convention, check_evaluator, unigram_entropy
+from flowlm.removed import check_removed
 from flowlm.tasks.files import project_path
 
 
@@ -172,10 +172,10 @@ class GSM8KAccuracy(Metric):
     MLFM/SMDM protocol); ``scorer="execute"`` runs the response as a TinyGSM-style Python function in the
     sandbox (FMLM+ protocol). A response ends at its first EOS.
 
-    Execute options, defaults = the released TinyGSM scorer of FMLM+ (``utils_gsm8k.score_sample``):
-    ``extract_code="released"`` cuts the program out of the response (from the first ``def ``, inside a Markdown
-    fence, trailing lines dropped until it compiles; ``flowlm.metrics.gsm8k.extract_program``), ``"raw"`` runs
-    the response as is; ``entry_fallback=False`` calls ``simple_math_problem()`` only (``True``: else the last
+    Execute options, defaults = the released TinyGSM scorer of FMLM+ (``utils_gsm8k.score_sample``), which cuts
+    the program out of the response (from the first ``def ``, inside a Markdown fence, trailing lines dropped until
+    it compiles; ``flowlm.metrics.gsm8k.extract_program``; ``extract_code``, removed, is accepted at "released"
+    only); ``entry_fallback=False`` calls ``simple_math_problem()`` only (``True``: else the last
     argument-free function, or a global ``result``/``answer``); ``timeout_s=5.0``; ``sandbox="os"`` runs each
     program behind an operating-system boundary (its own network, pid, IPC and mount namespaces, a read-only file
     system with an empty scratch folder, uid 65534 when started by root; ``flowlm.metrics.gsm8k``), and refuses
@@ -183,8 +183,7 @@ class GSM8KAccuracy(Metric):
     runs with the Python-level guard and resource limits alone, which generated code can escape. The isolation
     used is named in every per-problem row (``sandbox``). Matching: |pred − gold| ≤
     max(``rel_tol`` · max(|pred|, |gold|), ``abs_tol``), by default absolute 1e-3 for ``execute`` (released)
-    and 1e-6 absolute or relative for ``extract``. The suite's earlier execute behaviour is ``extract_code=raw
-    entry_fallback=true timeout_s=2 abs_tol=1e-6 rel_tol=1e-6``. Also reported:
+    and 1e-6 absolute or relative for ``extract``. Also reported:
     ``num_problems``, and counts of ``no_gold`` (gold unknown: counted as wrong), ``no_answer`` (no number
     found), ``errors`` (exception, syntax error, non-numeric return), ``timeouts`` and ``forbidden`` (sandbox
     whitelist violations).
@@ -219,7 +218,9 @@ class GSM8KAccuracy(Metric):
         super().__init__()
         if scorer not in _SCORERS:
             raise ValueError(f"GSM8K scorer must be one of {sorted(_SCORERS)}, got {scorer!r}")
-        check_extraction(extract_code)
+        # removed: running the response as generated is a test oracle (tests/metrics/test_metric_protocols.py)
+        replacement = "the program is cut out of the response as the released TinyGSM scorer does"
+        check_removed("GSM8KAccuracy", "extract_code", extract_code, "released", replacement)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if sandbox not in SANDBOXES:
@@ -237,7 +238,6 @@ class GSM8KAccuracy(Metric):
         self.pad_id, self.mask_id = int(datamodule.pad_id), int(datamodule.mask_id)
         self.scorer = scorer
         self.sandbox = {
-            "extract": extract_code,
             "entry_fallback": bool(entry_fallback),
             "timeout_s": timeout_s,
             "memory_mb": memory_mb,

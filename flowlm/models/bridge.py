@@ -32,18 +32,16 @@ class BridgeModel:
         """Logits over the data vocabulary (B, L, |V|), [MASK] removed."""
         return drop_mask_logit(self(z, t), self.data_vocab_size, self.mask_id)
 
-    def denoiser(self, *, summary: str = "chunked") -> BridgeDenoiser:
-        """This model as the MLFM sampler sees it: data logits, E's data rows, m = E[MASK]; with ``summary="chunked"``
-        also ``posterior``, where the adapter exposes its head (``head_parts``) and the network is in eval mode;
-        ``"dense"``: logits only."""
-        if summary not in ("chunked", "dense"):
-            raise ValueError(f"summary must be one of ('chunked', 'dense'), got {summary!r}")
+    def denoiser(self) -> BridgeDenoiser:
+        """This model as the MLFM sampler sees it: data logits and the embedding table with its [MASK] row; also
+        ``posterior``, where the adapter exposes its head (``head_parts``) and the network is in eval mode."""
         emb = self.net.embeddings
-        chunked = summary == "chunked" and not self.net.training and getattr(self.net, "head_parts", None) is not None
+        chunked = not self.net.training and getattr(self.net, "head_parts", None) is not None
         return BridgeDenoiser(
             fn=self.data_logits,
-            embeddings=emb[: self.data_vocab_size],
-            mask_embedding=emb[self.mask_id],
+            table=emb,
+            mask_id=self.mask_id,
+            data_vocab_size=self.data_vocab_size,
             process=self.process,
             posterior_fn=self.posterior if chunked else None,
         )
@@ -60,5 +58,5 @@ class BridgeModel:
         if low_rank is not None:
             low_rank = (low_rank[0], low_rank[1][:v])
         table = self.net.embeddings[:v] if mean else None
-        # x̂₁ in the caller's autocast, as the dense path's q·E
+        # x̂₁ in the caller's autocast, as the sampler's q·E from the whole posterior
         return head_expectation(features, weight[:v], bias, table=table, low_rank=low_rank, mean_autocast=True)

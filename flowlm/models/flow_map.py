@@ -14,14 +14,13 @@ from flowlm.ops.summary import head_expectation
 from flowlm.processes.gaussian_flow import EmbeddingSpace, GaussianFlowProcess, OneHotSpace, choose_space
 from flowlm.samplers.base import FlowDenoiser
 
-SUMMARIES = ("chunked", "dense")  # how greedy drafts read the model: FlowMapModel.denoiser
 FUSED_LOSSES = ("auto", True, False)  # FlowMapModel.fused_head: auto = by shape, where the head allows it
 
 
 class FlowMapModel:
     """``net(x, s, t, pinned)`` → logits over the data vocabulary at per-token times (s, t), read as
     log δ_{s,t}(x) = log_softmax(g(logits)), g the soft cap at 30. A [MASK] inside the data vocabulary (LLaDA, Dream)
-    gets logit −∞ before the cap, on every path (dense, chunked, fused)."""
+    gets logit −∞ before the cap, on every path (the full log δ, the chunked summaries, the fused loss)."""
 
     def __init__(self, net: nn.Module, *, data_vocab_size: int, mask_id: int, state_space: str = "auto") -> None:
         self.net = net
@@ -140,20 +139,16 @@ class FlowMapModel:
             raise ValueError("method.fused_loss needs the full head weight: not with a sharded (FSDP) DiT")
         return linear.weight, self.head_bias(linear)
 
-    def denoiser(self, space: str | None = None, *, summary: str = "chunked") -> FlowDenoiser:
+    def denoiser(self, space: str | None = None) -> FlowDenoiser:
         """This model as flow samplers see it, reading states of its state space (or of ``space``); greedy drafts
-        read its ``summary`` (``"chunked"``) or the full log δ (``"dense"``)."""
-        if summary not in SUMMARIES:
-            raise ValueError(f"summary must be one of {SUMMARIES}, got {summary!r}")
+        read its ``summary`` and flow-map sub-steps its ``lifted`` mean, from the head's chunks."""
         states = self.states(space)
         fn = functools.partial(self, embedded=True) if states.embedded else self
         if self.mask_id < self.data_vocab_size:  # a [MASK] inside the vocabulary: never drawn (see never_mask)
             fn = functools.partial(self.never_mask, fn)
-        summary_fn = lift_fn = None
-        if summary == "chunked":
-            summary_fn = functools.partial(self.summary, embedded=True) if states.embedded else self.summary
-            if states.embedded:  # δ·E from the head's chunks; the one-hot space's δ is its own state (no product)
-                lift_fn = functools.partial(self.lifted, embedded=True)
+        summary_fn = functools.partial(self.summary, embedded=True) if states.embedded else self.summary
+        # δ·E from the head's chunks; the one-hot space's δ is its own state (no product)
+        lift_fn = functools.partial(self.lifted, embedded=True) if states.embedded else None
         return FlowDenoiser(
             fn=fn, vocab_size=self.data_vocab_size, pinned_fn=fn, space=states, summary_fn=summary_fn, lift_fn=lift_fn
         )

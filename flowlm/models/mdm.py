@@ -38,15 +38,15 @@ class MaskedModel:
         """Logits over the data vocabulary (B, L, V), [MASK] removed."""
         return drop_mask_logit(logits, self.data_vocab_size, self.mask_id)
 
-    def windowed(self, length: int) -> Callable[[Tensor, Tensor, int], Tensor]:
+    def windowed(self, length: int) -> Callable[..., Tensor]:
         """A reader over a new block KV cache of ``length`` positions (flowlm/samplers/block_cache.py): ``(x window
-        (B, n), t, start) → data logits (B, n, V)`` of positions start … start + n − 1; a window from 0 over the
-        whole sequence is a full pass that refills the cache."""
+        (B, n), t, start, fresh) → data logits (B, n, V)`` of positions start … start + n − 1, the window's keys
+        written where ``fresh`` (B, n) holds (None: all); a window from 0 over the whole sequence is a full pass."""
         cache = self.net.new_block_cache(length)
 
-        def read(x: Tensor, t: Tensor, start: int) -> Tensor:
+        def read(x: Tensor, t: Tensor, start: int, fresh: Tensor | None = None) -> Tensor:
             time = t if self.time_conditioning else torch.zeros_like(t)
-            return self.data_logits(self.net.forward_window(x, time, cache, start))
+            return self.data_logits(self.net.forward_window(x, time, cache, start, fresh))
 
         return read
 

@@ -12,15 +12,15 @@ variance-to-signal ratio), so t = σ² / (σ² + e^γ).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import torch
 from torch import Tensor
 
 from flowlm.processes.base import NoisedBatch, NoiseProcess
+from flowlm.removed import check_removed
 
 TIME_DISTRIBUTIONS = ("uniform", "gamma_uniform", "gamma_mixture")
-MASK_SCHEDULES = ("affine", "clip")
 NEEDS_TABLE = "the bridge lives on embeddings: pass the embedding table and the row of [MASK] in it (mask_id)"
 
 
@@ -34,16 +34,10 @@ def t_of_gamma(gamma: Tensor, sigma: float) -> Tensor:
     return torch.sigmoid(2 * math.log(sigma) - gamma)
 
 
-def cosine_mask_prob(u: Tensor, *, s_min: float = 0.05, schedule: str = "affine") -> Tensor:
-    """Masking probability s for u ~ U(0, 1) from MaskGIT's cosine: ``affine`` maps cos(πu/2) onto [s_min, 1] (the
-    released code's ``maskgit_cosine`` with ``mask_p_min`` = s_min, ``mask_p_max`` = 1); ``clip`` clips it to
-    [s_min, 1] (the suite's earlier schedule: mass s_min at u ≥ 2/π·arccos(s_min))."""
-    cosine = torch.cos(0.5 * math.pi * u)
-    if schedule == "affine":
-        return s_min + (1 - s_min) * cosine  # s = s_min + (1 − s_min)·cos(πu/2)
-    if schedule == "clip":
-        return cosine.clamp(min=s_min, max=1.0)  # s = min(1, max(s_min, cos(πu/2)))
-    raise ValueError(f"unknown mask schedule {schedule!r}; known: {list(MASK_SCHEDULES)}")
+def cosine_mask_prob(u: Tensor, *, s_min: float = 0.05) -> Tensor:
+    """Masking probability s for u ~ U(0, 1) from MaskGIT's cosine mapped onto [s_min, 1] (the released code's
+    ``maskgit_cosine`` with ``mask_p_min`` = s_min, ``mask_p_max`` = 1)."""
+    return s_min + (1 - s_min) * torch.cos(0.5 * math.pi * u)  # s = s_min + (1 − s_min)·cos(πu/2)
 
 
 @dataclass(frozen=True)
@@ -58,8 +52,8 @@ class BridgeProcess(NoiseProcess):
         code's mixture (0.1 uniform on [−10, 6] + 0.9 N(−2.5, 2²), its fitted third component being optional and
         absent here), which trains most where the bridge turns from [MASK]- to token-dominated.
     ``condition_on``: the network reads ``t`` itself or γ mapped linearly from [γ_min, γ_max] onto [0, 1].
-    ``mask_schedule``: how the masking probability s is drawn (``cosine_mask_prob``): ``affine`` (released,
-    s_min + (1 − s_min)·cos(πu/2)) or ``clip`` (cos(πu/2) clipped to [s_min, 1]).
+    The masking probability s is the released s_min + (1 − s_min)·cos(πu/2) (``cosine_mask_prob``);
+    ``mask_schedule``, removed, is accepted at "affine" only (what saved checkpoints hold).
     """
 
     sigma: float = 0.2
@@ -72,9 +66,11 @@ class BridgeProcess(NoiseProcess):
     gamma_std: float = 2.0
     mixture_uniform: float = 0.1
     s_min: float = 0.05
-    mask_schedule: str = "affine"
+    mask_schedule: InitVar[str] = "affine"
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, mask_schedule: str) -> None:
+        replacement = "the masking probability is the released s_min + (1 − s_min)·cos(πu/2)"
+        check_removed("BridgeProcess", "mask_schedule", mask_schedule, "affine", replacement)
         if not self.sigma > 0:
             raise ValueError(f"bridge σ must be > 0, got {self.sigma}")
         if self.time_dist not in TIME_DISTRIBUTIONS:
@@ -89,8 +85,6 @@ class BridgeProcess(NoiseProcess):
             raise ValueError("gamma mixture needs mixture_uniform in [0, 1] and gamma_std > 0")
         if not 0 < self.s_min <= 1:
             raise ValueError(f"s_min must be in (0, 1], got {self.s_min}")
-        if self.mask_schedule not in MASK_SCHEDULES:
-            raise ValueError(f"unknown mask schedule {self.mask_schedule!r}; known: {list(MASK_SCHEDULES)}")
 
     # ---------------------------------------------------------------------------------------------- marginals
     def mean_std(self, m: Tensor, e_y: Tensor, t: Tensor) -> tuple[Tensor, Tensor]:
@@ -191,9 +185,9 @@ class BridgeProcess(NoiseProcess):
         return ((gamma - self.gamma_min) / (self.gamma_max - self.gamma_min)).to(t.dtype)
 
     def mask_prob(self, n: int, *, generator: torch.Generator | None, device: torch.device | str = "cpu") -> Tensor:
-        """Per-sequence masking probabilities s from the configured cosine schedule (``mask_schedule``)."""
+        """Per-sequence masking probabilities s from the cosine schedule (``cosine_mask_prob``)."""
         u = torch.rand(n, generator=generator)
-        return cosine_mask_prob(u, s_min=self.s_min, schedule=self.mask_schedule).to(device, non_blocking=True)
+        return cosine_mask_prob(u, s_min=self.s_min).to(device, non_blocking=True)
 
     # ---------------------------------------------------------------------------------------------- sampling
     def ddpm_step(self, z: Tensor, x1: Tensor, t: float, t_next: float, generator: torch.Generator | None) -> Tensor:

@@ -6,10 +6,16 @@ every layer's keys and values; the block's other steps run on a window only, the
 window's own keys are rewritten each step; the others are read as they were at the last refresh: an approximation,
 exact when every step refreshes (``refresh=1``). A step costs one network evaluation either way (NFE unchanged);
 what it saves is the compute of the positions outside the window.
+
+The networks give the windowed passes (``MaskedDenoiser.windowed``): the suite's DiT (``DiT.forward_window``, its own
+``BlockKVCache``) and the LLaMA family (``BidirectionalLM.forward_window``: transformers' own decoder layers at
+explicit position ids over a transformers ``Cache``). The decoders: ``semi_ar``, and ``threshold`` / ``eb`` with
+blocks, whose rows enter blocks at different calls (the reader keeps each row's own schedule).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from flowlm.samplers.base import MaskedDenoiser
@@ -27,32 +33,53 @@ def check_cache(cache: str, refresh: int | None) -> str:
 
 
 class BlockCachedReader:
-    """``model.fn`` through a block KV cache over sequences of ``length`` positions: call ``block(lo, hi)`` at each
-    block (its positions lie in [lo, hi)), then the reader as ``fn``. It returns logits (B, L, |V|) whose window
-    positions are this step's; outside the window they are the last full pass's (a block's sampler reads only
-    its block)."""
+    """``model.fn`` through a block KV cache over sequences of ``length`` positions, for decoders that fill one block
+    per row at a time: ``block(lo, hi, rows)`` when rows enter a block (its positions in [lo, hi), per row), then
+    the reader as ``fn``.
+
+    A row's first call in a block (and every ``refresh`` calls after it) is a full pass for that row; its other calls
+    write keys and read logits on its window only, [lo, length) (prefix) or [lo, hi) (dual); a row whose block is
+    empty (lo ≥ hi: nothing left) is idle. A call runs the network once over the columns that cover every row's
+    window (their bounds: the call's one host read); the rest of a row's keys, and its logits outside its window,
+    are those its last full pass left, so a row decodes alike alone and inside any batch. Returns logits
+    (B, L, |V|)."""
 
     def __init__(self, model: MaskedDenoiser, cache: str, refresh: int | None, length: int) -> None:
         if model.windowed is None:
             raise ValueError(
-                f"cache={cache!r} needs a network with windowed passes (the suite's DiT); this model has none: "
-                "use cache=none"
+                f"cache={cache!r} needs a network with windowed passes (the suite's DiT or a LLaMA-family backbone); "
+                "this model has none: use cache=none"
             )
         self.read = model.windowed(length)
         self.cache, self.refresh = cache, refresh
-        self.lo, self.hi, self.step = 0, length, 0
+        self.lo = self.hi = self.step = None
         self.logits: Tensor | None = None
 
-    def block(self, lo: int, hi: int) -> None:
-        """The next block's positions lie in [lo, hi): its first call runs the full pass."""
-        self.lo, self.hi, self.step = lo, hi, 0
+    def block(self, lo: Tensor, hi: Tensor, rows: Tensor | None = None) -> None:
+        """Rows ``rows`` (B,) bool (None: every row) enter a block spanning [lo, hi) (B,): their next call is a full
+        pass."""
+        if rows is None or self.step is None:
+            self.lo, self.hi, self.step = lo, hi, torch.zeros_like(lo)
+        else:
+            self.lo, self.hi = torch.where(rows, lo, self.lo), torch.where(rows, hi, self.hi)
+            self.step = torch.where(rows, 0, self.step)
 
     def __call__(self, x: Tensor, t: Tensor) -> Tensor:
-        full = self.step == 0 or (self.refresh is not None and self.step % self.refresh == 0)
-        self.step += 1
-        if full:
-            self.logits = self.read(x, t, 0)
-            return self.logits
-        hi = x.shape[1] if self.cache == "prefix" else self.hi
-        self.logits[:, self.lo : hi] = self.read(x[:, self.lo : hi], t, self.lo)
+        length = x.shape[1]
+        live = self.lo < self.hi
+        due = live & ((self.step == 0) if self.refresh is None else (self.step % self.refresh == 0))
+        self.step = self.step + 1
+        lo = torch.where(due, 0, self.lo).where(live, length)  # each row's window; an idle row's is empty
+        hi = (self.hi if self.cache == "dual" else torch.full_like(self.hi, length)).where(~due, length)
+        hi = hi.where(live, 0)
+        start, stop = torch.stack([lo.min(), hi.max()]).tolist()  # the call's host read: the columns to run
+        if stop <= start:  # no row left to decode: a full pass writes nothing (fresh is empty)
+            start, stop = 0, length
+        cols = torch.arange(start, stop, device=x.device)
+        fresh = (cols >= lo[:, None]) & (cols < hi[:, None])
+        out = self.read(x[:, start:stop], t, start, fresh)
+        if self.logits is None:  # the first call: a full pass (the cache refuses anything else)
+            self.logits = out
+        else:
+            self.logits[:, start:stop] = torch.where(fresh[..., None], out, self.logits[:, start:stop])
         return self.logits

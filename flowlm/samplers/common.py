@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flowlm.removed import check_removed
+
 
 def check_temperature(temperature: float) -> float:
     """A sampling temperature: 0 means argmax, > 0 scales the logits."""
@@ -25,17 +27,11 @@ def check_score(score: str) -> str:
     return score
 
 
-DRAWS = ("committed", "full")
-
-
-def check_draws(draws: str) -> str:
-    """Where a sampler draws its float64 categorical: "committed", only at the positions that commit or unmask in
-    a step (the same law: which positions commit does not depend on the draw), by inverse CDF
-    (``sample_categorical``), or "full", every position by Gumbel-max over (B, L, |V|), the suite's earlier random
-    stream."""
-    if draws not in DRAWS:
-        raise ValueError(f"draws must be one of {DRAWS}, got {draws!r}")
-    return draws
+def check_draws(owner: str, draws: str) -> None:
+    """``draws``, removed: MDM samplers draw their float64 categorical at the positions that commit or unmask in a
+    step only (the same law: which positions commit does not depend on the draw); the whole-tensor Gumbel-max stream
+    is a test oracle (tests/samplers/oracles.py)."""
+    check_removed(owner, "draws", draws, "committed", "the categorical is drawn where a step commits (the same law)")
 
 
 def masked_start(prompt: Tensor, prompt_mask: Tensor, mask_id: int) -> tuple[Tensor, Tensor]:

@@ -94,7 +94,7 @@ class GuidedSampler(PlannedSampler):
         self.temperature = check_temperature(temperature)
         if score is not None:  # the commit loops' ranking (``check_score``); the ancestral sampler has none
             self.score = check_score(score)
-        self.draws = check_draws(draws)
+        check_draws(type(self).__name__, draws)
         self.cfg_scale = check_cfg_scale(cfg_scale)
 
     def check_budget(self, nfe: int, *, free_positions: int | None = None) -> None:  # noqa: D102

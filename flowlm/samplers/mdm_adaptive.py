@@ -15,6 +15,12 @@ The NFE budget is a cap: the lower bound ⌈#masked / calls left⌉ is the fixed
 the budget's last call commits every masked position (every block), as that sampler's last step does; no row ever
 spends more than the budget. ``SampleOutput.row_nfe`` holds the calls each row needed (a row stops counting once it
 holds no [MASK]); ``nfe`` is the calls the batch made.
+
+``cache`` "prefix" | "dual" with ``block_length`` (block_cache.py, Fast-dLLM's block KV cache, as ``semi_ar``'s): a
+row's first call in a block (and every ``refresh`` calls) is a full pass for it, its other calls run its block and
+what follows (prefix) or its block alone (dual) over the keys kept from that pass; the budget's last call, which
+commits beyond the block, is a full pass. Rows enter blocks at different calls; each keeps its own schedule. The
+calls, and so the NFE, are the same as without the cache; approximate unless ``refresh=1``.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from torch import Tensor
 
 from flowlm.ops.draws import pick_tokens
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
+from flowlm.samplers.block_cache import BlockCachedReader, check_cache
 from flowlm.samplers.common import check_temperature, masked_start
 from flowlm.samplers.planned import PlannedSampler
 
@@ -61,12 +68,23 @@ class AdaptiveMDMSampler(PlannedSampler):
     family = "mdm"
     confidence_kind = "a-priori"  # p_θ(token) when it is committed, before the masked rest is drawn
 
-    def __init__(self, *, score: str = "max_prob", block_length: int | None = None, temperature: float = 0.0):
+    def __init__(
+        self,
+        *,
+        score: str = "max_prob",
+        block_length: int | None = None,
+        temperature: float = 0.0,
+        cache: str = "none",
+        refresh: int | None = None,
+    ):
         self.score = check_rank(score)
         if block_length is not None and block_length < 1:
             raise ValueError(f"block_length must be ≥ 1 (or null: one block), got {block_length}")
         self.block_length = block_length
         self.temperature = check_temperature(temperature)
+        self.cache, self.refresh = check_cache(cache, refresh), refresh
+        if cache != "none" and block_length is None:
+            raise ValueError(f"cache={cache!r} (the block KV cache) needs semi-AR blocks: set block_length")
 
     @abstractmethod
     def select(self, log_p: Tensor, ordered: Tensor, eligible: Tensor) -> Tensor:
@@ -85,13 +103,21 @@ class AdaptiveMDMSampler(PlannedSampler):
             first = torch.where(prompt_mask, length, positions).amin(-1, keepdim=True)  # first non-prompt position
             block = (positions - first).clamp_min(0) // self.block_length
         row_nfe = torch.zeros(b, dtype=torch.long, device=x.device)
+        reader = None if self.cache == "none" else BlockCachedReader(model, self.cache, self.refresh, length)
+        fn, entered = (model.fn, None) if reader is None else (reader, torch.full_like(n_free, -1))
         calls = 0
         while calls < nfe:
             masked = x == model.mask_id
             left = masked.any(-1)
             if not bool(left.any()):  # one host read per call: how many calls a batch needs is what is measured
                 break
-            logits = model.fn(x, masked.sum(-1) / n_free)
+            current = torch.where(masked, block, block.max() + 1).amin(-1, keepdim=True)
+            if reader is not None:  # rows entering a block, or the last call (a full pass): refresh
+                lo = (first + current * self.block_length).clamp(max=length)[:, 0]
+                hi = (lo + self.block_length).clamp(max=length)
+                reader.block(lo, hi, None if calls + 1 == nfe else current[:, 0] != entered)
+                entered = current[:, 0]
+            logits = fn(x, masked.sum(-1) / n_free)
             calls += 1
             row_nfe += left
             log_p = torch.log_softmax(logits.double(), -1)
@@ -99,7 +125,6 @@ class AdaptiveMDMSampler(PlannedSampler):
             if calls == nfe:  # the budget's last call commits the rest, as the fixed-step sampler's last step does
                 eligible = masked
             else:
-                current = torch.where(masked, block, block.max() + 1).amin(-1, keepdim=True)
                 eligible = masked & (block == current)
             score = torch.where(eligible, position_scores(log_p, self.score), -torch.inf)
             ordered = score.argsort(dim=-1, descending=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flowlm.ops.draws import draw_rows, pick_tokens
+from flowlm.ops.draws import draw_rows
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
 from flowlm.samplers.guidance import GuidedSampler
 
@@ -18,8 +18,8 @@ class AncestralSampler(GuidedSampler):
     leaves the input unchanged, so a time-agnostic network's output is reused at no NFE (``ddpm_cache``).
     Each step reads one number back from the device, how many tokens unmask: it decides whether the next step
     spends an NFE (the cache, and the early exit once nothing is masked). The float64 draw is made at the unmasking
-    positions only (``draws``, see ``check_draws``), by the two-level inverse CDF of ``draw_rows``, which also gives the
-    drawn token's log-probability from the same normaliser.
+    positions only, by the two-level inverse CDF of ``draw_rows``, which also gives the drawn token's log-probability
+    from the same normaliser.
 
     ``cfg_scale`` w > 0: SMDM's unsupervised CFG (``flowlm.samplers.guidance``); each step spends 2 network
     evaluations, so the grid has ⌊nfe / 2⌋ steps (a cached step spends none).
@@ -48,28 +48,14 @@ class AncestralSampler(GuidedSampler):
             if logits is None:
                 logits = model.fn(x, torch.full((batch,), t, device=x.device))
                 calls += cost
-            # Only the positions that unmask need the categorical draw, so the float64 log-softmax, the Gumbel
-            # transform and the argmax run on those rows. ``draws="committed"``: the unmask coins, then the Gumbel
-            # uniforms of those rows only; ``"full"`` (the earlier stream): uniforms over the whole (B, L, V) first,
-            # then the coins (each row's result is the one the whole-tensor computation gives).
-            uniforms = (
-                torch.rand(logits.shape, generator=generator, device=x.device, dtype=torch.float64)
-                if self.temperature > 0 and self.draws == "full"
-                else None
-            )
+            # Only the positions that unmask need the categorical draw: the unmask coins, then the draw on those rows.
             p_unmask = (t - s) / t  # (α_s − α_t)/(1 − α_t) with α = 1 − t
             u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float64)
             unmask = masked & (u < p_unmask)
             rows = unmask.nonzero(as_tuple=True)  # the step's one host read (how many positions unmask)
             n_unmask = rows[0].numel()
             if n_unmask:
-                if self.draws == "full":
-                    log_p = torch.log_softmax(logits[rows].double(), -1)
-                    draw = pick_tokens(
-                        log_p, self.temperature, generator, uniforms=None if uniforms is None else uniforms[rows]
-                    )
-                    p_draw = log_p.gather(-1, draw[:, None]).squeeze(-1).exp().float()
-                elif self.temperature == 0:
+                if self.temperature == 0:
                     picked = logits[rows].float()
                     draw = picked.argmax(-1)
                     p_draw = (picked.gather(-1, draw[:, None]).squeeze(-1) - picked.logsumexp(-1)).exp()

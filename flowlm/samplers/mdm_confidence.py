@@ -24,7 +24,7 @@ class ConfidenceSampler(GuidedSampler):
     Cost beyond the network: the ranking reads the logits of the still-masked positions once in float32 (log max p =
     max logit − logsumexp; the masked ones of a row are among its first ``most_masked`` slots, a number tracked on
     the host, ``slots``); with "max_prob" the ranking does not depend on the draw, so the float64 draw is made at the
-    committing positions only (``draws="committed"``): at most ⌈#masked / steps_left⌉ rows per sequence, by the
+    committing positions only: at most ⌈#masked / steps_left⌉ rows per sequence, by the
     two-level inverse CDF of ``draw_rows``, so the step reads nothing back. "sampled" ranks by the draw itself and
     draws at every masked position (the full path).
 
@@ -48,7 +48,7 @@ class ConfidenceSampler(GuidedSampler):
         positions = torch.arange(x.shape[1], device=x.device)
         calls = 0
         most_masked = int((x == model.mask_id).sum(-1).max()) if x.numel() else 0  # the call's one host read
-        full = self.draws == "full" or (self.score == "sampled" and self.temperature > 0)
+        full = self.score == "sampled" and self.temperature > 0  # the ranking reads the draw: draw everywhere
         for k in range(decode_steps(most_masked, steps)):
             masked = x == model.mask_id
             n_masked = masked.sum(-1)

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from flowlm.ops.draws import draw_rows, pick_tokens
+from flowlm.ops.draws import draw_rows
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput, Sampler
 from flowlm.samplers.block_cache import BlockCachedReader, check_cache
 from flowlm.samplers.common import block_ids
@@ -26,16 +26,16 @@ class SemiARConfidenceSampler(GuidedSampler):
     has the same ``cfg_scale``) on the logits every step reads; a step spends 2 network evaluations, so K =
     ⌊budget / 2⌋ // blocks and NFE = 2 × blocks × K.
 
-    Cost beyond the network (``draws="committed"``, the default): only the current block's positions are ever
+    Cost beyond the network: only the current block's positions are ever
     eligible, so only their ≤ ``block_length`` rows of the logits are read (``slots``): at T = 0 (the default) the
     argmax and log max p in float32 (``max_log_prob``), the two scores' common value; at T > 0 with "max_prob" the
     same ranking, then the float64 draw at the committing positions only (the ranking does not depend on it); with
     "sampled" the draw at every block position first (``draw_rows``, two-level inverse CDF), ranked by its log p.
-    ``draws="full"``: the earlier stream, a float64 log-softmax and Gumbel draw over the whole (B, L, |V|).
 
     ``cache`` "prefix" | "dual" (block_cache.py, Fast-dLLM's block KV cache): a block's first step (and every
     ``refresh`` steps) is a full pass; its other steps run on the block and what follows it (prefix) or the block
-    alone (dual), the rest read from the cache. NFE unchanged; approximate unless ``refresh=1``. Not with guidance.
+    alone (dual), the rest read from the cache (each row's own block: a row decodes alike alone and in a batch). On
+    the DiT and the LLaMA family. NFE unchanged; approximate unless ``refresh=1``. Not with guidance.
     """
 
     family = "mdm"
@@ -92,19 +92,18 @@ class SemiARConfidenceSampler(GuidedSampler):
         n_free = free.sum(-1).clamp_min(1)
         positions = torch.arange(x.shape[1], device=x.device)
         first_row = torch.arange(x.shape[0], device=x.device)[:, None] * x.shape[1]  # row offsets in (B·L, |V|)
-        full = self.draws == "full"
         draw_all = self.temperature > 0 and self.score == "sampled"  # the ranking reads the draw: draw every slot
         calls = 0
         for b in range(n_blocks):
             in_block = block_id == b
-            if reader is not None:  # the block's positions over all rows lie in [lo, hi)
-                cols = in_block.any(0).nonzero()
-                reader.block(int(cols.min()), int(cols.max()) + 1)
-            if not full:  # the block's positions (only they are ever eligible) as slots; the fullest row's count
-                slot, _ = slots(in_block, self.block_length)
-                block_rows = slot + first_row
-                flat = block_rows.reshape(-1)
-                most = min(self.block_length, max(most_free - b * self.block_length, 0))
+            if reader is not None:  # each row's block lies in [lo, hi) (empty where the row has no block b)
+                lo = torch.where(in_block, positions, x.shape[1]).amin(-1)
+                reader.block(lo, torch.where(in_block, positions + 1, 0).amax(-1))
+            # the block's positions (only they are ever eligible) as slots; the fullest row's count
+            slot, _ = slots(in_block, self.block_length)
+            block_rows = slot + first_row
+            flat = block_rows.reshape(-1)
+            most = min(self.block_length, max(most_free - b * self.block_length, 0))
             for k in range(steps):
                 masked = x == model.mask_id
                 eligible = masked & in_block
@@ -112,9 +111,6 @@ class SemiARConfidenceSampler(GuidedSampler):
                 calls += cost
                 left = steps - k
                 n_commit = torch.div(eligible.sum(-1) + left - 1, left, rounding_mode="floor")  # ⌈masked / left⌉
-                if full:
-                    x, confidence = self._full_step(logits, x, confidence, eligible, n_commit, positions, generator)
-                    continue
                 by_row = logits.reshape(-1, logits.shape[-1])
                 live = eligible.gather(1, slot)
                 if draw_all:
@@ -135,16 +131,3 @@ class SemiARConfidenceSampler(GuidedSampler):
                 x, confidence = commit_slots(x, confidence, slot, commit, candidate, p_candidate)
                 most -= -(-most // left)
         return SampleOutput(tokens=x, confidence=confidence, nfe=calls)
-
-    def _full_step(self, logits, x, confidence, eligible, n_commit, positions, generator) -> tuple[Tensor, Tensor]:
-        """``draws="full"``, the earlier stream: a float64 log-softmax over the whole (B, L, |V|), a Gumbel draw at
-        every position, the ranking over all positions."""
-        log_p = torch.log_softmax(logits.double(), -1)
-        candidate = pick_tokens(log_p, self.temperature, generator)
-        p_candidate = log_p.gather(-1, candidate[..., None]).squeeze(-1)
-        score = p_candidate if self.score == "sampled" else log_p.amax(-1)
-        score = torch.where(eligible, score, -torch.inf)
-        order = score.argsort(dim=-1, descending=True)
-        rank = torch.empty_like(order).scatter_(-1, order, positions.expand_as(order))
-        commit = eligible & (rank < n_commit[:, None])
-        return torch.where(commit, candidate, x), torch.where(commit, p_candidate.exp().float(), confidence)

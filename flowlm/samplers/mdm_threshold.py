@@ -15,7 +15,8 @@ class ThresholdSampler(AdaptiveMDMSampler):
     """Commit every eligible position with max_v p > ``threshold`` (τ; at least one per call), or with ``factor`` f
     the largest n with (n + 1)(1 − c₍ₙ₎) < f. With ``score`` margin or entropy the rule's count n is kept and the n
     best positions by that rank commit (which may differ from those above τ). τ above every confidence commits the
-    budget schedule's ⌈#masked / calls left⌉ (the confidence sampler's); τ ≤ 0 commits a whole block per call."""
+    budget schedule's ⌈#masked / calls left⌉ (the confidence sampler's); τ ≤ 0 commits a whole block per call.
+    ``cache`` / ``refresh`` with ``block_length``: the block KV cache (``mdm_adaptive.py``)."""
 
     def __init__(
         self,
@@ -25,8 +26,10 @@ class ThresholdSampler(AdaptiveMDMSampler):
         score: str = "max_prob",
         block_length: int | None = None,
         temperature: float = 0.0,
+        cache: str = "none",
+        refresh: int | None = None,
     ) -> None:
-        super().__init__(score=score, block_length=block_length, temperature=temperature)
+        super().__init__(score=score, block_length=block_length, temperature=temperature, cache=cache, refresh=refresh)
         if factor is not None and factor <= 0:
             raise ValueError(f"factor must be > 0 (or null: the threshold rule), got {factor}")
         self.threshold, self.factor = float(threshold), factor

@@ -21,14 +21,12 @@ the whole posterior (the dense path, also the models without ``posterior_fn``). 
     budget has room for it after one step; at the smallest budgets (NFE 1, or 2 with CCFG) the trajectory decodes
     ``guided`` instead.
   - ``guided``: the last step's guided posterior q (negative parts clipped, renormalised), no extra call.
-  - ``conditional``: the last step's conditional posterior p (the suite's earlier decode: the last bridge step and
-    its CCFG reference are spent but do not reach the tokens).
 OTP (paper): a free position whose posterior mode has probability ≥ 1 − ε is promoted — fixed to the mode's embedding
-and treated as context from then on. ``otp_order=before_step`` (default) promotes from a step's posterior before its
-bridge step, at every step: the CCFG reference of that step (``guidance_scope=context``) already re-noises the new
-context. ``after_step`` (the suite's earlier order) promotes after the bridge step and not at the last step; the
-promoted positions are otherwise the same. The released code's variant (``otp_mode=rounds``) runs whole trajectories
-and promotes between them from the final posterior (at least one token per round, as it does).
+and treated as context from then on, from a step's posterior before its bridge step, at every step: the CCFG
+reference of that step (``guidance_scope=context``) already re-noises the new context. The released code's variant
+(``otp_mode=rounds``) runs whole trajectories and promotes between them from the final posterior (at least one token
+per round, as it does). Removed (the suite's earlier choices, reproducing no released sampler): ``otp_order``
+(accepted at "before_step" only) and ``final_decode="conditional"``.
 """
 
 from __future__ import annotations
@@ -43,29 +41,41 @@ from torch import Tensor
 
 from flowlm.ops.draws import pick_tokens
 from flowlm.processes.bridge import BridgeProcess
+from flowlm.removed import check_removed
 from flowlm.samplers.base import SampleOutput, Sampler, check_temperature
 
 GUIDANCE_SCOPES = ("prompt", "context")
 OTP_MODES = ("trajectory", "rounds")
-OTP_ORDERS = ("before_step", "after_step")
-FINAL_DECODES = ("call", "guided", "conditional")
+FINAL_DECODES = ("call", "guided")
 GRIDS = ("uniform", "density")
 
 
 @dataclass(frozen=True)
 class BridgeDenoiser:
     """An MLFM as samplers see it: ``fn(z (B, L, d), t (B,)) → logits over the data vocabulary (B, L, |V|)``, the
-    data rows of the embedding matrix E (|V|, d), the [MASK] embedding m (d,) and the bridge process.
+    embedding table E the network reads with [MASK] at row ``mask_id`` (the last row, or one inside the vocabulary:
+    LLaDA, Dream), |V| = ``data_vocab_size`` and the bridge process.
 
     ``posterior_fn(z, t, mean=True)``, when the model has it, returns what a greedy trajectory reads of p =
     softmax(fn(z, t)), without a (B, L, |V|) tensor: (log max_v p, argmax_v, x̂₁ = p·E, or None with ``mean=False``).
     """
 
     fn: Callable[[Tensor, Tensor], Tensor]
-    embeddings: Tensor
-    mask_embedding: Tensor
+    table: Tensor
+    mask_id: int
+    data_vocab_size: int
     process: BridgeProcess
     posterior_fn: Callable[..., tuple[Tensor, Tensor, Tensor | None]] | None = None
+
+    @property
+    def embeddings(self) -> Tensor:
+        """E's data rows (|V|, d): x̂₁ = p·E."""
+        return self.table[: self.data_vocab_size]
+
+    @property
+    def mask_embedding(self) -> Tensor:
+        """m = E[MASK] (d,): the bridge's t = 0 end."""
+        return self.table[self.mask_id]
 
 
 @dataclass
@@ -121,19 +131,19 @@ class MLFMSampler(Sampler):
             raise ValueError(f"OTP ε must be in [0, 1) (0 = no promotion), got {otp_eps}")
         if otp_mode not in OTP_MODES:
             raise ValueError(f"otp_mode must be one of {OTP_MODES}, got {otp_mode!r}")
-        if otp_order not in OTP_ORDERS:
-            raise ValueError(f"otp_order must be one of {OTP_ORDERS}, got {otp_order!r}")
+        check_removed("MLFMSampler", "otp_order", otp_order, "before_step", "OTP promotes before each bridge step")
         if rounds < 1 or (rounds > 1 and otp_mode != "rounds"):
             raise ValueError(f"rounds={rounds}: must be ≥ 1, and > 1 only with otp_mode=rounds")
         if grid not in GRIDS:
             raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
+        if final_decode == "conditional":  # removed: the last step's conditional posterior
+            raise ValueError("MLFMSampler: final_decode='conditional' was removed; use call (released) or guided")
         if final_decode not in FINAL_DECODES:
             raise ValueError(f"final_decode must be one of {FINAL_DECODES}, got {final_decode!r}")
         self.guidance = guidance
         self.guidance_scope = guidance_scope
         self.otp_eps = otp_eps
         self.otp_mode = otp_mode
-        self.otp_order = otp_order
         self.rounds = rounds
         self.grid = grid
         self.final_decode = final_decode
@@ -186,7 +196,7 @@ class MLFMSampler(Sampler):
                 reference = has_prompt
             steps, final_call = self.plan(nfe, 2 if reference else 1)
             # a guided decode (final_decode=guided, or call without room for the call) reads the whole q of CCFG
-            guided_decode = not final_call and self.final_decode != "conditional" and reference
+            guided_decode = not final_call and reference
             out = self._trajectory(
                 model,
                 tokens,
@@ -255,8 +265,8 @@ class MLFMSampler(Sampler):
     ) -> _Trajectory:
         """One trajectory from t = 0 to 1 with ``fixed`` positions clean (and, if ``promote``, OTP inside it):
         ``steps`` bridge steps (with the CCFG reference call if ``reference``), then the final posterior."""
-        emb = model.embeddings.float()
-        m = model.mask_embedding.float()
+        table = model.table.float()
+        emb, m = table[: model.data_vocab_size], table[model.mask_id]  # E's data rows, m = E[MASK]
         b = tokens.shape[0]
         process = model.process
         grid = time_grid(process, steps, self.grid)
@@ -270,14 +280,15 @@ class MLFMSampler(Sampler):
             tt = torch.full((b,), t, device=z.device)
             post = self._posterior(model, z, tt, dense=dense)
             nfe += 1
-            if promote and self.otp_order == "before_step":
+            if promote:
                 tokens, fixed, confidence = self._promote(post, tokens, fixed, confidence)
                 clean = emb[tokens]
             guided, target = post.probs, post.mean
             if reference:
                 # CCFG reference: the context re-noised by the forward bridge marginal at the current t.
                 scope = prompt_mask if self.guidance_scope == "prompt" else fixed
-                z_corr = process.sample(m, clean, tt, scope, generator, noise_dtype=torch.float64)
+                eps = torch.randn(z.shape, generator=generator, device=z.device, dtype=torch.float64)  # float64 ε
+                z_corr = process.noise(tokens, tt, ~scope, draws=eps, embeddings=table, mask_id=model.mask_id).state
                 z_corr = torch.where(scope[..., None], z_corr, z)
                 corr = self._posterior(model, z_corr, tt, dense=dense)
                 nfe += 1
@@ -288,21 +299,18 @@ class MLFMSampler(Sampler):
                 else:
                     target = corr.mean.sub_(post.mean).mul_(-w).add_(post.mean)  # x̂₁ + w·(x̂₁ − x̂₁,corr)
             z = process.ddpm_step(z, guided @ emb if dense else target, t, t_next, generator)
-            if promote and self.otp_order == "after_step" and k < steps - 1:
-                tokens, fixed, confidence = self._promote(post, tokens, fixed, confidence)
-                clean = emb[tokens]
             z = torch.where(fixed[..., None], clean, z)  # clean positions are reset every step
         if final_call:  # the released decode: one conditional call on the final state, at t = 1
             final = self._posterior(model, z, torch.full((b,), grid[-1], device=z.device), dense=dense, mean=False)
             nfe += 1
-        elif self.final_decode == "conditional" or guided is None and not dense:  # conditional (= guided without CCFG)
+        elif guided is None and not dense:  # the conditional posterior: the guided one without CCFG
             final = post
         else:  # the last step's guided posterior q, where z(1) = q·E (clipped at 0, renormalised): dense only
             q = guided.clamp_min(0)
             q = q / q.sum(-1, keepdim=True)
             p_max, mode = q.max(-1)
             final = _Posterior(p_max=p_max, mode=mode, probs=q, log_probs=q.log())
-        if final.logits is not None:  # the dense call or conditional decode: as the earlier path read it
+        if final.logits is not None:  # the dense call or last posterior: its log-probabilities for a draw
             final.log_probs = F.log_softmax(final.logits, -1)
         return _Trajectory(tokens=tokens, fixed=fixed, confidence=confidence, final=final, nfe=nfe)
 

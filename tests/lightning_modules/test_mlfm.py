@@ -100,22 +100,31 @@ def test_ddpm_step_is_the_bridge_to_the_endpoint():
         bridge.ddpm_step(z, x1, 0.5, 0.5, None)
 
 
-def test_mask_probability_schedules_exact_values():
+def clipped_cosine(u: torch.Tensor, s_min: float = 0.05) -> torch.Tensor:
+    """The suite's earlier schedule (``mask_schedule="clip"``, removed), the oracle: s = min(1, max(s_min, cos(πu/2))),
+    mass s_min at u ≥ 2/π·arccos(s_min)."""
+    return torch.cos(0.5 * math.pi * u).clamp(min=s_min, max=1.0)
+
+
+def test_mask_probability_schedule_exact_values():
     u = torch.tensor([0.0, 0.5, 0.9, 0.98, 1.0], dtype=torch.float64)
-    # released (affine): s = 0.05 + 0.95·cos(πu/2); the suite's earlier (clip): cos(πu/2) clipped to [0.05, 1]
+    # released (affine): s = 0.05 + 0.95·cos(πu/2); the oracle of the earlier one: cos(πu/2) clipped to [0.05, 1]
     affine = torch.tensor([1.0, 0.7217514421272202, 0.19861274178821936, 0.07984022112422198, 0.05], dtype=u.dtype)
     clip = torch.tensor([1.0, 0.7071067811865476, 0.15643446504023092, 0.05, 0.05], dtype=u.dtype)
     torch.testing.assert_close(cosine_mask_prob(u), affine, rtol=0, atol=1e-12)
-    torch.testing.assert_close(cosine_mask_prob(u, schedule="clip"), clip, rtol=0, atol=1e-12)
+    torch.testing.assert_close(clipped_cosine(u), clip, rtol=0, atol=1e-12)
     torch.testing.assert_close(cosine_mask_prob(u, s_min=0.2)[1], torch.tensor(0.2 + 0.8 * 0.5**0.5, dtype=u.dtype))
-    # The training draw uses the configured form on u ~ U(0, 1) (released by default).
+    # Both reach 1 at u = 0 and s_min at u = 1 and agree as u → 0 (the affine map shrinks cos by 1 − s_min only)
+    torch.testing.assert_close(cosine_mask_prob(u[[0, -1]]), clipped_cosine(u[[0, -1]]), rtol=0, atol=1e-12)
+    # The training draw is the released form on u ~ U(0, 1), no mass at s_min (the earlier clip put 3 % there).
     draws = torch.rand(64, generator=torch.Generator().manual_seed(5))
-    for bridge, form in ((BridgeProcess(), "affine"), (BridgeProcess(mask_schedule="clip"), "clip")):
-        s = bridge.mask_prob(64, generator=torch.Generator().manual_seed(5))
-        torch.testing.assert_close(s, cosine_mask_prob(draws, schedule=form))
-    assert BridgeProcess().mask_prob(4096, generator=torch.Generator()).min() > 0.05  # affine: no mass at s_min
-    with pytest.raises(ValueError, match="mask schedule"):
-        BridgeProcess(mask_schedule="cosine")
+    s = BridgeProcess().mask_prob(64, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(s, cosine_mask_prob(draws))
+    assert BridgeProcess().mask_prob(4096, generator=torch.Generator()).min() > 0.05
+    # Removed: saved checkpoints hold mask_schedule=affine (accepted); anything else is refused, naming it
+    assert BridgeProcess(mask_schedule="affine") == BridgeProcess()
+    with pytest.raises(ValueError, match=r"mask_schedule='clip' was removed; the masking probability is the released"):
+        BridgeProcess(mask_schedule="clip")
 
 
 def test_bridge_noise_can_be_drawn_in_float64():
@@ -266,9 +275,7 @@ class Recorder:
         return self.outs[-1].clone()
 
     def denoiser(self, sigma: float = 0.2) -> BridgeDenoiser:
-        return BridgeDenoiser(
-            fn=self, embeddings=self.emb[:V], mask_embedding=self.emb[V], process=BridgeProcess(sigma=sigma)
-        )
+        return BridgeDenoiser(fn=self, table=self.emb, mask_id=V, data_vocab_size=V, process=BridgeProcess(sigma=sigma))
 
 
 def run(sampler, rec, nfe=12, sigma=0.2, seed=0, pm=None):
@@ -292,9 +299,7 @@ def run(sampler, rec, nfe=12, sigma=0.2, seed=0, pm=None):
         ({"guidance": 2.0}, 13, 13),  # 6 steps × 2 + 1
         ({"guidance": 2.0}, 2, 2),  # one guided step, decoded from its guided posterior
         ({"guidance": 2.0, "final_decode": "guided"}, 12, 12),  # 6 steps × 2, no final call
-        ({"guidance": 2.0, "final_decode": "conditional"}, 13, 12),  # the suite's earlier decode: 6 steps × 2
         ({"otp_eps": 0.3}, 9, 9),
-        ({"otp_eps": 0.3, "otp_order": "after_step"}, 9, 9),
         ({"otp_eps": 0.3, "otp_mode": "rounds", "rounds": 3}, 12, 12),  # 3 × (3 steps + 1)
         ({"guidance": 1.0, "otp_eps": 0.3, "otp_mode": "rounds", "rounds": 2, "grid": "uniform"}, 12, 10),  # 2 × 5
     ],
@@ -364,29 +369,39 @@ def test_final_decode_is_a_call_at_t1_on_the_final_state():
 
 def test_guidance_reaches_the_tokens_at_one_step():
     """One bridge step: CCFG changes the tokens, decoded by the final call (NFE 2 + 1) or, at the smallest budget,
-    from the guided posterior (NFE 2); the suite's earlier decode (conditional posterior) could not."""
+    from the guided posterior (NFE 2); the removed decode from the step's conditional posterior could not (it is the
+    unguided one-step decode whatever w)."""
     for decode, nfe in (("call", 2), ("guided", 1), ("call", 1)):
         plain, _, _ = run(MLFMSampler(final_decode=decode), Recorder(sharp=3.0), nfe=nfe)
         rec = Recorder(sharp=3.0)
         guided, _, pm = run(MLFMSampler(guidance=4.0, final_decode=decode), rec, nfe=nfe + 1)
         assert guided.nfe == len(rec.calls) == nfe + 1
         assert not torch.equal(plain.tokens[~pm], guided.tokens[~pm]), decode
-    plain, _, _ = run(MLFMSampler(final_decode="conditional"), Recorder(sharp=3.0), nfe=1)
-    guided, _, _ = run(MLFMSampler(guidance=4.0, final_decode="conditional"), Recorder(sharp=3.0), nfe=2)
-    assert torch.equal(plain.tokens, guided.tokens)  # the earlier decode: the guided step never reached the output
 
 
-def test_ccfg_reference_noise_is_float64(monkeypatch):
-    kinds = []
-    original = BridgeProcess.sample
-
-    def spy(self, m, e_y, t, noised, generator, **kwargs):
-        kinds.append(kwargs.get("noise_dtype"))
-        return original(self, m, e_y, t, noised, generator, **kwargs)
-
-    monkeypatch.setattr(BridgeProcess, "sample", spy)
-    run(MLFMSampler(guidance=2.0), Recorder(), nfe=7)
-    assert kinds == [torch.float64] * 3  # one reference per step
+@pytest.mark.parametrize("mask_id", [V, 2], ids=["mask_last_row", "mask_inside_llada"])
+def test_ccfg_reference_is_the_bridge_marginal_at_the_mask_row(mask_id):
+    """The reference call reads z with the prompt re-noised by the bridge marginal at the step's t,
+    (1 − t)·E[mask_id] + t·E_y + σ·√(t(1 − t))·ε, ε the generator's next float64 N(0, I) draw (after the previous
+    step's bridge noise), with [MASK] the table's last row (DiT) or a row inside the vocabulary (LLaDA, Dream); the
+    free positions keep the state. By hand from the stream: ε₀ (t = 0), the step's noise, ε₁ (t = ½)."""
+    rec, sigma = Recorder(), 0.2
+    view = BridgeDenoiser(fn=rec, table=rec.emb, mask_id=mask_id, data_vocab_size=V, process=BridgeProcess(sigma=sigma))
+    prompt = torch.randint(0, V, (5, L), generator=torch.Generator().manual_seed(9))
+    pm = torch.zeros(5, L, dtype=torch.bool)
+    pm[:, :3] = True
+    out = MLFMSampler(guidance=2.0)(
+        view, prompt=prompt, prompt_mask=pm, nfe=5, generator=torch.Generator().manual_seed(4)
+    )
+    assert out.nfe == len(rec.calls) == 5  # 2 steps × (state + reference), the call at t = 1
+    gen = torch.Generator().manual_seed(4)
+    eps = [torch.randn((5, L, 8), generator=gen, dtype=torch.float64) for _ in range(3)]  # ε₀, step noise, ε₁
+    m, e_y = rec.emb[mask_id], rec.emb[prompt]
+    for call, t, e in ((1, 0.0, eps[0]), (3, 0.5, eps[2])):
+        state = rec.calls[call - 1]
+        want = torch.where(pm[..., None], (1 - t) * m + t * e_y + sigma * (t * (1 - t)) ** 0.5 * e.float(), state)
+        torch.testing.assert_close(rec.calls[call], want, rtol=0, atol=1e-6)
+    assert not torch.allclose(rec.calls[3][pm], rec.calls[2][pm], atol=1e-2)  # the reference is re-noised
 
 
 def test_ccfg_without_context_spends_one_nfe_per_step():
@@ -440,32 +455,28 @@ class Confident:
         return logits
 
     def sample(self, sampler: MLFMSampler, nfe: int):
-        model = BridgeDenoiser(fn=self, embeddings=self.emb[:V], mask_embedding=self.emb[V], process=BridgeProcess())
+        model = BridgeDenoiser(fn=self, table=self.emb, mask_id=V, data_vocab_size=V, process=BridgeProcess())
         pm = torch.zeros(2, L, dtype=torch.bool)
         pm[:, :3] = True
         prompt = torch.randint(0, V, (2, L), generator=torch.Generator().manual_seed(1))
         return sampler(model, prompt=prompt, prompt_mask=pm, nfe=nfe, generator=torch.Generator().manual_seed(2))
 
 
-@pytest.mark.parametrize("order", ["before_step", "after_step"])
-def test_otp_promotes_before_the_step(order):
-    """before_step (paper): a position promoted at a step is context for that step's CCFG reference (re-noised
-    there) and promotion acts at the last step too; after_step (the suite's earlier order) does neither."""
-    kw = {"guidance": 1.0, "guidance_scope": "context", "otp_eps": 0.05, "otp_order": order, "grid": "uniform"}
+def test_otp_promotes_before_the_step():
+    """As the paper: a position promoted at a step is context for that step's CCFG reference (re-noised there) and
+    promotion acts at the last step too (the removed ``otp_order=after_step`` did neither)."""
+    kw = {"guidance": 1.0, "guidance_scope": "context", "otp_eps": 0.05, "grid": "uniform"}
     target = Confident(after=0.0).emb[2]
     # 3 steps at t = 0, 1/3, 2/3 (calls 0–5: conditional, reference) + the final call; confident from t = 1/3 on.
     stub = Confident(after=0.25)
     out = stub.sample(MLFMSampler(**kw), nfe=7)
     cond, ref = stub.calls[2][:, 5], stub.calls[3][:, 5]
     assert torch.all(out.tokens[:, 5] == 2) and torch.equal(stub.calls[4][:, 5], target.expand(2, 8))
-    if order == "before_step":
-        assert not torch.allclose(ref, cond) and not torch.allclose(ref, target)  # re-noised from E_2 at t = 1/3
-    else:
-        assert torch.equal(ref, cond)
+    assert not torch.allclose(ref, cond) and not torch.allclose(ref, target)  # re-noised from E_2 at t = 1/3
     # Confident only at the last step (t = 2/3): promoted there, so the final call sees E_2 exactly (before_step).
     stub = Confident(after=0.5)
     stub.sample(MLFMSampler(**kw), nfe=7)
-    assert torch.equal(stub.calls[-1][:, 5], target.expand(2, 8)) == (order == "before_step")
+    assert torch.equal(stub.calls[-1][:, 5], target.expand(2, 8))
 
 
 def test_otp_never_changes_a_promoted_token():
@@ -506,8 +517,11 @@ def test_sampler_bad_input_is_refused():
         MLFMSampler(otp_eps=1.0)
     with pytest.raises(ValueError, match="rounds"):
         MLFMSampler(rounds=2)
-    with pytest.raises(ValueError, match="otp_order"):
-        MLFMSampler(otp_order="late")
+    with pytest.raises(ValueError, match=r"otp_order='after_step' was removed; OTP promotes before each bridge step"):
+        MLFMSampler(otp_order="after_step")
+    assert MLFMSampler(otp_order="before_step").otp_eps == 0  # what saved configs hold
+    with pytest.raises(ValueError, match="final_decode='conditional' was removed; use call"):
+        MLFMSampler(final_decode="conditional")
     with pytest.raises(ValueError, match="final_decode"):
         MLFMSampler(final_decode="argmax")
     with pytest.raises(ValueError, match="below one step per round"):

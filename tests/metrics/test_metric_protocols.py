@@ -1,9 +1,10 @@
-"""The papers' released evaluation protocols as defaults, the earlier behaviour as named options (issue 14).
+"""The papers' released evaluation protocols as defaults (issue 14).
 
 GSM8K execute scoring follows the released TinyGSM scorer of FMLM+ (code extraction, ``simple_math_problem()``
 only, absolute 1e-3, 5 s); gen-PPL follows the released FMLM+/MDLM token convention. Each identity is checked
-against an independent computation, and the earlier behaviour (``extract_code=raw``, ``convention=bos_prefix``)
-is shown to differ where it should, so the tests fail if the default silently reverts.
+against an independent computation, and the earlier behaviour (the response run as generated, ``run_raw``: the
+removed ``extract_code=raw``, an oracle here; ``convention=bos_prefix``, an option) is shown to differ where it
+should, so the tests fail if the default silently reverts.
 """
 
 import math
@@ -41,10 +42,15 @@ UNTIDY = {
 }
 
 
+def run_raw(texts: list[str], *, timeout_s: float = 2.0) -> list:
+    """The oracle of the removed ``extract_code=raw`` (with ``entry_fallback=True``): each response run as generated,
+    no extraction, no ``math`` in scope, the entry point's fallback left to the sandbox."""
+    return gsm8k.run_programs(texts, workers=2, timeout_s=timeout_s, memory_mb=512, entry="simple_math_problem")
+
+
 @pytest.mark.parametrize("name", list(UNTIDY))
 def test_released_extraction_recovers_the_function(name):
     assert extract_program(UNTIDY[name]) == CLEAN
-    assert extract_program(UNTIDY[name], "raw") == UNTIDY[name]
 
 
 def test_released_extraction_details():
@@ -70,7 +76,7 @@ def test_released_protocol_scores_untidy_programs_and_raw_does_not():
     programs, results = execute_responses(texts, workers=2)
     assert programs == [CLEAN] * len(texts)
     assert [(r.status, r.value) for r in results] == [("ok", 12.0)] * len(texts)
-    _, raw = execute_responses(texts, extract="raw", entry_fallback=True, timeout_s=2.0, workers=2)
+    raw = run_raw(texts)
     assert [r.status for r in raw] == ["error"] * len(texts)
     assert not any(answers_match(r.value, 12.0) for r in raw)
 
@@ -140,10 +146,11 @@ def test_gsm8k_accuracy_defaults_are_the_released_protocol(monkeypatch):
     rows = metric.artifact_rows()
     assert [r["program"] for r in rows[:2]] == [CLEAN, CLEAN] and rows[0]["response"] == texts[0]
     assert {r["sandbox"] for r in rows} == {metric.isolation.name} != {"python_only"}  # the isolation used
-    # the earlier behaviour, as named options: the same generations score 0 (untidy) and 12.0005 is not 12
-    old = GSM8KAccuracy(
-        datamodule=dm, scorer="execute", extract_code="raw", entry_fallback=True, timeout_s=2.0, abs_tol=1e-6
-    )
+    # the earlier behaviour (the raw response, ``run_raw``'s, by the oracle's identity extraction): the same
+    # generations score 0 (untidy) and 12.0005 is not 12
+    monkeypatch.setattr(gsm8k, "extract_program", lambda text: text)
+    monkeypatch.setattr(gsm8k, "_with_math", lambda code: code)
+    old = GSM8KAccuracy(datamodule=dm, scorer="execute", entry_fallback=True, timeout_s=2.0, abs_tol=1e-6)
     old.update(batch, batch)
     assert old.compute()["accuracy"].item() == 0.0 and seen["timeout_s"] == 2.0
     assert [r["status"] for r in old.artifact_rows()] == ["error", "error", "ok"]
@@ -151,8 +158,8 @@ def test_gsm8k_accuracy_defaults_are_the_released_protocol(monkeypatch):
 
 def test_configs_default_to_the_released_protocols():
     gsm = OmegaConf.load(CONF / "gsm8k_base.yaml").metric
-    assert (gsm.extract_code, gsm.entry_fallback, gsm.timeout_s, gsm.abs_tol, gsm.rel_tol, gsm.sandbox) == (
-        "released",
+    assert "extract_code" not in gsm  # removed: the released extraction is the only one
+    assert (gsm.entry_fallback, gsm.timeout_s, gsm.abs_tol, gsm.rel_tol, gsm.sandbox) == (
         False,
         5.0,
         None,
@@ -160,16 +167,16 @@ def test_configs_default_to_the_released_protocols():
         "os",
     )
     metric = GSM8KAccuracy(datamodule=gsm_datamodule(), scorer="execute")
-    assert metric.tolerance == {"abs_tol": 1e-3, "rel_tol": 0.0} and metric.sandbox["extract"] == "released"
+    assert metric.tolerance == {"abs_tol": 1e-3, "rel_tol": 0.0} and metric.sandbox["timeout_s"] == 5.0
     assert GSM8KAccuracy(datamodule=gsm_datamodule()).tolerance == {"abs_tol": 1e-6, "rel_tol": 1e-6}
     assert OmegaConf.load(CONF / "text_base.yaml").metric.convention == "released"
 
 
 def test_unknown_protocol_names_fail_before_any_compute():
-    with pytest.raises(ValueError, match=r"\['released', 'raw'\].*'tidy'"):
-        GSM8KAccuracy(datamodule=gsm_datamodule(), scorer="execute", extract_code="tidy")
-    with pytest.raises(ValueError, match="released"):
-        execute_responses(["def simple_math_problem():\n    return 1\n"], extract="clean")
+    for removed in ("raw", "tidy"):  # extract_code, removed: only what saved configs hold ("released") is accepted
+        with pytest.raises(ValueError, match=rf"extract_code='{removed}' was removed; the program is cut out"):
+            GSM8KAccuracy(datamodule=gsm_datamodule(), scorer="execute", extract_code=removed)
+    assert GSM8KAccuracy(datamodule=gsm_datamodule(), scorer="execute", extract_code="released").scorer == "execute"
     with pytest.raises(ValueError, match="timeout_s"):
         GSM8KAccuracy(datamodule=gsm_datamodule(), scorer="execute", timeout_s=0)
     # the convention is checked before the evaluator is looked up: a ValueError, not EvaluatorUnavailableError

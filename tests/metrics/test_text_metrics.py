@@ -6,6 +6,7 @@ import time
 from types import SimpleNamespace
 from unittest.mock import MagicMock
 
+import numpy as np
 import pytest
 import torch
 from fixtures.text import encode_rows, save_tiny_evaluator, tiny_evaluator, tiny_tokenizer
@@ -292,7 +293,12 @@ def test_sampling_evaluation_logs_metric_rows_as_jsonl():
     metric.update(batch, batch)
     callback = SamplingEvaluation(samplers={"confidence": ConfidenceSampler()}, nfe=[4], metric=GSM8KAccuracy)
     callback._states = {
-        ("confidence", 4): {"metric": metric, "samples": [batch[0]], "calibration": CalibrationBuffer(0)}
+        ("confidence", 4): {
+            "metric": metric,
+            "samples": [batch[0]],
+            "calibration": CalibrationBuffer(0),
+            "spent": np.array([4.0]),
+        }
     }
     logger = MagicMock(spec=MLFlowLogger)
     logger.run_id = "run"
@@ -303,6 +309,9 @@ def test_sampling_evaluation_logs_metric_rows_as_jsonl():
         "eval/step0000007/samples.md",
         "eval/step0000007/confidence_nfe4.jsonl",
     }
+    logger.experiment.log_dict.assert_called_once_with(
+        "run", {"confidence/nfe4": {"4": 1}}, "eval/step0000007/nfe_histogram.json"
+    )
     rows = [json.loads(line) for line in logged["eval/step0000007/confidence_nfe4.jsonl"].splitlines()]
     assert rows == [
         {

@@ -16,6 +16,7 @@ from flowlm.ops.summary import BLOCK, capped_head_summary, chunked_max_log_prob,
 from flowlm.samplers import PosteriorRefinementSampler
 from flowlm.samplers.mdm_confidence import fused_max_log_prob, max_log_prob
 from lightning_modules.fmlm_plus import FMLMPlusModule
+from tests.models.oracles import dense_view
 from tests.objectives.test_state_spaces import SAMPLERS, flow_module
 
 D = 8
@@ -157,8 +158,6 @@ def test_model_summary_is_its_log_delta():
         for got in (module.view.summary(x, s, t, pinned), module.view.summary(h, s, t, pinned, embedded=True)):
             assert torch.equal(got[1], want.indices)
             assert torch.allclose(got[0], want.values, atol=2e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="summary must be one of"):
-        module.denoiser(summary="fused")
 
 
 class LargestTensor(TorchDispatchMode):
@@ -197,10 +196,11 @@ CASES = [*SAMPLERS, ("a_priori_t1", PosteriorRefinementSampler(rounds=3, confide
 @pytest.mark.parametrize(("name", "sampler", "nfe"), CASES, ids=[c[0] for c in CASES])
 def test_samplers_same_both_ways(name, sampler, nfe, wide, monkeypatch):
     """Every flow sampler gives the same tokens, NFE and confidences (to float rounding) reading the chunked
-        summary as reading the full log δ; PR's commits follow (its tokens are committed round by round). At |V| = 3 000
-        under bf16 autocast (many tied bf16 logits) too. The greedy PR / a-priori call never makes a (B, L, |V|)
-        tensor (at chunks of 512 columns; by default a chunk holds up to 4 MiB of logits), nor do the flow-map, FLM
-    Euler, block and two-step PR samplers, whose sub-steps take δ·E from the head's chunks; the dense path does."""
+    summary as reading the full log δ (the oracle ``dense_view``); PR's commits follow (its tokens are committed round
+    by round). At |V| = 3 000 under bf16 autocast (many tied bf16 logits) too. The greedy PR / a-priori call never
+    makes a (B, L, |V|) tensor (at chunks of 512 columns; by default a chunk holds up to 4 MiB of logits), nor do the
+    flow-map, FLM Euler, block and two-step PR samplers, whose sub-steps take δ·E from the head's chunks; the dense
+    path does."""
     module, vocab = (wide_module(), 3000) if wide else (flow_module(), 40)
     b, length = 3, module.hparams.seq_len
     prompt = torch.randint(0, vocab, (b, length), generator=torch.Generator().manual_seed(4))
@@ -212,7 +212,7 @@ def test_samplers_same_both_ways(name, sampler, nfe, wide, monkeypatch):
         watch = LargestTensor()
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=wide), watch:
             gen = torch.Generator().manual_seed(5)
-            view = module.denoiser(summary=summary)
+            view = module.denoiser() if summary == "chunked" else dense_view(module.denoiser())
             outs.append(sampler(view, prompt=prompt, prompt_mask=prompt_mask, nfe=nfe, generator=gen))
         largest.append(watch.most)
     assert torch.equal(outs[0].tokens, outs[1].tokens)

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 
 from flowlm.ops.draws import gumbel_argmax, pick_tokens
 from flowlm.processes.gaussian_flow import OneHotSpace
-from flowlm.samplers import AncestralSampler, ConfidenceSampler, MaskedDenoiser, PosteriorRefinementSampler
+from flowlm.samplers import AncestralSampler, MaskedDenoiser, PosteriorRefinementSampler
 from flowlm.samplers.base import FlowDenoiser
 from lightning_modules.mdm import MDMModule
+from tests.samplers.oracles import FullDrawAncestral, FullDrawConfidence
 
 BACKBONE = {"d_model": 16, "n_layers": 1, "n_heads": 2, "cond_dim": 16}
 
@@ -235,17 +236,18 @@ class RandomLogits:
 
 
 def test_ancestral_and_confidence_samplers_draw_through_float64_gumbel_max():
-    """One step (nfe = 1) decodes every masked token: with ``draws="full"`` (the earlier stream) the ancestral
-    sampler's tokens equal a hand float64 Gumbel-max of log_softmax(logits) on the stream's first (B, L, V) float64
-    uniforms (its unmask coins come after them), and so do the confidence sampler's at temperature 1. (The default
-    draws at the committing positions only: tests/samplers/test_committed_draws.py.)"""
+    """One step (nfe = 1) decodes every masked token: in the earlier whole-tensor stream (the oracles of
+    tests/samplers/oracles.py) the ancestral sampler's tokens equal a hand float64 Gumbel-max of log_softmax(logits)
+    on the stream's first (B, L, V) float64 uniforms (its unmask coins come after them), and so do the confidence
+    sampler's at temperature 1. (The samplers draw at the committing positions only, in the same law:
+    tests/samplers/test_committed_draws.py.)"""
     b, length, v = 16, 9, 6
     net = RandomLogits(b, length, v)
     prompt, prompt_mask = _all_masked(b, length, 3, v)
     uniforms = torch.rand((b, length, v), generator=torch.Generator().manual_seed(12), dtype=torch.float64)
     hand = _hand_gumbel(torch.log_softmax(net.logits.double(), -1), uniforms)
     free = ~prompt_mask
-    for sampler in (AncestralSampler(draws="full"), ConfidenceSampler(temperature=1.0, draws="full")):
+    for sampler in (FullDrawAncestral(), FullDrawConfidence(temperature=1.0)):
         out = sampler(
             net.view(), prompt=prompt, prompt_mask=prompt_mask, nfe=1, generator=torch.Generator().manual_seed(12)
         )

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from flowlm.samplers import ConfidenceSampler, EBSampler, MaskedDenoiser, ThresholdSampler
+from flowlm.samplers import EBSampler, MaskedDenoiser, ThresholdSampler
 from flowlm.samplers.mdm_adaptive import entropy, position_scores
+from tests.samplers.oracles import FullDrawConfidence
 
 V, L = 7, 12
 
@@ -40,7 +41,7 @@ def test_a_threshold_above_every_confidence_is_the_confidence_samplers_schedule(
     """τ > 1 commits ⌈#masked / calls left⌉ per call, the fixed-step confidence sampler's schedule: one per call at
     NFE = the 9 free positions, three per call at NFE 3; the same tokens."""
     model, (prompt, mask) = neighbour_model(), prompts(4)
-    want = ConfidenceSampler(draws="full")(model, prompt=prompt, prompt_mask=mask, nfe=nfe)
+    want = FullDrawConfidence()(model, prompt=prompt, prompt_mask=mask, nfe=nfe)
     got = ThresholdSampler(threshold=1.01)(model, prompt=prompt, prompt_mask=mask, nfe=nfe)
     assert torch.equal(got.tokens, want.tokens) and got.nfe == want.nfe == nfe
     assert torch.equal(got.row_nfe, torch.full((4,), nfe))
@@ -83,7 +84,7 @@ def _after_calls(sampler, model, prompt, mask, *, calls: int, nfe: int):
 def test_gamma_zero_commits_one_position_per_call():
     model, (prompt, mask) = neighbour_model(), prompts(4)
     free = int((~mask).sum(-1).max())
-    want = ConfidenceSampler(draws="full")(model, prompt=prompt, prompt_mask=mask, nfe=free)
+    want = FullDrawConfidence()(model, prompt=prompt, prompt_mask=mask, nfe=free)
     got = EBSampler(gamma=0.0, score="max_prob")(model, prompt=prompt, prompt_mask=mask, nfe=free)
     assert torch.equal(got.tokens, want.tokens) and got.nfe == free
     assert EBSampler(gamma=0.0)(model, prompt=prompt, prompt_mask=mask, nfe=free).nfe == free
@@ -162,9 +163,16 @@ def test_bad_settings_are_refused_before_any_call():
         (lambda: ThresholdSampler(factor=0.0), "factor must be > 0"),
         (lambda: ThresholdSampler(block_length=0), "block_length must be ≥ 1"),
         (lambda: EBSampler(gamma=-0.1), "gamma must be ≥ 0"),
+        (lambda: ThresholdSampler(cache="dual"), "needs semi-AR blocks"),
+        (lambda: EBSampler(cache="prefix"), "needs semi-AR blocks"),
+        (lambda: ThresholdSampler(block_length=4, cache="both"), "cache must be one of"),
+        (lambda: EBSampler(block_length=4, cache="dual", refresh=0), "refresh must be"),
     ]:
         with pytest.raises(ValueError, match=match):
             make()
+    model, (prompt, mask) = neighbour_model(), prompts(2)
+    with pytest.raises(ValueError, match="windowed passes"):  # a network without them: refused before any call
+        ThresholdSampler(block_length=4, cache="dual")(model, prompt=prompt, prompt_mask=mask, nfe=4)
 
 
 def test_a_minus_infinite_logit_leaves_every_rank_finite():

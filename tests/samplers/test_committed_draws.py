@@ -1,5 +1,5 @@
-"""MDM samplers draw their float64 categorical at the committing positions only (``draws="committed"``, the
-default), in the same law as the whole-tensor draw (``draws="full"``, the earlier stream), and rank in float32.
+"""MDM samplers draw their float64 categorical at the committing positions only, in the same law as the
+whole-tensor draw of the earlier stream (``draws="full"``, removed: tests/samplers/oracles.py), and rank in float32.
 
 Exact laws by enumeration on a 2-position, 3-token toy whose logits at a position depend on the other position's
 token: a sampler that draws at the wrong rows, ranks by the draw, or skips the temperature lands outside the
@@ -16,6 +16,7 @@ import torch
 
 from flowlm.ops import draws
 from flowlm.samplers import AncestralSampler, ConfidenceSampler, MaskedDenoiser, SemiARConfidenceSampler
+from tests.samplers.oracles import FullDrawAncestral, FullDrawConfidence, FullDrawSemiAR
 
 V, MASK, N = 3, 3, 60_000
 BASE = torch.tensor([[1.2, 0.1, -0.5], [0.0, 0.4, 0.9]])  # logits of positions 0, 1 when the other is masked
@@ -113,26 +114,28 @@ TOLERANCE = 0.015
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("draws", ["committed", "full"])
-def test_confidence_sampler_law(draws, temperature):
-    sampler = ConfidenceSampler(temperature=temperature, draws=draws)
-    tv = total_variation(empirical(sampler, seed=1), confidence_law(temperature))
+@pytest.mark.parametrize("score", ["max_prob", "sampled"])
+@pytest.mark.parametrize("kind", [ConfidenceSampler, FullDrawConfidence], ids=["sampler", "oracle"])
+def test_confidence_sampler_law(kind, score, temperature):
+    """Both rankings; "sampled" draws at every masked position first (the law of one semi-AR block of both)."""
+    sampler = kind(temperature=temperature, score=score)
+    tv = total_variation(empirical(sampler, seed=1), semi_ar_law(temperature, score))
     assert tv <= TOLERANCE, tv
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("draws", ["committed", "full"])
-def test_ancestral_sampler_law(draws, temperature):
-    sampler = AncestralSampler(temperature=temperature, draws=draws, cache=False)
+@pytest.mark.parametrize("kind", [AncestralSampler, FullDrawAncestral], ids=["sampler", "oracle"])
+def test_ancestral_sampler_law(kind, temperature):
+    sampler = kind(temperature=temperature, cache=False)
     tv = total_variation(empirical(sampler, seed=2), ancestral_law(temperature))
     assert tv <= TOLERANCE, tv
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("score", ["sampled", "max_prob"])
-@pytest.mark.parametrize("draws", ["committed", "full"])
-def test_semi_ar_sampler_law(draws, score, temperature):
-    sampler = SemiARConfidenceSampler(block_length=2, temperature=temperature, score=score, draws=draws)
+@pytest.mark.parametrize("kind", [SemiARConfidenceSampler, FullDrawSemiAR], ids=["sampler", "oracle"])
+def test_semi_ar_sampler_law(kind, score, temperature):
+    sampler = kind(block_length=2, temperature=temperature, score=score)
     tv = total_variation(empirical(sampler, seed=3), semi_ar_law(temperature, score))
     assert tv <= TOLERANCE, tv
 
@@ -172,7 +175,7 @@ def random_network(v: int, length: int, gen: torch.Generator):
 
 def test_semi_ar_greedy_paths_agree_on_ragged_blocks():
     """At T = 0 (the default) the block-rows float32 path commits the same tokens with the same confidences, in the
-    same NFE (blocks × K), as the whole-tensor float64 one, for both scores, on a random network over a 50-token
+    same NFE (blocks × K), as the whole-tensor float64 oracle, for both scores, on a random network over a 50-token
     vocabulary whose rows have prompts of different lengths (so a block covers different columns per row); the
     confidence sampler's masked rows too."""
     gen = torch.Generator().manual_seed(13)
@@ -184,22 +187,20 @@ def test_semi_ar_greedy_paths_agree_on_ragged_blocks():
     model = MaskedDenoiser(fn=net, mask_id=v)
     for score in ("sampled", "max_prob"):
         a, b = (
-            SemiARConfidenceSampler(block_length=5, score=score, draws=d)(
+            kind(block_length=5, score=score)(
                 model, prompt=prompt, prompt_mask=mask, nfe=10, generator=torch.Generator().manual_seed(4)
             )
-            for d in ("committed", "full")
+            for kind in (SemiARConfidenceSampler, FullDrawSemiAR)
         )
         assert torch.equal(a.tokens, b.tokens), score
         assert torch.allclose(a.confidence, b.confidence, rtol=1e-5)
         assert a.nfe == b.nfe == 5 * 2  # ⌈24 / 5⌉ = 5 blocks × 10 // 5 steps
         assert bool((a.tokens < v).all()) and torch.equal(a.tokens[mask], prompt[mask])
     a, b = (  # the confidence sampler's masked slots on the same ragged rows
-        ConfidenceSampler(draws=d)(model, prompt=prompt, prompt_mask=mask, nfe=5, generator=torch.Generator())
-        for d in ("committed", "full")
+        kind()(model, prompt=prompt, prompt_mask=mask, nfe=5, generator=torch.Generator())
+        for kind in (ConfidenceSampler, FullDrawConfidence)
     )
     assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.confidence, b.confidence, rtol=1e-5)
-    with pytest.raises(ValueError, match="draws"):
-        SemiARConfidenceSampler(block_length=2, draws="some")
 
 
 def one_level_draw(logits: torch.Tensor, temperature: float, u: torch.Tensor) -> torch.Tensor:
@@ -248,8 +249,8 @@ def test_two_level_draw_picks_the_one_level_token(temperature):
 
 
 def test_greedy_paths_agree_and_draws_are_checked():
-    """At T = 0 the float32 ranking and the float64 one commit the same tokens with the same confidence, on a
-    random network over a 50-token vocabulary and 4 steps; an unknown ``draws`` is refused."""
+    """At T = 0 the float32 ranking and the float64 oracle's commit the same tokens with the same confidence, on a
+    random network over a 50-token vocabulary and 4 steps; ``draws`` other than "committed" is refused, naming it."""
     gen = torch.Generator().manual_seed(3)
     v, length = 50, 24
     net = random_network(v, length, gen)
@@ -258,12 +259,12 @@ def test_greedy_paths_agree_and_draws_are_checked():
     mask = torch.zeros(32, length, dtype=torch.bool)
     mask[:, :5] = True
     model = MaskedDenoiser(fn=net, mask_id=v)
-    for sampler in (ConfidenceSampler, AncestralSampler):
+    for sampler, oracle in ((ConfidenceSampler, FullDrawConfidence), (AncestralSampler, FullDrawAncestral)):
         a, b = (
-            sampler(temperature=0.0, draws=d)(
+            kind(temperature=0.0)(
                 model, prompt=prompt, prompt_mask=mask, nfe=4, generator=torch.Generator().manual_seed(4)
             )
-            for d in ("committed", "full")
+            for kind in (sampler, oracle)
         )
         assert torch.equal(a.tokens, b.tokens), sampler.__name__
         assert torch.allclose(a.confidence, b.confidence, rtol=1e-5)
@@ -277,8 +278,10 @@ def test_greedy_paths_agree_and_draws_are_checked():
         sharp, prompt=prompt, prompt_mask=mask, nfe=4, generator=torch.Generator().manual_seed(5)
     )
     assert torch.equal(drawn.tokens, greedy.tokens)
-    with pytest.raises(ValueError, match="draws"):
-        ConfidenceSampler(draws="some")
+    for kind in (ConfidenceSampler, AncestralSampler, lambda **k: SemiARConfidenceSampler(block_length=2, **k)):
+        assert kind(draws="committed").temperature >= 0  # what saved configs hold: accepted
+        with pytest.raises(ValueError, match=r"draws='full' was removed; the categorical is drawn where a step"):
+            kind(draws="full")
     assert math.isclose(sum(confidence_law(1.0).values()), 1.0) and math.isclose(sum(ancestral_law(1.0).values()), 1.0)
 
 
