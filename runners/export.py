@@ -141,10 +141,13 @@ def network_facts(meta: dict, backbone: dict, state: dict) -> dict:
     return {"model_type": "flowlm-dit", "vocab_size": rows, "mask_token_id": mask}
 
 
-def export(source: str | os.PathLike, out_dir: str | os.PathLike, *, trust_pickle: bool = False) -> Path:
+def export(
+    source: str | os.PathLike, out_dir: str | os.PathLike, *, trust_pickle: bool = False, merge_mlfm: bool = False
+) -> Path:
     """Write the export folder of a run's checkpoint; ValueError for a non-checkpoint, an export, or a full
     ``out_dir`` (all before anything is written). ``trust_pickle``: unpickle a checkpoint file in full
-    (``lightning_modules.checkpoints.load_torch_file``)."""
+    (``lightning_modules.checkpoints.load_torch_file``); ``merge_mlfm``: an MLFM export also gets ``merged/``, its
+    base with the LoRA folded in."""
     # here, not at the top: `flowlm-export --help` needs neither torch nor Lightning
     from flowlm.pretrained import export as fmt
     from lightning_modules.checkpoints import LIVE_KEY, checkpoint_backbone, read_checkpoint
@@ -191,12 +194,15 @@ def export(source: str | os.PathLike, out_dir: str | os.PathLike, *, trust_pickl
         meta.get("data_vocab_size"),
         time_conditioning=bool(hparams.get("time_conditioning")),
     )
+    if remote is None:  # FMLM+ on a LLaMA-family MDM: the same, its own modeling file (flowlm-llama / -qwen2)
+        alpha = _lora_options(hparams)["lora_alpha"]
+        remote = fmt.llama_flow_files(meta.get("family"), hparams.get("backbone") or {}, state, lora_alpha=alpha)
     if remote is not None:  # a DiT MDM, flow or AR model: AutoModel.from_pretrained(out, trust_remote_code=True)
         config.update(remote[0])
         writers.append(remote[1])
     layout = fmt.source_layout(meta.get("family"), hparams.get("backbone") or {}, state)
     if meta.get("family") == "mlfm":  # the LoRA as a PEFT adapter over base/, the MDM; the time adaLN beside
-        layout = fmt.mlfm_peft(state, **_mlfm_parts(hparams, meta, run_config))
+        layout = fmt.mlfm_peft(state, **_mlfm_parts(hparams, meta, run_config), merge=merge_mlfm)
     if layout is not None:  # a LLaMA-family MDM: its source's tensor names and config keys
         state, keys, write = layout
         config.update(keys)
@@ -213,16 +219,9 @@ def export(source: str | os.PathLike, out_dir: str | os.PathLike, *, trust_pickl
 def _mlfm_parts(hparams: dict, meta: dict, run_config: dict) -> dict:
     """``mlfm_peft``'s arguments: the frozen MDM's record (as an MDM module's), LoraConfig's alpha and dropout (the
     adapter's options, else its defaults) and the named base (``init_from``, else the backbone's pretrained source)."""
-    import inspect
-
-    from flowlm.backbones.adapters import MLFMAdapter
-    from flowlm.backbones.llama import LlamaAdaLNAdapter
     from lightning_modules.mdm import MDMModule
 
-    adapter_cls = LlamaAdaLNAdapter if "_target_" in hparams["backbone"] else MLFMAdapter
-    defaults = inspect.signature(adapter_cls).parameters
-    options = hparams.get("adapter") or {}
-    lora = {key: options.get(key, defaults[key].default) for key in ("lora_alpha", "lora_dropout")}
+    lora = _lora_options(hparams)
     sizes = {"data_vocab_size": meta.get("data_vocab_size"), "seq_len": meta.get("seq_len")}
     mdm = f"{MDMModule.__module__}.{MDMModule.__qualname__}"
     base_record = {
@@ -236,6 +235,20 @@ def _mlfm_parts(hparams: dict, meta: dict, run_config: dict) -> dict:
     source = (run_config.get("backbone") or {}).get("source")
     name = str(hparams.get("init_from") or source or "base")
     return {"hparams": hparams, "base_record": base_record, "lora": lora, "base_name": name}
+
+
+def _lora_options(hparams: dict) -> dict:
+    """LoraConfig's ``lora_alpha`` and ``lora_dropout`` of a run's adapter: its options, else the adapter class's
+    defaults (``LlamaAdaLNAdapter`` on the LLaMA family, ``MLFMAdapter`` on the DiT)."""
+    import inspect
+
+    from flowlm.backbones.adapters import MLFMAdapter
+    from flowlm.backbones.llama import LlamaAdaLNAdapter
+
+    adapter_cls = LlamaAdaLNAdapter if "_target_" in (hparams.get("backbone") or {}) else MLFMAdapter
+    defaults = inspect.signature(adapter_cls).parameters
+    options = hparams.get("adapter") or {}
+    return {key: options.get(key, defaults[key].default) for key in ("lora_alpha", "lora_dropout")}
 
 
 def _tokenizer(run_config: dict, meta: dict):
@@ -320,9 +333,10 @@ def _transformers_use(config: dict) -> str:
         )
     if "auto_map" not in config:
         return ""
+    modeling = config["auto_map"]["AutoModel"].partition(".")[0]
     return (
         "\nWith transformers only (no flowlm installed): `AutoModel.from_pretrained(DIR, trust_remote_code=True)`; "
-        "the call for this family is in `modeling_flowlm.py`."
+        f"the call for this family is in `{modeling}.py`."
     )
 
 
@@ -336,8 +350,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="unpickle the checkpoint in full (it can run code from the file): only for a file you trust",
     )
+    parser.add_argument(
+        "--merge-mlfm",
+        action="store_true",
+        help="MLFM: also write merged/, the base with the LoRA folded in (loads without peft; the base's size again)",
+    )
     args = parser.parse_args(argv)
-    out = export(args.source, args.out_dir, trust_pickle=args.trust_pickle)
+    out = export(args.source, args.out_dir, trust_pickle=args.trust_pickle, merge_mlfm=args.merge_mlfm)
     print(f"exported {args.source} to {out}")
 
 

@@ -7,7 +7,9 @@ when an EMA ran, under the module's own names ``net.*``, dtypes as saved), ``REA
 tokenizer's files when the run had a tokenizer. A DiT network of the MDM, flow or AR family also gets the
 transformers files (``transformers_files``): ``AutoModel.from_pretrained(folder, trust_remote_code=True)`` loads it.
 A LLaMA-family MDM is written in its source's own layout instead (``source_layout``: SMDM, LLaDA or Dream tensor names
-and config keys, which the source's loader and transformers read), and read back into ``net.*`` names.
+and config keys, which the source's loader and transformers read), and read back into ``net.*`` names. FMLM+ on a
+LLaMA-family MDM keeps ``net.*`` and gets its own transformers files (``llama_flow_files``); MLFM is a PEFT adapter
+folder over its MDM's export (``mlfm_peft``).
 """
 
 from __future__ import annotations
@@ -176,6 +178,57 @@ def transformers_files(
     return keys, write
 
 
+LLAMA_FLOW_FILES = ("configuration_flowlm_llama.py", "modeling_flowlm_llama.py", "flowlm_adaln.py")
+LLAMA_FLOW_CLASSES = {"llama": "FlowLMLlamaFlowModel", "qwen2": "FlowLMQwen2FlowModel"}  # by the decoder's arch
+
+
+def llama_flow_files(
+    family: str | None, backbone: dict, state: dict[str, Tensor], *, lora_alpha: float
+) -> tuple[dict, Callable[[Path], None]] | None:
+    """(config.json keys, a writer of the files) that make an export of FMLM+ on a LLaMA-family MDM
+    (``LlamaFlowNet``; ``state``: the module's ``net.*``) loadable by transformers' ``AutoModel`` with
+    ``trust_remote_code``: the decoder's Llama/Qwen2 keys (bidirectional), ``flow`` (|V|, the time embeddings'
+    widths read from their weights, Dream's shift, the LoRA factors' rank, ``lora_alpha`` and wrapped Linears when
+    the base trained through LoRA), ``auto_map`` and ``modeling_flowlm_llama.py`` with what it imports. The weights
+    keep the suite's names: the modeling file builds the same module tree. None for another family or backbone."""
+    if family != "flow" or "_target_" not in backbone or any(not key.startswith("net.") for key in state):
+        return None
+    first = state.get("net.emb_s.mlp.0.weight")
+    if first is None or "net.emb_t.mlp.0.weight" not in state:
+        return None
+    factors = sorted(key for key in state if ".lora_A." in key)
+    lora = None
+    if factors:  # net.base.<module>.lora_A.default.weight: (r, in)
+        targets = [key.removeprefix("net.base.").partition(".lora_A.")[0] for key in factors]
+        lora = {"r": int(state[factors[0]].shape[0]), "alpha": float(lora_alpha), "targets": targets}
+    flow = {
+        "head_rows": backbone["head_rows"],
+        "cond_dim": int(first.shape[0]),
+        "freq_dim": int(first.shape[1]),
+        "shift_logits": bool(backbone.get("shift_logits")),
+        "lora": lora,
+    }
+    arch = backbone.get("arch", "llama")
+    cls, config_cls = LLAMA_FLOW_CLASSES[arch], f"FlowLM{'Qwen2' if arch == 'qwen2' else 'Llama'}Config"
+    keys = {
+        **decoder_keys(backbone),
+        "model_type": f"flowlm-{arch}",
+        "architectures": [cls],
+        "auto_map": {
+            "AutoConfig": f"configuration_flowlm_llama.{config_cls}",
+            "AutoModel": f"modeling_flowlm_llama.{cls}",
+        },
+        "flow": flow,
+    }
+
+    def write(folder: Path) -> None:
+        for name in LLAMA_FLOW_FILES:
+            shutil.copyfile(REMOTE / name, folder / name)
+        shutil.copyfile(dit_module.__file__, folder / "flowlm_dit.py")  # TimeEmbedding, PinnedCondition
+
+    return keys, write
+
+
 def _holds(tensors: dict[str, Tensor], expected: dict[str, tuple[int, ...]]) -> bool:
     """Whether ``tensors`` are exactly the names and shapes ``expected``."""
     return tensors.keys() == expected.keys() and all(tuple(t.shape) == expected[k] for k, t in tensors.items())
@@ -279,21 +332,25 @@ def read_export(folder: Path) -> tuple[dict, dict[str, Tensor]]:
 # -------------------------------------------------------------------------------------------- MLFM as PEFT adapter
 PEFT_LAYOUT = "mlfm-peft"  # LAYOUT_KEY of an MLFM export: model.safetensors holds the time adaLN only
 BASE_DIR = "base"  # the frozen MDM, an export of its own (source layout or DiT transformers files)
+MERGED_DIR = "merged"  # optional: base/ with the LoRA folded in, W + (α/r)·B A (the time adaLN stays beside)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_HEAD = "base_model.model."  # PEFT's prefix of an adapter tensor name
 
 
 def mlfm_peft(
-    state: dict[str, Tensor], *, hparams: dict, base_record: dict, lora: dict, base_name: str
+    state: dict[str, Tensor], *, hparams: dict, base_record: dict, lora: dict, base_name: str, merge: bool = False
 ) -> tuple[dict[str, Tensor], dict, Callable[[Path], None]] | None:
     """An MLFM checkpoint (``state``: ``net.*``) as a PEFT adapter folder over its frozen MDM: (the time adaLN tensors,
     config.json keys, a writer of ``adapter_config.json``, ``adapter_model.safetensors`` (the LoRA factors under
-    PEFT's names), the loader ``mlfm_peft.py`` with ``flowlm_dit.py``, and ``base/``, the MDM's own export).
+    PEFT's names), the loader ``mlfm_peft.py`` with ``flowlm_dit.py`` and ``flowlm_adaln.py``, and ``base/``, the
+    MDM's own export).
 
     PEFT carries the LoRA factors only: the time embedding and the per-layer adaLN modulation are not LoRA and act
     through hooks (LLaMA family) or the DiT's ``extra`` modulation, which ``mlfm_peft.load_mlfm`` attaches. ``lora``:
     LoraConfig's ``lora_alpha`` and ``lora_dropout``; ``base_record``: the MDM's flowlm record and hyper-parameters;
-    ``base_name``: the named base (``base_model_name_or_path``). None when the base loads in no transformers class."""
+    ``base_name``: the named base (``base_model_name_or_path``); ``merge``: also ``merged/``, base/ with the LoRA
+    folded in (``fold_lora``; ``load_mlfm(folder, merged=True)`` needs no peft). None when the base loads in no
+    transformers class."""
     from peft import LoraConfig
 
     backbone = hparams["backbone"]
@@ -304,22 +361,27 @@ def mlfm_peft(
     }
     llama = "_target_" in backbone
     vocab = base_record["hyper_parameters"]["data_vocab_size"]
-    base_files = source_layout("mdm", backbone, base_state) if llama else transformers_files("mdm", backbone, vocab)
+
+    def mdm_folder(plain: dict[str, Tensor]):  # (tensors, config keys, files) of an MDM export of these weights
+        if llama:
+            return source_layout("mdm", backbone, plain)
+        files = transformers_files("mdm", backbone, vocab)
+        return None if files is None else ({k: t.contiguous() for k, t in plain.items()}, *files)
+
+    factors = {k: t for k, t in state.items() if ".lora_" in k}
+    rank = next(t.shape[0] for k, t in factors.items() if ".lora_A." in k) if factors else 0
+    merged = mdm_folder(fold_lora(base_state, factors, lora["lora_alpha"] / max(rank, 1))) if merge else None
+    base_files = mdm_folder(base_state)
     if base_files is None or any(not key.startswith("net.") for key in state):
         return None
-    if llama:
-        base_state, base_keys, base_write = base_files
-    else:
-        (base_keys, base_write), base_state = base_files, {k: t.contiguous() for k, t in base_state.items()}
+    base_state, base_keys, base_write = base_files
     prefix = "" if llama else "net."  # the network inside transformers' model (FlowLMModel.net for a DiT)
-    factors = {k: t for k, t in state.items() if ".lora_" in k}
     adapter = {}
     for key, t in factors.items():  # net.base.<module>.lora_A.default.weight → base_model.model.<module>.lora_A.weight
         module, _, rest = key.removeprefix("net.base.").partition(".lora_")
         part, _, leaf = rest.partition(".default.")
         adapter[f"{PEFT_HEAD}{prefix}{module}.lora_{part}.{leaf}"] = t.contiguous()
     modules = sorted({key.removeprefix("net.base.").partition(".lora_")[0] for key in factors})
-    rank = next(t.shape[0] for k, t in factors.items() if ".lora_A." in k) if factors else 0
     time = {key.removeprefix("net."): t for key, t in state.items() if not key.startswith("net.base.")}
     info = {"prefix": prefix, "kind": "llama" if llama else "dit", "shift_logits": bool(backbone.get("shift_logits"))}
     info["auto_class"] = "AutoModelForCausalLM" if llama else "AutoModel"
@@ -333,12 +395,30 @@ def mlfm_peft(
         from safetensors.torch import save_file
 
         save_file(adapter, str(folder / ADAPTER_WEIGHTS))
-        shutil.copyfile(REMOTE / "mlfm_peft.py", folder / "mlfm_peft.py")
+        for name in ("mlfm_peft.py", "flowlm_adaln.py"):
+            shutil.copyfile(REMOTE / name, folder / name)
         shutil.copyfile(dit_module.__file__, folder / "flowlm_dit.py")
         card = f"The frozen MDM under the MLFM adapter in `..` (named base: `{base_name}`).\n"
         write_export(folder / BASE_DIR, state=base_state, config=base_config, card=card, files=base_write)
+        if merged is not None:
+            card = f"`{BASE_DIR}/` with the MLFM adapter's LoRA folded in (W + (α/r)·B A); not an MDM on its own.\n"
+            config = {**base_config, **merged[1], "mlfm_merged": True}
+            write_export(folder / MERGED_DIR, state=merged[0], config=config, card=card, files=merged[2])
 
-    return time, {LAYOUT_KEY: PEFT_LAYOUT, "mlfm_peft": info}, write
+    return time, {LAYOUT_KEY: PEFT_LAYOUT, "mlfm_peft": {**info, "merged": merged is not None}}, write
+
+
+def fold_lora(plain: dict[str, Tensor], factors: dict[str, Tensor], scaling: float) -> dict[str, Tensor]:
+    """The MDM's ``net.<module>.weight`` + scaling · B A for each module with LoRA factors (``factors``: the MLFM
+    state's ``net.base.<module>.lora_{A,B}.default.weight``), computed in float32, stored in the weight's dtype."""
+    out = dict(plain)
+    for key, a in factors.items():
+        if ".lora_A." not in key:
+            continue
+        module = key.removeprefix("net.base.").partition(".lora_")[0]
+        b, weight = factors[key.replace(".lora_A.", ".lora_B.")], plain[f"net.{module}.weight"]
+        out[f"net.{module}.weight"] = (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
+    return out
 
 
 def mlfm_from_peft(folder: Path, config: dict, time: dict[str, Tensor]) -> dict[str, Tensor]:

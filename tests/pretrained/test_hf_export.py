@@ -82,11 +82,11 @@ def run_without_suite(script: str, cases: dict, tmp_path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _trained(module_class: type, tmp_path, name: str, **options):
+def _trained(module_class: type, tmp_path, name: str, merge_mlfm: bool = False, **options):
     path = tmp_path / name
     path.mkdir()
     module = write_run_checkpoint(path / "last.ckpt", module_class=module_class, seed=3, **options).eval()
-    return module, export(path / "last.ckpt", path / "export")
+    return module, export(path / "last.ckpt", path / "export", merge_mlfm=merge_mlfm)
 
 
 def test_transformers_alone_loads_every_dit_family_with_the_suites_logits(tmp_path):
@@ -166,11 +166,20 @@ def test_transformers_alone_loads_each_llama_family_layout_with_the_suites_logit
 
 
 def test_an_mlfm_or_llama_family_export_ships_no_dit_transformers_files(tmp_path):
-    """Their adapter / source layout is not the DiT's: no half-working FlowLMModel files."""
-    from flowlm.pretrained.export import transformers_files
+    """Their adapter / source layout is not the DiT's: no half-working FlowLMModel files; and the LLaMA-family
+    FMLM+ files are for that network only."""
+    from flowlm.pretrained.export import llama_flow_files, transformers_files
+    from tests.pretrained.test_fmlm_plus_llama import tiny_llama
 
     assert transformers_files("mlfm", BACKBONE, V) is None
     assert transformers_files("mdm", {"_target_": "flowlm.backbones.llama.BidirectionalLM"}, V) is None
+    sizes = {"data_vocab_size": V, "seq_len": L, "optim": {}}
+    flow = FMLMPlusModule(backbone=tiny_llama("llada", V), **sizes)
+    llama, flow_state = {**tiny_llama("llada", V), **flow.net.spec}, flow.state_dict()  # the recorded backbone
+    assert llama_flow_files("flow", llama, flow_state, lora_alpha=16.0) is not None
+    assert llama_flow_files("mdm", llama, flow_state, lora_alpha=16.0) is None  # only the flow family
+    dit_flow = FMLMPlusModule(backbone=BACKBONE, **sizes).state_dict()  # FlowLMModel's, not these files
+    assert "net.emb_t.mlp.0.weight" in dit_flow and llama_flow_files("flow", BACKBONE, dit_flow, lora_alpha=1) is None
     keys, _ = transformers_files("flow", BACKBONE, V)
     assert keys["dit"]["vocab_size"] == V and keys["dit"]["two_times"] is True
     keys, _ = transformers_files("mdm", BACKBONE, V)
@@ -192,12 +201,15 @@ MLFM_LOADER = BLOCK_SUITE + textwrap.dedent(
         spec = importlib.util.spec_from_file_location(f"mlfm_peft_{kind}", case["folder"] + "/mlfm_peft.py")
         loader = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(loader)
-        mlfm = loader.load_mlfm(case["folder"])
-        assert isinstance(mlfm.peft_model, PeftModel) and mlfm.peft_model.peft_config["default"].r == 8
+        mlfm, merged = loader.load_mlfm(case["folder"]), loader.load_mlfm(case["folder"], merged=True)
+        assert isinstance(mlfm.model, PeftModel) and mlfm.model.peft_config["default"].r == 8
+        assert not isinstance(merged.model, PeftModel)
         with torch.no_grad():
-            logits = mlfm(case["z"], case["t"])
-        assert logits.shape == case["logits"].shape, (kind, logits.shape)
-        worst[kind] = (logits - case["logits"]).abs().max().item()
+            logits = {"peft": mlfm(case["z"], case["t"]), "merged": merged(case["z"], case["t"])}
+        assert all(v.shape == case["logits"].shape for v in logits.values()), kind
+        for way, value in logits.items():
+            worst[f"{kind}/{way}"] = (value - case["logits"]).abs().max().item()
+        worst[f"{kind}/scale"] = case["logits"].abs().max().item()  # the largest logit, for the merged weights
     print(json.dumps(worst))
     """
 )
@@ -205,7 +217,8 @@ MLFM_LOADER = BLOCK_SUITE + textwrap.dedent(
 
 def test_peft_loads_the_mlfm_adapter_over_its_base_with_the_suites_logits(tmp_path):
     """An MLFM on the DiT and on each LLaMA-family layout exports as a PEFT adapter over base/ (the MDM's own
-    export); PEFT + the shipped time adaLN reproduce the suite's logits, and the suite reads base/ as the MDM."""
+    export); PEFT + the shipped time adaLN reproduce the suite's logits, and so do the merged weights (merged/, the
+    LoRA folded in, no peft); the suite reads base/ as the MDM."""
     from lightning_modules.checkpoints import load_module
     from lightning_modules.mlfm import MLFMModule
     from tests.pretrained.test_export import BACKBONE
@@ -216,7 +229,7 @@ def test_peft_loads_the_mlfm_adapter_over_its_base_with_the_suites_logits(tmp_pa
     cases = {}
     for kind, backbone in backbones.items():
         options = {"init_from": "mdm.ckpt"} if kind == "dit" else {}  # the DiT's MDM: not read by the export
-        mlfm, folder = _trained(MLFMModule, tmp_path, kind, backbone=backbone, options=options)
+        mlfm, folder = _trained(MLFMModule, tmp_path, kind, merge_mlfm=True, backbone=backbone, options=options)
         z, t = torch.randn(3, L, mlfm.net.base.d_model, generator=gen), torch.rand(3, generator=gen)
         with torch.no_grad():
             cases[kind] = {"folder": str(folder), "z": z, "t": t, "logits": mlfm.net(z, t, torch.zeros(3))}
@@ -224,5 +237,78 @@ def test_peft_loads_the_mlfm_adapter_over_its_base_with_the_suites_logits(tmp_pa
         plain = {k.replace(".base_layer", ""): v for k, v in mlfm.net.base.state_dict().items() if ".lora_" not in k}
         assert base.keys() == plain.keys() and all(torch.equal(base[k], v) for k, v in plain.items())
     worst = run_without_suite(MLFM_LOADER, cases, tmp_path)
-    assert set(worst) == set(backbones)
+    assert set(worst) == {f"{kind}/{way}" for kind in backbones for way in ("peft", "merged", "scale")}
+    assert all(worst[f"{kind}/peft"] <= 1e-5 for kind in backbones), worst  # NaN fails too
+    # folded weights round differently (W + (α/r)·B A against W x + (α/r)·B(A x)): relative to the largest logit
+    assert all(worst[f"{kind}/merged"] <= 1e-4 * max(1.0, worst[f"{kind}/scale"]) for kind in backbones), worst
+
+
+# FMLM+ on each LLaMA-family layout: AutoModel (the shipped FlowLMLlamaFlowModel / FlowLMQwen2FlowModel) at the
+# suite's logits and log δ, per-token times, per-sequence times with a pinned set, and ids.
+LLAMA_FLOW_LOADER = BLOCK_SUITE + textwrap.dedent(
+    """
+    import json
+
+    import torch
+    from transformers import AutoModel
+
+    cases = torch.load(sys.argv[1], weights_only=True)
+    worst = {}
+    for kind, case in cases.items():
+        model = AutoModel.from_pretrained(case["folder"], trust_remote_code=True).eval()
+        assert type(model).__name__ == case["cls"] and model.config.is_causal is False, type(model).__name__
+        with torch.no_grad():
+            got = {
+                "logits": model(x=case["x"], s=case["s"], t=case["t"]).logits,
+                "log_delta": model.log_delta(case["x"], case["s"], case["t"]),
+                "pinned_logits": model(x=case["x"], s=case["s1"], t=case["t1"], pinned=case["pinned"]).logits,
+                "id_logits": model(case["ids"], s=case["s"], t=case["t"]).logits,
+            }
+        assert all(got[k].shape == case[k].shape for k in got), kind
+        diffs = [(got[k] - case[k]).abs().max().item() for k in got]
+        worst[kind] = float("nan") if any(d != d for d in diffs) else max(diffs)  # a NaN anywhere fails
+    print(json.dumps(worst))
+    """
+)
+LLAMA_FLOW_CLASSES = {"smdm": "FlowLMLlamaFlowModel", "llada": "FlowLMLlamaFlowModel", "dream": "FlowLMQwen2FlowModel"}
+
+
+def test_transformers_alone_loads_fmlm_plus_on_each_llama_family_layout_with_the_suites_logits(tmp_path):
+    """FMLM+ on SMDM's, LLaDA's and Dream's layout (non-zero adaLN, so the times matter), and on LLaDA's with the
+    decoder trained through LoRA: AutoModel loads the export with the suite's logits and log δ ([MASK] inside |V| at
+    −∞) at per-token times, at per-sequence times with a pinned set and on ids; the suite reads it back bit for bit."""
+    from lightning_modules.checkpoints import load_module
+    from tests.pretrained.test_fmlm_plus_llama import tiny_llama
+
+    lora = {"cond_dim": 16, "train": ["time_adaln", "lora"], "lora_rank": 4, "lora_alpha": 8.0}
+    runs = {layout: (layout, {"cond_dim": 16}) for layout in LLAMA_FLOW_CLASSES} | {"llada_lora": ("llada", lora)}
+    gen = torch.Generator().manual_seed(0)
+    cases = {}
+    for kind, (layout, adapter) in runs.items():
+        flow, folder = _trained(
+            FMLMPlusModule, tmp_path, kind, backbone=tiny_llama(layout, V), options={"adapter": adapter}
+        )
+        x = torch.softmax(3 * torch.randn(3, L, V, generator=gen), -1)  # points of the simplex
+        s, t = torch.rand(3, L, generator=gen) * 0.5, 0.5 + torch.rand(3, L, generator=gen) * 0.5
+        s1, t1 = torch.rand(3, generator=gen) * 0.5, 0.5 + torch.rand(3, generator=gen) * 0.5
+        pinned, ids = torch.rand(3, L, generator=gen) < 0.3, torch.randint(0, V, (3, L), generator=gen)
+        with torch.no_grad():
+            cases[kind] = {
+                "folder": str(folder),
+                "cls": LLAMA_FLOW_CLASSES[layout],
+                **{"x": x, "s": s, "t": t, "s1": s1, "t1": t1, "pinned": pinned, "ids": ids},
+                "logits": flow.net(x, s, t),
+                "log_delta": flow(x, s, t),
+                "pinned_logits": flow.net(x, s1, t1, pinned=pinned),
+                "id_logits": flow.net(ids, s, t),
+            }
+        config = json.loads((folder / "config.json").read_text())
+        assert config["model_type"] == f"flowlm-{flow.net.spec['arch']}" and config["is_causal"] is False
+        assert (config["flow"]["lora"] is None) == (kind != "llada_lora"), config["flow"]
+        assert "`modeling_flowlm_llama.py`" in (folder / "README.md").read_text()
+        again = load_module(folder).state_dict()
+        assert again.keys() == flow.state_dict().keys()
+        assert all(torch.equal(again[k], v) for k, v in flow.state_dict().items())
+    worst = run_without_suite(LLAMA_FLOW_LOADER, cases, tmp_path)  # {kind: max |Δ|}
+    assert set(worst) == set(runs)
     assert all(value <= 1e-5 for value in worst.values()), worst  # NaN fails too
