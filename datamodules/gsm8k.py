@@ -37,7 +37,7 @@ from torch.utils.data import Dataset
 
 from datamodules.base import check_ints, check_optional_ints
 from datamodules.sources import builder_for, load_documents, local_files, source_identity
-from datamodules.token_arrays import PaddedRows, token_dtype
+from datamodules.token_arrays import PaddedRows, load_array, token_dtype
 from datamodules.token_cache import TokenCacheDataModule
 from flowlm.metrics.gsm8k import parse_gold
 
@@ -218,7 +218,7 @@ class GSM8KDataModule(TokenCacheDataModule):
             raise RuntimeError("call setup() first")
         if self._val_arrays is None:
             files = self.val_set.arrays.files
-            self._val_arrays = {k: np.load(p) for k, p in files.items()}  # small: the 1 319 test problems
+            self._val_arrays = {k: load_array(p, mmap=False) for k, p in files.items()}  # small: 1 319 problems
         return self._val_arrays
 
     def _rows_of(self, target_tokens: Tensor) -> list[int]:

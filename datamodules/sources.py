@@ -14,10 +14,11 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from flowlm.tasks.files import DataFileError, json_records, project_path, text_lines
+from flowlm.tasks.files import DamagedFileError, DataFileError, json_records, project_path, text_lines
 
 PAD_TOKEN = "[PAD]"
 PAD_ADD, PAD_EOS = "add", "eos"  # data.pad_token: add a distinct [PAD] (default) | pad with EOS | an existing token
@@ -209,6 +210,43 @@ def _json_file_records(f, path: str) -> Iterator[tuple[str, dict]]:
         yield f"record {i}", record
 
 
+@contextmanager
+def arrow_files_of(folder: Path, remedy: str, *, scan: bool = True) -> Iterator[None]:
+    """Within the block, an Arrow file that cannot be read (cut short, overwritten: pyarrow's ``ArrowInvalid``, or
+    an ``OSError`` such as "Expected to be able to read N bytes", neither naming the file) raises DamagedFileError
+    naming it (the first unreadable ``*.arrow`` under ``folder``, when ``scan``; else ``folder``) and ``remedy``."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except (pa.ArrowException, OSError) as e:
+        if not _raised_by_pyarrow(e):  # a missing file, the network, permissions: their own errors
+            raise
+        bad = _first_unreadable_arrow(folder) if scan else None
+        where = str(bad) if bad else f"an Arrow file under {folder}"
+        raise DamagedFileError(f"{where} is damaged or cut short ({type(e).__name__}: {e}); {remedy}") from e
+
+
+def _raised_by_pyarrow(err: BaseException) -> bool:
+    """Whether ``err`` was raised inside pyarrow (its innermost frame is pyarrow's), as reading an Arrow file raises."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and "pyarrow" in Path(tb.tb_frame.f_code.co_filename).parts
+
+
+def _first_unreadable_arrow(folder: Path) -> Path | None:
+    import pyarrow as pa
+
+    for path in sorted(folder.rglob("*.arrow")):
+        try:
+            with pa.memory_map(str(path)) as source:  # zero-copy: only the messages' headers are read
+                pa.ipc.open_stream(source).read_all()
+        except (pa.ArrowException, OSError):
+            return path
+    return None
+
+
 def files_identity(files: dict[str, list[str]]) -> dict[str, list]:
     """Every matched file with its size and mtime, so an edited file gets a new cache."""
     ident = {}
@@ -264,11 +302,17 @@ def load_documents(
             check_local_file(file, builder, fields if builder != "text" else ())
         extra = {"sample_by": txt_docs} if builder == "text" else {}
         cache = None if local_cache_dir is None else str(local_cache_dir)
-        return datasets.load_dataset(builder, data_files={split: table[split]}, split=split, cache_dir=cache, **extra)
+        where = Path(cache or datasets.config.HF_DATASETS_CACHE)
+        copies = f"{where} (the Arrow copies of data.files)" if cache else f"its dataset's folder under {where}"
+        with arrow_files_of(where, f"delete {copies}: the next run reads the files again"):
+            return datasets.load_dataset(
+                builder, data_files={split: table[split]}, split=split, cache_dir=cache, **extra
+            )
     path = project_path(name)
     if path.is_dir():
         if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
-            saved = datasets.load_from_disk(str(path))
+            with arrow_files_of(path, "save the dataset there again (save_to_disk), or point data.name elsewhere"):
+                saved = datasets.load_from_disk(str(path))
             if isinstance(saved, datasets.DatasetDict):
                 if split not in saved:
                     raise ValueError(f"{path} has splits {sorted(saved)}, not {split!r}")
@@ -276,9 +320,16 @@ def load_documents(
             if split != "train":
                 raise ValueError(f"{path} holds one unsplit dataset; use it as train and set val_last_n")
             return saved
-        return datasets.load_dataset(str(path), config_name, split=split, cache_dir=hf_cache_dir)
+        hf_cache = Path(hf_cache_dir or datasets.config.HF_DATASETS_CACHE)
+        with arrow_files_of(hf_cache, f"delete this folder's dataset under {hf_cache}: the next run converts it again"):
+            return datasets.load_dataset(str(path), config_name, split=split, cache_dir=hf_cache_dir)
+    hf_cache = Path(hf_cache_dir or datasets.config.HF_DATASETS_CACHE)
+    remedy = f"delete the dataset's folder under {hf_cache} (or load it once with download_mode='force_redownload')"
     try:
-        return datasets.load_dataset(name, config_name, split=split, revision=revision, cache_dir=hf_cache_dir)
+        with arrow_files_of(hf_cache, remedy, scan=False):  # the whole HF cache is not searched for the file
+            return datasets.load_dataset(name, config_name, split=split, revision=revision, cache_dir=hf_cache_dir)
+    except DamagedFileError:
+        raise
     except Exception as e:  # offline, unknown name, missing split: all need the same advice
         args = ", ".join(repr(a) for a in (name, config_name) if a is not None)
         raise DataUnavailableError(

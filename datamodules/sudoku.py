@@ -8,6 +8,8 @@ import logging
 import os
 import time
 import warnings
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from torch.utils.data import Dataset
 
 from datamodules.base import GlobalBatchDataModule, check_ints, check_optional_ints
 from flowlm.metrics.sudoku import grid_hashes
+from flowlm.tasks.files import DamagedFileError
 from flowlm.tasks.sudoku import (
     DIFFICULTY_CLUES_9X9,
     GENERATOR_VERSION,
@@ -26,6 +29,8 @@ from flowlm.tasks.sudoku import (
     SudokuSpec,
     clues_for,
     generate,
+    grid_to_string,
+    invalid_pairs,
     read_puzzle_file,
 )
 
@@ -179,16 +184,7 @@ class SudokuDataModule(GlobalBatchDataModule):
         path = self.cache_path
         if not path.is_file():
             self.prepare_data()
-        n = self._spec.n
-        try:
-            with np.load(path, allow_pickle=False) as f:
-                data = {k: f[k] for k in _ARRAYS}
-        except (OSError, KeyError, ValueError) as e:
-            raise ValueError(f"Sudoku cache {path} is unreadable ({e}); delete it to regenerate") from e
-        expected = {"train": self.num_train, "val": self.num_val}
-        for key, array in data.items():
-            if array.shape != (expected[key.split("_")[0]], n, n):
-                raise ValueError(f"Sudoku cache {path}: {key} has shape {array.shape}; delete it to regenerate")
+        data = self._read_cache(path)
         if self._eval is not None:
             data["val_puzzles"], data["val_solutions"] = self._eval
             train = {p.tobytes() for p in data["train_puzzles"]}
@@ -203,6 +199,34 @@ class SudokuDataModule(GlobalBatchDataModule):
         self.val_set = TokenDataset(*self._layout.encode(data["val_puzzles"], data["val_solutions"]))
         self._train_keys = {s.tobytes() for s in data["train_solutions"]}
         self.check_train_size(stage)
+
+    def _read_cache(self, path: Path) -> dict[str, np.ndarray]:
+        """The cached arrays, checked: a file cut short or overwritten, arrays of other shapes, or contents that are
+        not valid (puzzle, solution) pairs raise a DataFileError naming the file; deleting it regenerates it."""
+        remedy = f"delete it (rm {path}): the next run regenerates it"
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                data = {k: f[k] for k in _ARRAYS}
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+            raise DamagedFileError(f"Sudoku cache {path} is damaged ({type(e).__name__}: {e}); {remedy}") from e
+        expected = {"train": self.num_train, "val": self.num_val}
+        n = self._spec.n
+        for key, array in data.items():
+            if array.shape != (expected[key.split("_")[0]], n, n) or array.dtype.kind not in "iu":
+                raise DamagedFileError(
+                    f"Sudoku cache {path}: {key} is {array.dtype} of shape {array.shape}, not integers of shape "
+                    f"{(expected[key.split('_')[0]], n, n)}; {remedy}"
+                )
+        for split in expected:
+            bad = invalid_pairs(data[f"{split}_puzzles"], data[f"{split}_solutions"], self._spec)
+            if bad.size:
+                row = int(bad[0])
+                raise DamagedFileError(
+                    f"Sudoku cache {path}: {bad.size} {split} pair(s) are not a valid {self._spec.name} solution "
+                    f"with a puzzle it solves, the first row {row} (solution "
+                    f"{grid_to_string(data[f'{split}_solutions'][row])}); the file was altered or damaged: {remedy}"
+                )
+        return data
 
     # --------------------------------------------------------------------------------------------------------
     # What models, samplers and metrics need to know.

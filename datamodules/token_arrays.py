@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from flowlm.tasks.files import DamagedFileError
+
 _WRITE_BATCH = 10_000  # documents per Arrow batch when writing the arrays
 
 
@@ -24,8 +26,25 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.int32)
 
 
+def cache_remedy(folder: Path) -> str:
+    """What to do with a damaged token cache folder."""
+    return f"delete the cache folder (rm -r {folder}): the next run tokenises the data again"
+
+
+def load_array(path: Path, *, mmap: bool = True) -> np.ndarray:
+    """A cached ``.npy`` array (a read-only memory map unless ``mmap`` is False); a missing, cut or overwritten file
+    raises DamagedFileError naming it (numpy says "mmap length is greater than file size", without the file)."""
+    try:
+        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise DamagedFileError(
+            f"token cache file {path} is damaged ({type(e).__name__}: {e}); {cache_remedy(Path(path).parent)}"
+        ) from e
+
+
 class _Memmaps:
-    """Named ``.npy`` files opened read-only as memory maps on first use in each process (worker-safe)."""
+    """Named ``.npy`` files opened read-only as memory maps on first use in each process (worker-safe); ``open``
+    opens them all now and checks that they hold the same number of rows."""
 
     def __init__(self, files: Mapping[str, Path]) -> None:
         self.files = dict(files)
@@ -33,8 +52,19 @@ class _Memmaps:
 
     def __getitem__(self, key: str) -> np.ndarray:
         if self._arrays is None:
-            self._arrays = {k: np.load(p, mmap_mode="r") for k, p in self.files.items()}
+            self._arrays = {k: load_array(p) for k, p in self.files.items()}
         return self._arrays[key]
+
+    def open(self) -> dict[str, np.ndarray]:
+        """Every array, opened (a damaged file fails here, before training); their first dimensions must agree."""
+        arrays = {k: self[k] for k in self.files}
+        rows = {k: a.shape[0] for k, a in arrays.items()}
+        if len(set(rows.values())) > 1:
+            folder = Path(next(iter(self.files.values()))).parent
+            raise DamagedFileError(
+                f"token cache {folder}: its arrays disagree in length {rows}; {cache_remedy(folder)}"
+            )
+        return arrays
 
     def __getstate__(self) -> dict:
         # Pickling a memmap copies its data; workers reopen the files instead.
@@ -47,7 +77,7 @@ class PaddedRows(Dataset):
     def __init__(self, files: Mapping[str, Path], *, pad_id: int, loss_mask: bool) -> None:
         self.arrays = _Memmaps(files)
         self.pad_id, self.loss_mask = pad_id, loss_mask
-        self.length, self.seq_len = np.load(files["tokens"], mmap_mode="r").shape
+        self.length, self.seq_len = self.arrays.open()["tokens"].shape
 
     def __len__(self) -> int:
         return self.length
@@ -75,7 +105,7 @@ class WrappedStream(Dataset):
         self.arrays = _Memmaps({"stream": path})
         self.seq_len, self.piece = seq_len, seq_len - 2
         self.bos_id, self.eos_id, self.pad_id, self.loss_mask = bos_id, eos_id, pad_id, loss_mask
-        total = np.load(path, mmap_mode="r").shape[0]
+        total = self.arrays.open()["stream"].shape[0]
         self.length = total // self.piece if drop_remainder else math.ceil(total / self.piece)
 
     def __len__(self) -> int:

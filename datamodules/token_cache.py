@@ -9,6 +9,8 @@ runs through ``datasets.Dataset.map(batched=True, num_proc=...)`` with its cache
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import hashlib
 import inspect
 import json
@@ -25,8 +27,9 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from datamodules.base import GlobalBatchDataModule, check_ints, check_optional_ints
-from datamodules.sources import load_tokenizer, tokenizer_digest
-from datamodules.token_arrays import write_padded
+from datamodules.sources import arrow_files_of, load_tokenizer, tokenizer_digest
+from datamodules.token_arrays import cache_remedy, write_padded
+from flowlm.tasks.files import DamagedFileError
 
 log = logging.getLogger(__name__)
 
@@ -207,11 +210,24 @@ class TokenCacheDataModule(GlobalBatchDataModule, ABC):
         folder = self.cache_path
         if not (folder / "meta.json").is_file():
             self.prepare_data()
-        self.cache_meta = json.loads((folder / "meta.json").read_text())
-        self.train_set, self.val_set = self._datasets(folder, self.cache_meta)
+        self.cache_meta = self._read_meta(folder / "meta.json")
+        self.train_set, self.val_set = self._datasets(folder, self.cache_meta)  # opens (checks) every array
         if not self.loss_on_pad:
             log.info("loss_on_pad=False: batches carry `loss_mask`; only methods that read it leave PAD untrained")
         self.check_train_size(stage)
+
+    @staticmethod
+    def _read_meta(path: Path) -> dict[str, Any]:
+        """The cache's ``meta.json``; one that is not a JSON object with its ``splits`` raises DamagedFileError."""
+        try:
+            meta = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DamagedFileError(
+                f"token cache file {path} is damaged ({type(e).__name__}: {e}); {cache_remedy(path.parent)}"
+            ) from e
+        if not isinstance(meta, dict) or not isinstance(meta.get("splits"), dict):
+            raise DamagedFileError(f"token cache file {path} has no 'splits' record; {cache_remedy(path.parent)}")
+        return meta
 
     def _write_rows(self, folder: Path, split: str, encoded, dtype) -> int:
         """The encoded ``split``'s ids as PAD-filled rows of L tokens in ``{split}_tokens.npy``; returns the rows."""
@@ -227,13 +243,16 @@ class TokenCacheDataModule(GlobalBatchDataModule, ABC):
     def _map(self, dataset, fn: Callable, *, work: Path, name: str, with_indices: bool = False):
         """``dataset.map(fn, batched=True)`` with its cache file in ``work`` and a fingerprint from our identity."""
         key = hashlib.sha256(f"{self.cache_path.name}/{name}".encode()).hexdigest()[:16]
-        return dataset.map(
-            fn,
-            batched=True,
-            with_indices=with_indices,
-            num_proc=self.num_proc,
-            remove_columns=dataset.column_names,
-            cache_file_name=str(work / f"{name}.arrow"),
-            new_fingerprint=key,  # fn holds a tokenizer, whose hash is not stable across processes
-            desc=f"Tokenising {name}",
-        )
+        resumed = any(work.glob(f"{glob.escape(name)}*.arrow"))  # an interrupted build's output, read back by map()
+        remedy = f"delete {work} (an interrupted tokenisation's files): the next run tokenises from the start"
+        with arrow_files_of(work, remedy) if resumed else contextlib.nullcontext():
+            return dataset.map(
+                fn,
+                batched=True,
+                with_indices=with_indices,
+                num_proc=self.num_proc,
+                remove_columns=dataset.column_names,
+                cache_file_name=str(work / f"{name}.arrow"),
+                new_fingerprint=key,  # fn holds a tokenizer, whose hash is not stable across processes
+                desc=f"Tokenising {name}",
+            )

@@ -12,6 +12,8 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
@@ -70,6 +72,30 @@ def check_budgets(eval_cfg: DictConfig) -> None:
             )
 
 
+def check_data_choice(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """Refuse a ``data=`` choice of the command line (``overrides``, Hydra's task overrides) that the scale would
+    replace: ``scale.data`` names the data a scale trains on (conf/scale/<task>/cpu.yaml: the shipped fixtures),
+    merged over whatever data config was chosen, so ``data=owt`` trained on the TinyStories fixture and
+    ``data=tinystories_local`` failed as "Key 'train' is not in struct"."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    fixture = OmegaConf.select(cfg, "scale.data", default=None)
+    if not fixture:
+        return
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        if override.key_or_group != "data" or override.package is not None or override.is_delete():
+            continue
+        chosen = override.value()
+        if chosen != fixture:
+            keys = " ".join(f"data.{key}=<path>" for key in cfg.data if str(key).endswith("files"))
+            raise ValueError(
+                f"data={chosen} is refused at scale={cfg.scale.name}: this scale trains {cfg.name} on the shipped "
+                f"data {fixture} (conf/data/{fixture}.yaml), which would replace your choice. At this scale, point "
+                f"it at your own files instead ({keys}; data.tokenizer=gpt2 for GPT-2's tokenizer); for "
+                f"data={chosen} as configured, run scale=paper (on a CPU: add trainer=cpu backbone=tiny)."
+            )
+
+
 SIGTERM_STATUS = 128 + signal.SIGTERM  # the shell's status of a process ended by SIGTERM (143)
 
 
@@ -82,6 +108,23 @@ def exit_on_sigterm(err: BaseException, stopped: str) -> None:
     if isinstance(err, SIGTERMException):
         log.error("stopped by SIGTERM: %s; exit status %d", stopped, SIGTERM_STATUS)
         raise SystemExit(SIGTERM_STATUS) from err
+
+
+@contextmanager
+def sampling_stops_on_sigterm(trainer) -> Iterator[None]:
+    """Within the block, a sampler stops before its next network call once ``trainer`` has received SIGTERM (raising
+    Lightning's ``SIGTERMException``, which ``exit_on_sigterm`` maps to status 143): Lightning itself only looks
+    between batches, and one batch of a large budget samples for minutes (flowlm/samplers/interrupt.py)."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from flowlm.samplers.interrupt import stop_check  # here: importing flowlm.samplers imports torch
+
+    def check() -> None:
+        if trainer.received_sigterm:
+            raise SIGTERMException
+
+    with stop_check(check):
+        yield
 
 
 def resolve_paths(cfg: DictConfig) -> None:

@@ -84,6 +84,36 @@ def log_lightning_once() -> None:
         logging.getLogger("lightning").removeHandler(own)
 
 
+def share_group_listing() -> None:
+    """Make Hydra's ``--help`` list the config groups from one copy of the config repository (idempotent).
+
+    The help lists every group's options (about 225 groups here), and Hydra 1.3 deep-copies the whole repository
+    (every config source, its plugins' schemas included) for each listing: most of ``--help``'s time. The listing
+    reads the same repository each time, so one copy serves all of them, with the same options listed. A Hydra
+    without these internals is left as it is."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.object_type import ObjectType
+
+    original = ConfigLoaderImpl.get_group_options
+    if getattr(original, "shares_listing", False) or not hasattr(
+        ConfigLoaderImpl, "_parse_overrides_and_create_caching_repo"
+    ):
+        return
+
+    @functools.wraps(original)
+    def get_group_options(self, group_name, results_filter=ObjectType.CONFIG, config_name=None, overrides=None):
+        if config_name is not None or overrides:  # a listing for a composition: Hydra's own way
+            return original(self, group_name, results_filter, config_name, overrides)
+        repo = self.__dict__.get("_listing_repository")
+        if repo is None:
+            _, repo = self._parse_overrides_and_create_caching_repo(None, [])
+            self._listing_repository = repo
+        return repo.get_group_options(group_name, results_filter)
+
+    get_group_options.shares_listing = True
+    ConfigLoaderImpl.get_group_options = get_group_options
+
+
 def console_script(hydra_main: Callable) -> Callable:
     """A console entry point: ``hydra_main`` (a ``@hydra.main`` function) with the libraries' notices quieted, and,
     when it only shows something (``shows_only``), without querying the machine while the config is composed
@@ -92,6 +122,8 @@ def console_script(hydra_main: Callable) -> Callable:
     @functools.wraps(hydra_main)
     def main(*args, **kwargs):
         quiet_library_notices()
+        if shows_only(sys.argv[1:]):
+            share_group_listing()
         previous = query_machine(not shows_only(sys.argv[1:]))
         try:
             return hydra_main(*args, **kwargs)

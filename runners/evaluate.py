@@ -20,6 +20,7 @@ from runners.common import (
     exit_on_sigterm,
     pivot_table,
     resolve_paths,
+    sampling_stops_on_sigterm,
 )
 from runners.console import console_script, log_lightning_once
 
@@ -41,13 +42,14 @@ def evaluate(cfg: DictConfig) -> dict:
     from callbacks.progress import progress_callbacks
     from lightning_modules.checkpoints import import_class, load_module, read_checkpoint_meta
     from lightning_modules.vocabulary import check_data_tokens
-    from runners.mlflow_run import announce, make_logger, record_error
+    from runners.mlflow_run import announce, check_tracking, make_logger, record_error
     from runners.objectives import check_objectives
 
     log_lightning_once()
     resolve_paths(cfg)
     check_run_name(cfg)
     check_budgets(cfg.eval)
+    check_tracking(cfg)  # a full disk under the MLflow store: refused before anything is written
     meta = read_checkpoint_meta(cfg.ckpt_path)
     name_after_checkpoint(cfg, meta)
     cls = import_class(meta["class_path"])
@@ -84,7 +86,8 @@ def evaluate(cfg: DictConfig) -> dict:
     run_dir = cfg.paths.run_dir if Path(cfg.paths.run_dir).is_dir() else None
     announce(run_dir, logger)  # at the start and (below) at the end, failed or not
     try:
-        trainer.validate(module, datamodule=datamodule, verbose=False)
+        with sampling_stops_on_sigterm(trainer):
+            trainer.validate(module, datamodule=datamodule, verbose=False)
         rows = [{"run": str((meta.get("config") or {}).get("name", "checkpoint")), **r} for r in evaluation.results]
         if trainer.is_global_zero and rows:
             table = pivot_table(rows, evaluation.primary)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 import re
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from lightning.pytorch.loggers import MLFlowLogger
@@ -29,7 +31,7 @@ from flowlm.experiment_kind import mark_model_training
 from flowlm.project import git_commit
 from runners.common import SUPERSEDED, is_rank_zero
 from runners.objectives import objective_keys
-from runners.tracking import ResilientMLFlowLogger, TrackingUnavailable
+from runners.tracking import ResilientMLFlowLogger, TrackingUnavailable, check_store_space
 
 log = logging.getLogger(__name__)
 ERROR_TAG = "flowlm.error"  # the error a failed run ended with (also set on failed sweep trials)
@@ -82,6 +84,14 @@ def make_logger(cfg: DictConfig, run_dir: Path | None) -> MLFlowLogger | None:
         client.log_text(rid, OmegaConf.to_yaml(cfg, resolve=True), "config/resolved.yaml")
         logger.log_hyperparams(run_params(cfg))
     return logger
+
+
+def check_tracking(cfg: DictConfig) -> None:
+    """Refuse, before the run writes anything, a local MLflow store or artifact folder on a full disk
+    (``runners.tracking.check_store_space``)."""
+    logger = cfg.get("logger")
+    if logger and is_rank_zero():
+        check_store_space(logger.get("tracking_uri"), logger.get("artifact_location"))
 
 
 def announce(run_dir: Path | str | None, logger: MLFlowLogger | None) -> None:
@@ -189,3 +199,23 @@ def record_error(logger: MLFlowLogger, err: BaseException | None) -> None:
     except Exception as failure:  # noqa: BLE001
         message = f"could not record the run's outcome in MLflow ({type(failure).__name__}: {failure})"
         warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+@contextmanager
+def tracked_run(cfg: DictConfig) -> Iterator[MLFlowLogger | None]:
+    """The MLflow run of a command without a run folder (runners/lm_harness.py, runners/mt_bench.py): the store
+    checked and the run made and announced on entry (None with ``logger=none``), ended FINISHED when the block ends,
+    FAILED (KILLED for an interrupt) with its error when it raises (``record_error``), announced again at the end."""
+    check_tracking(cfg)
+    logger = make_logger(cfg, None)
+    announce(None, logger)
+    try:
+        yield logger
+        if logger is not None:
+            logger.finalize("success")
+    except BaseException as err:
+        if logger is not None:
+            record_error(logger, err)
+        raise
+    finally:
+        announce(None, logger)

@@ -3,9 +3,11 @@ away. Lightning's MLFlowLogger raises in both cases and takes the training run d
 
 from __future__ import annotations
 
+import errno
 import functools
 import glob
 import os
+import shutil
 import socket
 import sqlite3
 import warnings
@@ -23,6 +25,65 @@ PARAM_LIMIT = 250  # Lightning's MLFlowLogger truncates parameter values to this
 
 class TrackingUnavailable(RuntimeError):
     """The tracking store could not be reached when the run started."""
+
+
+MIN_FREE_BYTES = 1 << 20  # a new experiment and run in a SQLite store: a few pages and their journal
+_FULL = ("database or disk is full", "no space left on device", "disk quota exceeded")
+
+
+def local_folder(uri: str | None) -> Path | None:
+    """The local folder a tracking URI or artifact location writes into (a SQLite store's folder, a file store or
+    artifact folder); None for a server or a remote location."""
+    if not uri:
+        return None
+    if uri.startswith("sqlite:///"):
+        return Path(uri.removeprefix("sqlite:///")).parent
+    if uri.startswith("file:"):
+        return Path(uri.removeprefix("file:").removeprefix("//"))
+    return None if "://" in uri else Path(uri)
+
+
+def check_store_space(tracking_uri: str | None, artifact_location: str | None) -> None:
+    """Refuse, before a run writes anything, a local MLflow store or artifact folder on a disk with less than
+    ``MIN_FREE_BYTES`` free (it failed later as "tracking store not reachable", after run_config.yaml was written)."""
+    for what, uri in (("store", tracking_uri), ("artifact folder", artifact_location)):
+        folder = local_folder(uri)
+        if folder is None:
+            continue
+        existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+        if existing is None:
+            continue
+        free = shutil.disk_usage(existing).free
+        if free < MIN_FREE_BYTES:
+            raise TrackingUnavailable(
+                f"the MLflow {what} {uri} is on a full disk: {free} bytes free in {existing}. Free space there, or "
+                "track elsewhere with logger.tracking_uri=sqlite:///<other path>/mlflow.db and "
+                "logger.artifact_location=<other folder> (or logger=none)."
+            )
+
+
+def disk_full(err: BaseException) -> bool:
+    """Whether ``err`` or an error it came from says the disk is full (ENOSPC, EDQUOT, SQLite's SQLITE_FULL)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(err).lower() for text in _FULL):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _full_disk_message(uri: str, err: BaseException) -> str:
+    folder = local_folder(uri)
+    free = ""
+    if folder is not None and folder.exists():
+        free = f" ({shutil.disk_usage(folder).free} bytes free in {folder})"
+    return (
+        f"the MLflow store {uri!r} is on a full disk{free}: {type(err).__name__}: {str(err).splitlines()[0]}. Free "
+        "space there, or track elsewhere with logger.tracking_uri=sqlite:///<other path>/mlflow.db (or logger=none)."
+    )
 
 
 def create_sqlite_store(path: str | os.PathLike) -> None:
@@ -112,6 +173,8 @@ class ResilientMLFlowLogger(MLFlowLogger):
         try:
             super().__init__(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - a local store that MLflow cannot open, whatever the reason
+            if disk_full(err):
+                raise TrackingUnavailable(_full_disk_message(uri, err)) from err
             if not store_file or not os.path.exists(store_file):
                 raise
             reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
@@ -153,6 +216,8 @@ class ResilientMLFlowLogger(MLFlowLogger):
                 MLFlowLogger.experiment.fget(self)
             self._store_identity = self._store_file_identity()
         except Exception as err:  # noqa: BLE001 - any failure here means "cannot track"
+            if disk_full(err):  # reached, but it cannot write
+                raise TrackingUnavailable(_full_disk_message(self._tracking_uri, err)) from err
             raise TrackingUnavailable(
                 f"MLflow tracking store {self._tracking_uri!r} is not reachable ({type(err).__name__}: {err}). "
                 "Start the server, or track locally with logger.tracking_uri=sqlite:///<path>/mlflow.db, or run "

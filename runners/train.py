@@ -13,12 +13,14 @@ from runners.common import (
     build,
     check_arguments,
     check_budgets,
+    check_data_choice,
     check_run_dir,
     check_run_name,
     exit_on_sigterm,
     is_rank_zero,
     pivot_table,
     resolve_paths,
+    sampling_stops_on_sigterm,
     write_run_config,
 )
 from runners.console import console_script, log_lightning_once
@@ -41,13 +43,14 @@ def train(cfg: DictConfig) -> dict:
     from callbacks.progress import progress_callbacks
     from flowlm.pretrained.files import tensors_from_rank_zero
     from lightning_modules.vocabulary import check_data_tokens
-    from runners.mlflow_run import announce, make_logger, record_error
+    from runners.mlflow_run import announce, check_tracking, make_logger, record_error
     from runners.objectives import check_objectives
 
     log_lightning_once()
     resolve_paths(cfg)
     check_run_name(cfg)
     check_budgets(cfg.eval)
+    check_tracking(cfg)  # a full disk under the MLflow store: refused before anything is written
     run_dir = Path(cfg.paths.run_dir)
     # Every check that can fail runs before any compute and before anything is written: the run folder, its
     # run_config.yaml and the MLflow run are made only once data, model, evaluation and trainer are built.
@@ -87,7 +90,8 @@ def train(cfg: DictConfig) -> dict:
         trainer.loggers = [logger]
     announce(run_dir, logger)  # where the run lives, at its start and (below) at its end, failed or not
     try:
-        result = _fit(cfg, trainer, module, datamodule, evaluation, ckpt_path, logger)
+        with sampling_stops_on_sigterm(trainer):
+            result = _fit(cfg, trainer, module, datamodule, evaluation, ckpt_path, logger)
     except BaseException as err:
         if logger is not None and is_rank_zero():
             record_error(logger, err)  # FAILED with its error, wherever it failed (Lightning marks only fit's)
@@ -161,8 +165,11 @@ def _last_ckpt(run_dir: Path) -> Path | None:
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
 def main(cfg: DictConfig) -> float | list[float] | None:
     """Console entry point; in a sweep, returns the trial's objective(s) to the sweeper."""
+    from hydra.core.hydra_config import HydraConfig
+
     from runners.trial import run_trial
 
+    check_data_choice(cfg, HydraConfig.get().overrides.task)  # what the command line chose, before any compute
     return run_trial(train, cfg)
 
 

@@ -3,6 +3,7 @@ budget check (methods.md §2, §5); the option checks are ``common.py``, the dra
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from torch import Tensor
 from flowlm.ops.summary import dense_summary
 from flowlm.processes.gaussian_flow import EmbeddingSpace, OneHotSpace
 from flowlm.samplers.common import check_temperature, sequence_times  # noqa: F401 (mlfm.py imports check_temperature)
+from flowlm.samplers.interrupt import interruptible
 
 
 @dataclass
@@ -34,13 +36,14 @@ class SampleOutput:
 class MaskedDenoiser:
     """An MDM as samplers see it: ``fn(x_t ids (B, L), t (B,)) → logits over the data vocabulary (B, L, V)``.
     ``time_conditioned``: whether fn depends on t (a time-agnostic one makes the ancestral no-change cache exact).
-    ``windowed(L)``, where the network can: a reader ``(x window, t, start) → its logits`` over a new block KV cache.
+    ``windowed(L)``, where the network can: a reader ``(x window, t, start, fresh) → its logits`` over a new block KV
+    cache (flowlm/samplers/block_cache.py).
     """
 
     fn: Callable[[Tensor, Tensor], Tensor]
     mask_id: int
     time_conditioned: bool = False
-    windowed: Callable[[int], Callable[[Tensor, Tensor, int], Tensor]] | None = None
+    windowed: Callable[[int], Callable[..., Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,8 @@ class Sampler(ABC):
     confidence is scored: "a-priori" before the rest of the sequence exists (MDM confidence, FMLM+ δ_{0,0}) or
     "a-posteriori" on a finished draft (PR, flow-map endpoints); a class attribute, or a property when a setting
     decides it. A concrete subclass (no abstract method open) without a valid one is refused where it is defined.
+    Every ``__call__`` gets its model view ``interruptible`` (flowlm/samplers/interrupt.py): a stop request is
+    honoured before the next network call, not after the batch.
     """
 
     family: str = ""
@@ -118,6 +123,8 @@ class Sampler(ABC):
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
+        if "__call__" in cls.__dict__ and not getattr(cls.__call__, "__isabstractmethod__", False):
+            cls.__call__ = _with_interruptible_view(cls.__call__)
         names = (name for name in dir(cls) if name != "confidence_kind")
         if any(getattr(getattr(cls, name, None), "__isabstractmethod__", False) for name in names):
             return  # an abstract method (``__call__``, a skeleton's hook) still open: a base for other samplers
@@ -148,3 +155,17 @@ class Sampler(ABC):
                 f"{type(self).__name__}: NFE budget {nfe} is above the cap of {cap} for {free_positions} positions "
                 f"to generate ({BUDGET_PER_POSITION} NFE per position, docs/reliability.md); lower it (eval.nfe)"
             )
+
+
+def _with_interruptible_view(call: Callable) -> Callable:
+    """A sampler's ``__call__`` that receives its model view with every function stop-checked."""
+
+    @functools.wraps(call)
+    def sample(self: Sampler, *args, **kwargs) -> SampleOutput:
+        if args:
+            args = (interruptible(args[0]), *args[1:])
+        elif "model" in kwargs:
+            kwargs["model"] = interruptible(kwargs["model"])
+        return call(self, *args, **kwargs)
+
+    return sample

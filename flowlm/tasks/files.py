@@ -24,6 +24,11 @@ class DataFileError(ValueError):
     """A data file does not hold what it should; the message names the file, the line or record, and the problem."""
 
 
+class DamagedFileError(DataFileError):
+    """A cache or stored data file that cannot be read as written (cut short, overwritten, altered); the message names
+    the file and the remedy (a cache: delete it, and the next run rebuilds it)."""
+
+
 def text_lines(raw: Iterable[bytes], path: str | os.PathLike) -> Iterator[tuple[int, str]]:
     """(line number, line) of a binary stream decoded as UTF-8, a leading byte-order mark dropped; a line that is
     not UTF-8 raises DataFileError (Python's UnicodeDecodeError names neither the file nor the line)."""

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from analysis import build_report, load_runs
 from analysis.load import eval_table, long_metrics, summarize
 from lightning_modules.checkpoints import check_backbone_options, read_checkpoint_meta
-from runners.console import quiet_library_notices, shows_only
+from runners.console import quiet_library_notices, share_group_listing, shows_only
 from runners.evaluate import evaluate, name_after_checkpoint
 from runners.resolvers import cpu_precision, query_machine
 from runners.train import train
@@ -110,6 +110,29 @@ def test_a_config_composed_without_the_machine_query_resolves_it_when_read():
         query_machine(previous)
     precision = cfg.trainer.precision  # the interpolation is kept: asked when a run reads it
     assert precision == cpu_precision() and precision in ("bf16-mixed", "32-true")
+
+
+def test_help_lists_the_same_config_groups_from_one_copy_of_the_repository(monkeypatch):
+    from hydra import initialize_config_dir
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.config_repository import CachingConfigRepository
+    from hydra.core.global_hydra import GlobalHydra
+
+    from flowlm.project import CONF_DIR
+
+    copies = []
+    made = CachingConfigRepository.__init__
+    monkeypatch.setattr(CachingConfigRepository, "__init__", lambda self, d: copies.append(1) or made(self, d))
+    monkeypatch.setattr(ConfigLoaderImpl, "get_group_options", ConfigLoaderImpl.get_group_options)  # restored
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        hydra = GlobalHydra.instance().hydra
+        hydra_own = hydra.format_config_groups(lambda group: True)
+        assert len(copies) > 100  # Hydra 1.3: a deep copy of the repository per listing (3.5 s of --help)
+        copies.clear()
+        share_group_listing()  # what `flowlm-train --help` does first
+        shared = GlobalHydra.instance().hydra.format_config_groups(lambda group: True)
+    assert shared == hydra_own and "scale/tinystories: cpu, paper" in shared
+    assert len(copies) == 1
 
 
 # ------------------------------------------------------------------ 2 + 3. a training names its run, quietly

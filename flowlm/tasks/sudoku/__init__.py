@@ -1,7 +1,8 @@
 """Sudoku of any box shape (methods.md §7): one module per job, the public names re-exported here.
 
 - ``spec``: the box shape (``SudokuSpec``) and the difficulties' clue counts (``clues_for``);
-- ``solver``: ``solve``, ``count_solutions``, ``is_valid_grid`` (bitmask depth-first search);
+- ``solver``: ``solve``, ``count_solutions`` (bitmask depth-first search), ``is_valid_grid`` and its batched
+  checks ``valid_grid_rows``, ``invalid_pairs``;
 - ``generator``: ``random_full_grid``, ``make_puzzle`` and the data sets (``generate``, deterministic per seed);
 - ``layout``: grids ↔ token sequences (``SudokuLayout``);
 - ``files``: the puzzle-file format (``grid_to_string``, ``read_puzzle_file``) and readable renders (``render``).
@@ -22,7 +23,7 @@ from flowlm.tasks.sudoku.generator import (
     random_full_grid,
 )
 from flowlm.tasks.sudoku.layout import SudokuLayout
-from flowlm.tasks.sudoku.solver import count_solutions, is_valid_grid, solve
+from flowlm.tasks.sudoku.solver import count_solutions, invalid_pairs, is_valid_grid, solve, valid_grid_rows
 from flowlm.tasks.sudoku.spec import DIFFICULTY_CLUES_9X9, SudokuSpec, clues_for
 
 __all__ = [
@@ -38,10 +39,12 @@ __all__ = [
     "count_solutions",
     "generate",
     "grid_to_string",
+    "invalid_pairs",
     "is_valid_grid",
     "make_puzzle",
     "random_full_grid",
     "read_puzzle_file",
     "render",
     "solve",
+    "valid_grid_rows",
 ]

@@ -159,10 +159,20 @@ def count_solutions(grid: np.ndarray, spec: SudokuSpec, limit: int = 2) -> int:
 def is_valid_grid(grid: np.ndarray, spec: SudokuSpec) -> bool:
     """True if every row, column and box of a full grid is a permutation of 1..n."""
     grid = np.asarray(grid)
-    n = spec.n
-    if grid.shape != (n, n):
-        return False
-    digits = np.arange(1, n + 1)
-    boxes = grid.reshape(n // spec.box_rows, spec.box_rows, n // spec.box_cols, spec.box_cols)
-    boxes = boxes.transpose(0, 2, 1, 3).reshape(n, n)
-    return all((np.sort(g, axis=1) == digits).all() for g in (grid, grid.T, boxes))
+    return grid.shape == (spec.n, spec.n) and bool(valid_grid_rows(grid[None], spec)[0])
+
+
+def valid_grid_rows(grids: np.ndarray, spec: SudokuSpec) -> np.ndarray:
+    """(N,) bool over (N, n, n) grids: every row, column and box sorted is 1..n (a 0 or an out-of-range digit fails)."""
+    n, rows = spec.n, grids.shape[0]
+    boxes = grids.reshape(rows, n // spec.box_rows, spec.box_rows, n // spec.box_cols, spec.box_cols)
+    boxes = boxes.transpose(0, 1, 3, 2, 4).reshape(rows, n, n)
+    units = np.concatenate([grids, grids.transpose(0, 2, 1), boxes], axis=1)  # (N, 3n, n)
+    return (np.sort(units, axis=-1) == np.arange(1, n + 1)).all(axis=(1, 2))
+
+
+def invalid_pairs(puzzles: np.ndarray, solutions: np.ndarray, spec: SudokuSpec) -> np.ndarray:
+    """Indices of the (puzzle, solution) rows, (N, n, n) each, whose solution is not a valid grid or whose puzzle
+    has a clue (a non-zero cell) the solution contradicts."""
+    clues_kept = ((puzzles == 0) | (puzzles == solutions)).all(axis=(1, 2))
+    return np.flatnonzero(~(valid_grid_rows(solutions, spec) & clues_kept))
