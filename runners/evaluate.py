@@ -52,6 +52,7 @@ def evaluate(cfg: DictConfig) -> dict:
     check_tracking(cfg)  # a full disk under the MLflow store: refused before anything is written
     meta = read_checkpoint_meta(cfg.ckpt_path)
     name_after_checkpoint(cfg, meta)
+    inherit_temperature(cfg, meta)
     cls = import_class(meta["class_path"])
     evaluation: SamplingEvaluation = build(cfg.eval)
     evaluation.check_model(cls)
@@ -105,6 +106,18 @@ def evaluate(cfg: DictConfig) -> dict:
     finally:
         announce(run_dir, logger)
     return {"rows": rows, "metric": evaluation.primary, "mlflow_run_id": getattr(logger, "run_id", None)}
+
+
+def inherit_temperature(cfg: DictConfig, meta: dict) -> None:
+    """``a_priori_temperature`` left null takes the checkpoint run's own (an unconditional task samples at 1.0: its
+    argmax decoding would repeat one sample, every row alike), else 0.0 (a foreign model, or a run that set none)."""
+    if cfg.get("a_priori_temperature") is not None:
+        return
+    recorded = (meta.get("config") or {}).get("a_priori_temperature")
+    with open_dict(cfg):
+        cfg.a_priori_temperature = 0.0 if recorded is None else float(recorded)
+    if recorded:
+        print(f"a_priori_temperature={cfg.a_priori_temperature} as the checkpoint's run had it", flush=True)
 
 
 def name_after_checkpoint(cfg: DictConfig, meta: dict) -> None:

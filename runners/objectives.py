@@ -10,12 +10,12 @@ import re
 import warnings
 from collections.abc import Sequence
 
-from callbacks.sampling_eval import Unloaded
+from callbacks.sampling_eval import COST_KEYS, Unloaded
 
 # As callbacks.sampling_eval logs them (and analysis.load parses them).
 KEY = re.compile(r"^eval/(?P<sampler>[^/]+)/nfe(?P<budget>\d+)/(?P<metric>[^/]+)$")
-# Logged beside every task metric, for every sampler × budget.
-ALWAYS_LOGGED = ("nfe", "sec_per_sample")
+# Logged beside every task metric, for every sampler × budget: the NFE spent and its spread, TPF, seconds.
+ALWAYS_LOGGED = COST_KEYS
 
 
 class ObjectiveError(ValueError):

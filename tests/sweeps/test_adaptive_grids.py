@@ -26,6 +26,7 @@ def _compose(search: str, ckpt: str):
 @pytest.mark.parametrize(("search", "sampler", "knob", "cls", "values"), GRIDS)
 def test_a_grid_sweeps_one_knob_of_one_decoder_over_a_checkpoint(search, sampler, knob, cls, values, runs_env):
     cfg = _compose(search, "runs/mdm/last.ckpt")
+    cfg.a_priori_temperature = 0.0  # what flowlm-eval takes from a conditional checkpoint (inherit_temperature)
     assert cfg.hydra.sweeper._target_.endswith("BasicSweeper")  # a grid: every value is one trial
     assert list(cfg.eval.samplers) == [sampler]  # trials differ in the knob alone, no other sampler rerun each time
     (key, spec), *others = cfg.hydra.sweeper.params.items()

@@ -259,3 +259,17 @@ def test_an_optuna_sweep_without_objective_is_refused():
     with pytest.raises(ObjectiveError, match="names 0"):
         check_directions(None, OmegaConf.create({"direction": "maximize"}))
     check_directions(None, OmegaConf.create({"params": {"seed": "0,1"}}))  # the basic sweeper needs none
+
+
+@pytest.mark.parametrize("cost", ["nfe", "nfe_p90", "tpf", "sec_per_sample"])
+def test_an_adaptive_decoders_costs_are_objectives(cost):
+    """Every cost the evaluation logs beside the task metric (the NFE spent, its spread, TPF, seconds) may be
+    optimised: a sweep over τ that maximises accuracy and TPF is not refused before compute."""
+    from types import SimpleNamespace
+
+    from flowlm.metrics.sudoku_metric import SudokuMetric
+    from runners.objectives import check_objectives
+
+    evaluation = SimpleNamespace(samplers={"threshold": None}, nfe=[64], metric_factory=SudokuMetric)
+    data = SimpleNamespace(box_rows=2, box_cols=3, conditional=True, vocab_size=8, seq_len=84)
+    check_objectives([f"eval/threshold/nfe64/{cost}", "eval/threshold/nfe64/valid_pct"], evaluation, data)
