@@ -268,8 +268,13 @@ def test_an_adaptive_decoders_costs_are_objectives(cost):
     from types import SimpleNamespace
 
     from flowlm.metrics.sudoku_metric import SudokuMetric
-    from runners.objectives import check_objectives
+    from flowlm.tasks.sudoku.layout import SudokuLayout
+    from flowlm.tasks.sudoku.spec import SudokuSpec
+    from runners.objectives import check_objectives, metric_names
 
     evaluation = SimpleNamespace(samplers={"threshold": None}, nfe=[64], metric_factory=SudokuMetric)
-    data = SimpleNamespace(box_rows=2, box_cols=3, conditional=True, vocab_size=8, seq_len=84)
-    check_objectives([f"eval/threshold/nfe64/{cost}", "eval/threshold/nfe64/valid_pct"], evaluation, data)
+    data = SimpleNamespace(layout=SudokuLayout(SudokuSpec(2, 3), conditional=True))
+    assert "accuracy" in metric_names(evaluation, data)  # the metric's names are known: the check is not skipped
+    check_objectives([f"eval/threshold/nfe64/{cost}", "eval/threshold/nfe64/accuracy"], evaluation, data)
+    with pytest.raises(ObjectiveError, match="not 'tokens_per_second'"):
+        check_objectives(["eval/threshold/nfe64/tokens_per_second"], evaluation, data)
