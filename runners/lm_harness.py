@@ -3,11 +3,14 @@
     python -m runners.lm_harness --model flowlm --model_args checkpoint=PATH,sampler=confidence,nfe=64 --tasks T
 
 lm-eval 0.4.13 knows a model only once its module is imported (it has no plugin entry points): importing this module
-registers ``flowlm``, and ``python -m runners.lm_harness`` (``main``) is lm-eval's own command line after that import.
-From Python: ``import runners.lm_harness`` then ``lm_eval.simple_evaluate(model="flowlm", model_args=...)``.
+registers ``flowlm``, and ``python -m runners.lm_harness`` (``main``, ``flowlm-lm-eval``) is lm-eval's own command line
+after that import, each evaluation tracked in MLflow (``tracking_config``, ``log_results``). From Python:
+``runners.lm_harness.evaluate(model="flowlm", model_args=..., tasks=...)`` (tracked), or ``import runners.lm_harness``
+then ``lm_eval.simple_evaluate`` (untracked).
 
 - ``generate_until``: the checkpoint's family's sampler (a ``conf/sampler`` config) at an NFE budget; the NFE each
-  request spent is kept, their mean reported (``get_model_info``: ``results["config"]["flowlm"]``, and logged).
+  request spent is kept, their mean reported (``get_model_info``: ``results["config"]["flowlm"]``, and logged); with
+  ``--apply_chat_template``, prompts in the tokenizer's chat template where it has one, else Vicuna's.
 - ``loglikelihood`` / ``loglikelihood_rolling``: an MDM's Monte-Carlo ELBO, an AR model's exact chain rule
   (flowlm/metrics/likelihood.py); flow-map and MLFM checkpoints define no likelihood and refuse them.
 
@@ -17,18 +20,27 @@ positions the model fills, ``max_length`` positions in all.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import functools
 import hashlib
+import inspect
+import json
 import logging
 import math
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 from tqdm import tqdm
@@ -41,15 +53,23 @@ from flowlm.metrics.likelihood import (
     mdm_elbo_samples,
     mdm_greedy,
 )
+from flowlm.metrics.mt_bench import chat_renderer, template_kind
 from flowlm.project import CONF_DIR
-from flowlm.samplers.base import Sampler
 from lightning_modules.checkpoints import import_class, load_module, read_checkpoint_meta
 from lightning_modules.vocabulary import check_data_tokens
 from runners.common import build
+from runners.mlflow_run import tracked_run
 
 log = logging.getLogger(__name__)
 
 MODEL_NAME = "flowlm"
+MODEL_RUN_PREFIX = "lm_eval"  # MLflow: runs lm_eval/<run>/<time>, metrics, params and artifacts lm_eval/...
+# The model's settings (FlowLM.summary) and simple_evaluate's arguments an evaluation's MLflow run records as params.
+RUN_PARAMS = (
+    *("checkpoint", "family", "nfe_budget", "gen_length", "max_length", "estimator", "mc_samples"),
+    *("chat_template", "tokenizer", "dtype"),
+)
+EVALUATE_PARAMS = ("apply_chat_template", "fewshot_as_multiturn", "system_instruction", "gen_kwargs")
 SAMPLER_DIR = Path(CONF_DIR) / "sampler"
 # The sampler a family generates with when model_args give none (the configs its evaluations use first).
 DEFAULT_SAMPLERS = {"mdm": "confidence", "flow": "pr", "mlfm": "mlfm", "ar": "ar"}
@@ -60,6 +80,7 @@ NO_LIKELIHOOD = {
 }
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAMPLER_PREFIX = "sampler."
+VICUNA_LAYOUT = "vicuna_v1.1: {system} USER: {user} ASSISTANT: {assistant}{eos}USER: ... ASSISTANT:"
 
 
 def sampler_names() -> list[str]:
@@ -88,9 +109,10 @@ def sampler_config(name: str) -> DictConfig:
     return OmegaConf.load(path)
 
 
-def build_sampler(name: str, overrides: dict[str, Any], family: str) -> Sampler:
-    """The sampler of conf/sampler/<name>.yaml with ``overrides`` (keys of that config), refused unless it samples
-    ``family`` models; interpolations of the run config (``a_priori_temperature``) take their defaults."""
+def sampler_settings(name: str, overrides: dict[str, Any], family: str) -> dict[str, Any]:
+    """The resolved config of conf/sampler/<name>.yaml with ``overrides`` (keys of that config), refused unless its
+    sampler samples ``family`` models; interpolations of the run config (``a_priori_temperature``) take their
+    defaults."""
     cfg = sampler_config(name)
     unknown = sorted(set(overrides) - set(cfg) - {"_target_"})
     if unknown:
@@ -106,7 +128,12 @@ def build_sampler(name: str, overrides: dict[str, Any], family: str) -> Sampler:
         )
     for key, value in overrides.items():
         cfg[key] = value
-    return build(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def nfe_summary(spent: Sequence[int]) -> dict[str, float]:
+    """``mean_nfe`` and ``max_nfe`` of the NFE spent per request (per answer turn in runners/mt_bench.py)."""
+    return {"mean_nfe": sum(spent) / len(spent), "max_nfe": float(max(spent))}
 
 
 def request_seed(seed: int, *parts: list[int]) -> int:
@@ -130,7 +157,9 @@ class FlowLM(LM):
     ``sampler.<key>=value`` settings of that config, ``nfe`` (budget per generation call), ``gen_length`` (positions
     generated after the context; default: the rest of the row); ``max_length`` (row length; default the checkpoint's
     seq_len); ``mc_samples``, ``estimator`` (time | count) for an MDM's ELBO; ``seed``; ``tokenizer``, ``add_bos``
-    (default: the checkpoint's data config); ``dtype`` (float32 | bfloat16 | float16 autocast); ``trust_pickle``.
+    (default: the checkpoint's data config); ``template`` (auto | tokenizer | vicuna: the chat layout of
+    ``--apply_chat_template``), ``system`` (Vicuna's system prompt); ``dtype`` (float32 | bfloat16 | float16
+    autocast); ``trust_pickle``.
     ``batch_size``: rows per network call (generation: requests per sampler call; the ELBO: Monte-Carlo rows).
     """
 
@@ -146,6 +175,8 @@ class FlowLM(LM):
         seed: int = 0,
         tokenizer: str | None = None,
         add_bos: bool | None = None,
+        template: str = "auto",
+        system: str | None = None,
         dtype: str = "float32",
         trust_pickle: bool = False,
         batch_size: int | str = 1,
@@ -159,7 +190,8 @@ class FlowLM(LM):
         if unknown:
             raise TypeError(
                 f"flowlm: unknown model_args {', '.join(unknown)} (known: checkpoint, sampler, sampler.<key>, nfe, "
-                "gen_length, max_length, mc_samples, estimator, seed, tokenizer, add_bos, dtype, trust_pickle)"
+                "gen_length, max_length, mc_samples, estimator, seed, tokenizer, add_bos, template, system, dtype, "
+                "trust_pickle)"
             )
         self.checkpoint = str(checkpoint)
         self.batch_size = _positive_int("batch_size", batch_size)
@@ -194,6 +226,9 @@ class FlowLM(LM):
         if add_bos and self.bos_id is None:
             raise ValueError(f"add_bos=true but tokenizer {spec!r} has no BOS/EOS token")
         self.head = [self.bos_id] if add_bos else []
+        self.template = template_kind(tok, template)  # the chat layout of --apply_chat_template
+        self._render = chat_renderer(tok, template, system, drop_bos=bool(self.head))
+        self._templated = 0  # prompts rendered in the chat layout
         self.max_length = _positive_int("max_length", max_length or meta.get("seq_len"))
         if gen_length is not None:
             gen_length = _positive_int("gen_length", gen_length)
@@ -206,7 +241,8 @@ class FlowLM(LM):
         self.sampler_name = sampler or DEFAULT_SAMPLERS.get(self.family)
         if self.sampler_name is None:
             raise ValueError(f"no default sampler for the '{self.family}' family: give sampler=NAME")
-        self.sampler = build_sampler(self.sampler_name, overrides, self.family)
+        self.sampler_settings = sampler_settings(self.sampler_name, overrides, self.family)
+        self.sampler = build(OmegaConf.create(self.sampler_settings))
         self.nfe = None if nfe is None else _positive_int("nfe", nfe)
         if self.nfe is not None:
             self.sampler.check_budget(self.nfe, free_positions=gen_length)
@@ -242,8 +278,24 @@ class FlowLM(LM):
 
     @property
     def tokenizer_name(self) -> str:
-        """The tokenizer as given (lm-eval fingerprints caches with it)."""
-        return self.tokenizer_spec
+        """The tokenizer's name as lm-eval's HF model gives it ('/' → '__'), ``__vicuna`` added in Vicuna's layout:
+        lm-eval keys its cache of chat-templated requests with it."""
+        name = self.tokenizer_spec.replace("/", "__")
+        return f"{name}__vicuna" if self.template == "vicuna" else name
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The chat layout lm-eval records (its evaluation tracker hashes it): None when not asked for, else the
+        tokenizer's Jinja template or Vicuna's layout."""
+        if not chat_template:
+            return None
+        return self.tokenizer.chat_template if self.template == "tokenizer" else VICUNA_LAYOUT
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """lm-eval's hook (``--apply_chat_template``): the messages in the checkpoint's chat layout (model_args
+        ``template``: the tokenizer's own where it has one, else Vicuna's), open for the answer; a BOS the template
+        writes is left to the row. add_generation_prompt=False continues a final assistant message."""
+        self._templated += 1
+        return self._render(chat_history, add_generation_prompt)
 
     @property
     def nfe_spent(self) -> list[int]:
@@ -263,10 +315,15 @@ class FlowLM(LM):
             "nfe_budget": self.nfe,
             "gen_length": self.gen_length,
             "max_length": self.max_length,
+            "sampler_settings": {k: v for k, v in self.sampler_settings.items() if k != "_target_"},
+            "chat_template": self.template if self._templated else None,
+            "tokenizer": self.tokenizer_spec,
+            "dtype": self.dtype,
+            "seed": self.seed,
             "generated": len(self._nfe),
         }
         if self._nfe:
-            info |= {"mean_nfe": sum(self._nfe) / len(self._nfe), "max_nfe": max(self._nfe)}
+            info |= nfe_summary(self._nfe) | {"nfe_per_request": list(self._nfe)}
         if self.family == "mdm":
             info |= {"estimator": self.estimator, "mc_samples": self.mc_samples}
         if self._stderr:
@@ -511,11 +568,150 @@ def _stops(gen_kwargs: dict | None) -> list[str]:
     return [until] if isinstance(until, str) else list(until)
 
 
+# ------------------------------------------------------------------------------------------------ MLflow
+def tracking_config(
+    checkpoint: str,
+    *,
+    seed: int = 0,
+    trust_pickle: bool = False,
+    tracking_uri: str | None = None,
+    experiment: str | None = None,
+) -> DictConfig | None:
+    """The MLflow run of an evaluation of ``checkpoint`` (``runners.mlflow_run.tracked_run``), in the suite's store
+    (conf/logger/mlflow.yaml: $MLFLOW_TRACKING_URI, else <runs>/mlflow.db) unless ``tracking_uri`` is given ("none":
+    untracked). A checkpoint of a run of the suite: the run's experiment (its task), named ``lm_eval/<run>/<time>``
+    as flowlm-eval names ``eval/<run>``; an export or a pretrained source: the experiment ``lm_eval``, named
+    ``lm_eval/<checkpoint>/<time>``. ``experiment`` names the experiment in both cases."""
+    if tracking_uri == "none":
+        return None
+    meta = read_checkpoint_meta(checkpoint, trust_pickle=trust_pickle)
+    recorded = meta.get("config") or {}
+    own_run = "source" not in meta and bool(recorded.get("name")) and bool(recorded.get("task"))
+    cfg = OmegaConf.create(
+        {
+            "name": f"{MODEL_RUN_PREFIX}/{recorded['name'] if own_run else checkpoint}",
+            "task": experiment or (recorded["task"] if own_run else MODEL_RUN_PREFIX),
+            "run_name": time.strftime("%Y%m%d-%H%M%S"),
+            "seed": int(seed),
+            **{k: recorded[k] for k in ("method", "backbone") if recorded.get(k)},
+            "paths": {"root": OmegaConf.load(Path(CONF_DIR) / "paths" / "default.yaml").root},
+            "logger": OmegaConf.load(Path(CONF_DIR) / "logger" / "mlflow.yaml"),
+        }
+    )
+    if tracking_uri:
+        cfg.logger.tracking_uri = tracking_uri
+    return cfg
+
+
+def log_results(logger, results: dict, options: dict | None = None) -> None:
+    """An lm-eval evaluation into its MLflow run: every numeric metric per task and group with its stderr
+    (``lm_eval/<task>/<metric>/<filter>``), the NFE spent (``lm_eval/mean_nfe``, ``max_nfe``; per request and as a
+    histogram in the artifact ``lm_eval/nfe.json``) and the Monte-Carlo stderr; the checkpoint, sampler settings and
+    lm-eval's settings (``options``: simple_evaluate's arguments) as params; lm-eval's and each task's version as
+    tags; the results (without samples) as the artifact ``lm_eval/results.json``."""
+    from lm_eval.utils import handle_non_serializable
+
+    from callbacks.sampling_eval import nfe_histogram
+
+    client, run_id = logger.experiment, logger.run_id
+    info = dict(results["config"].get(MODEL_NAME) or {})
+    metrics = {}
+    for section in ("results", "groups"):
+        for task, values in (results.get(section) or {}).items():
+            for key, value in values.items():
+                if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+                    metric, _, where = key.partition(",")
+                    metrics[_metric_name(f"{MODEL_RUN_PREFIX}/{task}/{metric}/{where}".rstrip("/"))] = float(value)
+    for key in ("mean_nfe", "max_nfe", "mean_mc_stderr"):
+        if key in info:
+            metrics[f"{MODEL_RUN_PREFIX}/{key}"] = float(info[key])
+    if metrics:
+        logger.log_metrics(metrics)
+    spent = info.pop("nfe_per_request", [])
+    settings = {k: info.get(k) for k in RUN_PARAMS if k in info}
+    settings["sampler"] = {"name": info.get("sampler"), **info.get("sampler_settings", {})}
+    chosen = {k: (options or {}).get(k) for k in EVALUATE_PARAMS}
+    config = results["config"]
+    lm_eval_params = {**chosen, "limit": config.get("limit"), "batch_size": config.get("batch_size")}
+    lm_eval_params |= {"tasks": ",".join(results.get("results") or {}), "num_fewshot": results.get("n-shot", {})}
+    logger.log_hyperparams({**settings, MODEL_RUN_PREFIX: lm_eval_params})
+    client.set_tag(run_id, "flowlm.checkpoint", str(info.get("checkpoint")))
+    client.set_tag(run_id, "lm_eval.version", str(results.get("lm_eval_version")))
+    for task, version in (results.get("versions") or {}).items():
+        client.set_tag(run_id, _metric_name(f"lm_eval.task_version.{task}"), str(version))
+    output = getattr((options or {}).get("evaluation_tracker"), "output_path", None)
+    if output:
+        client.set_tag(run_id, "lm_eval.output_path", str(output))
+    if spent:
+        histogram = nfe_histogram(np.asarray(spent, dtype=np.float64))
+        client.log_dict(run_id, {"per_request": spent, "histogram": histogram}, f"{MODEL_RUN_PREFIX}/nfe.json")
+    kept = {k: v for k, v in results.items() if k != "samples"}
+    text = json.dumps(kept, indent=2, default=handle_non_serializable, ensure_ascii=False)
+    client.log_text(run_id, text, f"{MODEL_RUN_PREFIX}/results.json")
+
+
+def _metric_name(name: str) -> str:
+    """``name`` in the characters MLflow allows in metric and tag names."""
+    return re.sub(r"[^\w./ -]", "_", name)
+
+
+def tracked(simple_evaluate: Callable, tracking_uri: str | None = None, experiment: str | None = None) -> Callable:
+    """``simple_evaluate`` that tracks a ``flowlm`` evaluation in MLflow: its run made (the store reached, the
+    checkpoint read) before any compute, ``log_results`` after it, the run FAILED with its error if it raises; any
+    other model is evaluated untracked."""
+
+    @functools.wraps(simple_evaluate)
+    def evaluate(*args: Any, **kwargs: Any) -> dict | None:
+        call = inspect.signature(simple_evaluate).bind(*args, **kwargs).arguments
+        if call.get("model") != MODEL_NAME:
+            return simple_evaluate(*args, **kwargs)
+        model_args = call.get("model_args") or {}
+        if isinstance(model_args, str):
+            model_args = simple_parse_args_string(model_args)
+        if "checkpoint" not in model_args:
+            raise TypeError("flowlm: model_args need checkpoint=PATH")
+        cfg = tracking_config(
+            str(model_args["checkpoint"]),
+            seed=model_args.get("seed", 0),
+            trust_pickle=bool(model_args.get("trust_pickle", False)),
+            tracking_uri=tracking_uri,
+            experiment=experiment,
+        )
+        with tracked_run(cfg) as logger:
+            results = simple_evaluate(*args, **kwargs)
+            if logger is not None and results is not None:
+                log_results(logger, results, call)
+        return results
+
+    return evaluate
+
+
+def evaluate(*, tracking_uri: str | None = None, experiment: str | None = None, **kwargs: Any) -> dict | None:
+    """``lm_eval.simple_evaluate(**kwargs)`` with a ``flowlm`` evaluation tracked in MLflow (``tracked``)."""
+    import lm_eval
+
+    return tracked(lm_eval.simple_evaluate, tracking_uri, experiment)(**kwargs)
+
+
 def main() -> None:
-    """lm-eval's command line with ``flowlm`` registered (the same arguments as ``lm_eval``)."""
+    """lm-eval's command line (the same arguments as ``lm_eval``) with ``flowlm`` registered and its evaluations
+    tracked in MLflow; two arguments of its own: ``--mlflow_tracking_uri URI`` (``none``: untracked) and
+    ``--mlflow_experiment NAME`` (``tracking_config``)."""
+    import lm_eval.evaluator
     from lm_eval.__main__ import cli_evaluate
 
-    cli_evaluate()
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--mlflow_tracking_uri", default=None)
+    parser.add_argument("--mlflow_experiment", default=None)
+    ours, sys.argv[1:] = parser.parse_known_args(sys.argv[1:])
+    # lm-eval's CLI has no hook for its results: its run step reads lm_eval.simple_evaluate when it runs, so the
+    # tracked one stands in for it while the command runs
+    original = lm_eval.evaluator.simple_evaluate
+    lm_eval.evaluator.simple_evaluate = tracked(original, ours.mlflow_tracking_uri, ours.mlflow_experiment)
+    try:
+        cli_evaluate()
+    finally:
+        lm_eval.evaluator.simple_evaluate = original
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,16 +34,16 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from flowlm.metrics.mt_bench import (
+    TEMPLATES,
     TURNS,
-    VICUNA_SYSTEM,
     Question,
     aggregate,
+    chat_renderer,  # noqa: F401 - the prompt layouts, re-exported here (FlowLM renders with it)
     check_questions,
     conversation,
     judge_messages,
     parse_question,
     parse_rating,
-    vicuna_prompt,
 )
 from flowlm.project import CONF_DIR
 from flowlm.tasks.files import json_records, project_path
@@ -53,7 +53,6 @@ from runners.console import console_script
 log = logging.getLogger(__name__)
 
 STEPS = ("generate", "judge", "all")
-TEMPLATES = ("auto", "tokenizer", "vicuna")
 TRANSIENT_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 MAX_WAIT_S = 60.0
 QUESTION_URL = "https://raw.githubusercontent.com/lm-sys/FastChat/main/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -103,24 +102,6 @@ def _ways_to_provide(source: str, reason: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ answers
-def chat_renderer(tokenizer, template: str, system: str | None, drop_bos: bool) -> Callable[[list[dict]], str]:
-    """messages → the model's prompt: the tokenizer's chat template (``auto`` where it has one) or Vicuna's; a BOS
-    the template writes is dropped when the row adds its own (``drop_bos``)."""
-    has_own = bool(getattr(tokenizer, "chat_template", None))
-    if template == "tokenizer" and not has_own:
-        raise ValueError("generate.template=tokenizer, but the tokenizer has no chat template: use template=vicuna")
-    if template == "vicuna" or not has_own:
-        eos = tokenizer.eos_token or "</s>"
-        return lambda messages: vicuna_prompt(messages, VICUNA_SYSTEM if system is None else system, eos)
-    bos = tokenizer.bos_token if drop_bos else None
-
-    def render(messages: list[dict]) -> str:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return text[len(bos) :] if bos and text.startswith(bos) else text
-
-    return render
-
-
 def flowlm_model(cfg: DictConfig):
     """The checkpoint as runners/lm_harness.py's ``FlowLM`` with the ``generate`` settings (checked before the
     weights are read); ``gen_length`` null: half the row."""
@@ -142,6 +123,8 @@ def flowlm_model(cfg: DictConfig):
         max_length=gen.max_length,
         seed=cfg.seed,
         tokenizer=gen.tokenizer,
+        template=gen.template,
+        system=gen.system,
         dtype=gen.dtype,
         trust_pickle=gen.trust_pickle,
         batch_size=gen.batch_size,
@@ -155,12 +138,13 @@ def generate_answers(cfg: DictConfig, questions: Sequence[Question], model_id: s
     from lm_eval.api.instance import Instance
 
     model = flowlm_model(cfg)
-    render = chat_renderer(model.tokenizer, cfg.generate.template, cfg.generate.system, bool(model.head))
     until = {"until": list(cfg.generate.stop or [])}
     answers: list[list[str]] = [[] for _ in questions]
     spent: list[list[int]] = [[] for _ in questions]
     for turn in range(1, TURNS + 1):
-        contexts = [render(conversation(q.turns, a)) for q, a in zip(questions, answers, strict=True)]
+        contexts = [
+            model.apply_chat_template(conversation(q.turns, a)) for q, a in zip(questions, answers, strict=True)
+        ]
         requests = [Instance("generate_until", {}, (c, until), i) for i, c in enumerate(contexts)]
         texts = model.generate_until(requests)
         for a, s, text, nfe in zip(answers, spent, texts, model.nfe_spent[-len(texts) :], strict=True):
@@ -375,7 +359,7 @@ def summary_table(scores: dict[str, float]) -> str:
 def run(cfg: DictConfig) -> dict:
     """Generate and/or judge (``cfg.step``): every input checked (questions, judge endpoint, output files) before
     the checkpoint is read; the answers' NFE and the scores logged to MLflow."""
-    from runners.mlflow_run import announce, make_logger, record_error
+    from runners.mlflow_run import tracked_run
 
     resolve_paths(cfg)
     judge = check_config(cfg)
@@ -394,19 +378,10 @@ def run(cfg: DictConfig) -> dict:
         cfg.model_id = model_id
         if cfg.get("logger") and cfg.logger.get("run_name") == f"{cfg.name}/{cfg.run_name}":
             cfg.logger.run_name = f"{cfg.name}/{model_id}/{cfg.run_name}"
-    logger = make_logger(cfg, None)
-    announce(None, logger)
-    try:
+    with tracked_run(cfg) as logger:
         result = _run_steps(cfg, questions, model_id, answer_path, judgment_path, judge)
         if logger is not None:
             _log(logger, cfg, result, [answer_path] + ([judgment_path] if judge else []))
-            logger.finalize("success")
-    except BaseException as err:
-        if logger is not None:
-            record_error(logger, err)
-        raise
-    finally:
-        announce(None, logger)
     return result | {"mlflow_run_id": getattr(logger, "run_id", None)}
 
 
@@ -419,7 +394,9 @@ def _run_steps(cfg, questions, model_id, answer_path, judgment_path, judge) -> d
     spent = [n for q in questions for n in answers[str(q.question_id)]["choices"][0].get("nfe") or []]
     result: dict[str, Any] = {"model_id": model_id, "answers": str(answer_path)}
     if spent:
-        result["nfe"] = {"mean_nfe": sum(spent) / len(spent), "max_nfe": float(max(spent))}
+        from runners.lm_harness import nfe_summary
+
+        result["nfe"] = nfe_summary(spent)
     if judge is not None:
         judgments = judge_answers(judge, questions, answers, model_id, cfg.judge.parallel)
         write_jsonl(judgment_path, judgments)

@@ -1,7 +1,9 @@
 """MT-Bench (Zheng et al. 2023, arXiv 2306.05685): its question records, the chat prompts the model answers, the
 single-answer grading prompts a judge model reads, the rating read back from the judge and the scores aggregated.
 
-Pure Python: runners/mt_bench.py generates the answers with a checkpoint and talks to the judge over HTTP.
+Pure Python: runners/mt_bench.py generates the answers with a checkpoint and talks to the judge over HTTP. The chat
+layouts (``chat_renderer``: the tokenizer's template or Vicuna's) are also the lm-eval model's
+(runners/lm_harness.py, ``--apply_chat_template``).
 
 - A question is FastChat's ``question.jsonl`` record: ``question_id``, ``category``, ``turns`` (two user turns),
   optionally ``reference`` (reference answers per turn, for math / reasoning / coding); the Hugging Face copy
@@ -16,13 +18,15 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 TURNS = 2  # MT-Bench questions have two user turns
 UNPARSEABLE = -1.0  # FastChat's score of a judgment without a rating
 RATING_RANGE = (1.0, 10.0)
+TEMPLATES = ("auto", "tokenizer", "vicuna")  # the chat layouts of ``template_kind``
 # "[[7]]" (the requested form), else "[7]" (FastChat's fallback for judges that drop one bracket); first match wins.
 _RATING = (re.compile(r"\[\[\s*(\d+(?:\.\d+)?)\s*\]\]"), re.compile(r"\[\s*(\d+(?:\.\d+)?)\s*\]"))
 VICUNA_SYSTEM = (
@@ -88,16 +92,59 @@ def conversation(turns: Sequence[str], answers: Sequence[str]) -> list[dict[str,
     return messages + [{"role": "user", "content": turns[len(answers)]}]
 
 
-def vicuna_prompt(messages: Sequence[Mapping[str, str]], system: str = VICUNA_SYSTEM, eos: str = "</s>") -> str:
+def vicuna_prompt(
+    messages: Sequence[Mapping[str, str]], system: str = VICUNA_SYSTEM, eos: str = "</s>", open_end: bool = False
+) -> str:
     """The Vicuna v1.1 chat layout (FastChat's MT-Bench default, SMDM's and MLFM's prompt):
-    ``SYSTEM USER: q₁ ASSISTANT: a₁<eos>USER: q₂ ASSISTANT:``, open for the assistant's next answer."""
+    ``SYSTEM USER: q₁ ASSISTANT: a₁<eos>USER: q₂ ASSISTANT:``, open for the assistant's next answer. A ``system``
+    message replaces ``system``; ``open_end``: a final assistant message is left open (no EOS), to be continued."""
+    system = next((m["content"] for m in messages if m["role"] == "system"), system)
+    turns = [m for m in messages if m["role"] != "system"]
     text = f"{system} " if system else ""
-    for message in messages:
+    for k, message in enumerate(turns):
         if message["role"] == "user":
             text += f"USER: {message['content']} ASSISTANT:"
         else:
-            text += f" {message['content']}{eos}"
+            text += f" {message['content']}" + ("" if open_end and k == len(turns) - 1 else eos)
     return text
+
+
+def template_kind(tokenizer, template: str) -> str:
+    """The chat layout ``template`` (auto | tokenizer | vicuna) selects: the tokenizer's own template ("tokenizer";
+    auto: where it has one) or Vicuna's ("vicuna"); template=tokenizer without one is a ValueError."""
+    if template not in TEMPLATES:
+        raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
+    has_own = bool(getattr(tokenizer, "chat_template", None))
+    if template == "tokenizer" and not has_own:
+        raise ValueError("template=tokenizer, but the tokenizer has no chat template: use template=vicuna (or auto)")
+    return "tokenizer" if template != "vicuna" and has_own else "vicuna"
+
+
+def chat_renderer(tokenizer, template: str, system: str | None, drop_bos: bool) -> Callable[..., str]:
+    """(messages, add_generation_prompt=True) → the model's prompt, in the layout ``template_kind`` selects; Vicuna's
+    system prompt ``system`` (None: FastChat's). A BOS the tokenizer's template writes is dropped when the row adds
+    its own (``drop_bos``). add_generation_prompt=False continues a final assistant message (lm-eval's prefill); a
+    template that refuses a system message renders without it, as lm-eval's HF model does."""
+    if template_kind(tokenizer, template) == "vicuna":
+        eos, system = tokenizer.eos_token or "</s>", VICUNA_SYSTEM if system is None else system
+        return lambda messages, add_generation_prompt=True: vicuna_prompt(
+            messages, system, eos, open_end=not add_generation_prompt
+        )
+    from jinja2.exceptions import TemplateError
+
+    bos = tokenizer.bos_token if drop_bos else None
+
+    def render(messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        options = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+        options["continue_final_message"] = not add_generation_prompt
+        try:
+            text = tokenizer.apply_chat_template(list(messages), **options)
+        except TemplateError:
+            warnings.warn("the chat template refused the messages: rendered without the system message", stacklevel=2)
+            text = tokenizer.apply_chat_template([m for m in messages if m["role"] != "system"], **options)
+        return text[len(bos) :] if bos and text.startswith(bos) else text
+
+    return render
 
 
 # ------------------------------------------------------------------------------------------------ the judge's prompt

@@ -18,6 +18,7 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
+from mlflow import MlflowClient
 
 from datamodules.sources import load_tokenizer
 from flowlm.metrics.likelihood import (
@@ -27,6 +28,7 @@ from flowlm.metrics.likelihood import (
     mdm_elbo_samples,
     mdm_greedy,
 )
+from flowlm.metrics.mt_bench import chat_renderer
 from lightning_modules.ar import ARModule
 from lightning_modules.fmlm_plus import FMLMPlusModule
 from lightning_modules.mdm import MDMModule
@@ -40,9 +42,9 @@ V, L = 513, 64  # the tiny tokenizer's 512 ids + [PAD]; the row length
 BACKBONE = {"d_model": 32, "n_layers": 1, "n_heads": 4, "cond_dim": 16}
 
 
-def write_checkpoint(path: Path, module_class, data: dict | None = None, **kwargs) -> Path:
+def write_checkpoint(path: Path, module_class, data: dict | None = None, record: dict | None = None, **kwargs) -> Path:
     """A checkpoint as flowlm-train writes it (hyper-parameters, the flowlm record with ``data`` as its data config,
-    by default GSM8K's on the tiny tokenizer), random weights N(0, 0.3²)."""
+    by default GSM8K's on the tiny tokenizer, and ``record``'s keys in its run config), random weights N(0, 0.3²)."""
     torch.manual_seed(0)
     module = module_class(data_vocab_size=V, seq_len=L, backbone=BACKBONE, optim={}, **kwargs)
     with torch.no_grad():
@@ -51,6 +53,7 @@ def write_checkpoint(path: Path, module_class, data: dict | None = None, **kwarg
     module.run_config = {
         "name": f"tiny_{module.family}",
         "data": data or {"_target_": "datamodules.gsm8k.GSM8KDataModule", "tokenizer": TOKENIZER, "seq_len": L},
+        **(record or {}),
     }
     ckpt = {
         "state_dict": module.state_dict(),
@@ -73,6 +76,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
         # MLFM reads its MDM (init_from) when it trains, not when a checkpoint of it is loaded
         "mlfm": write_checkpoint(root / "mlfm.ckpt", MLFMModule, init_from=str(root / "mdm.ckpt")),
         "sudoku": write_checkpoint(root / "sudoku.ckpt", MDMModule, data={"_target_": "datamodules.sudoku.X"}),
+        "run": write_checkpoint(root / "run.ckpt", MDMModule, record={"task": "tiny_task"}),  # a run of the suite
     }
 
 
@@ -476,7 +480,7 @@ def test_a_checkpoint_without_a_tokenizer_is_refused(checkpoints):
     with pytest.raises(ValueError, match="records no tokenizer .* give model_args tokenizer=NAME_OR_DIR"):
         lm_harness.FlowLM(checkpoint=str(checkpoints["sudoku"]), device="cpu")
     lm = lm_harness.FlowLM(checkpoint=str(checkpoints["sudoku"]), tokenizer=TOKENIZER, device="cpu")
-    assert lm.tokenizer_name == TOKENIZER
+    assert lm.tokenizer_name == "data__cpu__tiny_tokenizer__vicuna"  # lm-eval HF model naming; no chat template
 
 
 def test_a_missing_budget_or_a_context_that_fills_the_row_is_refused_before_sampling(checkpoints):
@@ -502,6 +506,156 @@ def test_sampler_settings_reach_the_sampler(checkpoints):
         0.5,
     )
     assert lm_harness.FlowLM(checkpoint=str(checkpoints["mdm"]), device="cpu").sampler.temperature == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- MLflow
+def _run(store: Path, experiment: str):
+    """The one MLflow run of ``experiment`` in the SQLite store ``store``."""
+    client = MlflowClient(f"sqlite:///{store}")
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return client, run
+
+
+def test_the_command_line_logs_every_metric_the_nfe_and_the_sampler_to_the_runs_experiment(
+    checkpoints, local_tasks, runs_env, tmp_path, monkeypatch
+):
+    """`flowlm-lm-eval` (main, in-process) on a checkpoint of a run: an MLflow run lm_eval/<run>/<time> in the run's
+    experiment holds every numeric metric of lm-eval's results file with its stderr, the NFE spent (mean, max, per
+    request), the sampler's settings and lm-eval's as params, the versions as tags, the results as an artifact."""
+    out = tmp_path / "out"
+    argv = ["flowlm-lm-eval", "--model", "flowlm", "--tasks", "flowlm_qa,flowlm_choice", "--include_path", str(TASKS)]
+    argv += ["--model_args", f"checkpoint={checkpoints['run']},nfe=4,gen_length=8,mc_samples=4,sampler.temperature=0.5"]
+    argv += ["--device", "cpu", "--batch_size", "64", "--output_path", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    lm_harness.main()
+    (written,) = out.rglob("results_*.json")
+    results = json.loads(written.read_text())
+    client, run = _run(tmp_path / "runs" / "mlflow.db", "tiny_task")
+    assert run.info.run_name.startswith("lm_eval/tiny_mdm/") and run.info.status == "FINISHED"
+    metrics, params, tags = run.data.metrics, run.data.params, run.data.tags
+    expected = {
+        f"lm_eval/{task}/{key.replace(',', '/')}": value
+        for task, values in results["results"].items()
+        for key, value in values.items()
+        if isinstance(value, float)
+    }
+    assert {"lm_eval/flowlm_qa/exact_match/none", "lm_eval/flowlm_choice/acc_stderr/none"} <= expected.keys()
+    assert {k: metrics[k] for k in expected} == pytest.approx(expected)
+    assert (metrics["lm_eval/mean_nfe"], metrics["lm_eval/max_nfe"]) == (4.0, 4.0)
+    assert metrics["lm_eval/mean_mc_stderr"] == pytest.approx(results["config"]["flowlm"]["mean_mc_stderr"])
+    assert (params["sampler/name"], params["sampler/temperature"], params["nfe_budget"]) == ("confidence", "0.5", "4")
+    assert (params["gen_length"], params["mc_samples"], params["lm_eval/num_fewshot/flowlm_qa"]) == ("8", "4", "0")
+    assert params["lm_eval/tasks"] == "flowlm_qa,flowlm_choice" and params["checkpoint"] == str(checkpoints["run"])
+    assert tags["lm_eval.version"] == lm_eval.__version__ and tags["lm_eval.task_version.flowlm_qa"] == "1.0"
+    assert tags["flowlm.checkpoint"] == str(checkpoints["run"]) and tags["lm_eval.output_path"] == str(out)
+    folder = Path(client.download_artifacts(run.info.run_id, "lm_eval", str(tmp_path / "artifacts")))
+    assert json.loads((folder / "results.json").read_text())["results"] == results["results"]
+    assert json.loads((folder / "nfe.json").read_text()) == {"per_request": [4] * 4, "histogram": {"4": 4}}
+
+
+def test_an_export_is_tracked_in_a_named_experiment_and_a_failure_ends_its_run(
+    checkpoints, local_tasks, runs_env, tmp_path
+):
+    """An export of the run (flowlm-export) is not its run: the experiment lm_eval (or the one named), the run named
+    after the export; an evaluation that fails (a flow checkpoint asked for likelihoods) ends its run FAILED with the
+    error; tracking_uri=none tracks nothing."""
+    from runners.export import export
+
+    folder = export(checkpoints["run"], tmp_path / "exports" / "tiny")
+    cfg = lm_harness.tracking_config(str(folder))
+    assert (cfg.task, cfg.name, cfg.logger.experiment_name) == ("lm_eval", f"lm_eval/{folder}", "lm_eval")
+    assert lm_harness.tracking_config(str(checkpoints["run"]), experiment="mine").task == "mine"
+    assert lm_harness.tracking_config(str(folder), tracking_uri="none") is None
+    with pytest.raises(NotImplementedError, match="'flow' checkpoint"):
+        lm_harness.evaluate(
+            model="flowlm", model_args=f"checkpoint={checkpoints['flow']},nfe=4", tasks=["flowlm_choice"],
+            task_manager=local_tasks, device="cpu", experiment="mine",
+        )  # fmt: skip
+    _, run = _run(tmp_path / "runs" / "mlflow.db", "mine")
+    assert run.info.status == "FAILED" and "no likelihood" in run.data.tags["flowlm.error"]
+    assert run.info.run_name.startswith(f"lm_eval/{checkpoints['flow']}/")  # no task recorded: named by its path
+
+
+# ---------------------------------------------------------------------------------------------- chat templates
+CHAT = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+    "{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+    "{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory) -> Path:
+    """The tiny tokenizer with a chat template (a BOS first, markers <|user|> … <|end|>, no system role)."""
+    folder = tmp_path_factory.mktemp("chat_tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((ROOT / TOKENIZER / name).read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT}))
+    return folder
+
+
+def _prompts(lm) -> list[str]:
+    """Spy on ``lm``'s sampler: the text of each context row it is given (BOS kept), appended per call."""
+    seen = []
+    sampler = lm.sampler
+
+    def spy(model, **kw):
+        for tokens, pinned in zip(kw["prompt"].tolist(), kw["prompt_mask"].tolist(), strict=True):
+            free = pinned.index(False)
+            seen.append((tokens[:free], lm.tokenizer.decode(tokens[:free])))
+        return sampler(model, **kw)
+
+    lm.sampler = spy
+    lm.sampler.check_budget = sampler.check_budget
+    return seen
+
+
+def test_apply_chat_template_puts_the_tokenizers_markers_into_the_prompt(checkpoints, local_tasks, chat_tokenizer):
+    """--apply_chat_template with a tokenizer that has a template: the sampler's context row is [BOS] then the
+    template's rendering (its own BOS left out), open for the answer; lm-eval's system message, which this template
+    refuses, left out; the summary names the layout."""
+    lm = lm_harness.FlowLM(
+        checkpoint=str(checkpoints["mdm"]), tokenizer=str(chat_tokenizer), nfe=4, gen_length=8, device="cpu"
+    )
+    seen = _prompts(lm)
+    with pytest.warns(UserWarning, match="rendered without the system message"):
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=["flowlm_qa"], task_manager=local_tasks, apply_chat_template=True, limit=1,
+            system_instruction="Be brief.", bootstrap_iters=0,
+        )  # fmt: skip
+    ((ids, text),) = seen
+    assert results["config"]["flowlm"]["chat_template"] == "tokenizer"
+    assert ids[0] == lm.bos_id and ids[1] != lm.bos_id  # one BOS: the row's
+    assert text == "<|endoftext|><|user|>Question: How many legs do 4 dogs have?\nAnswer:<|end|><|assistant|>"
+    assert lm.tokenizer_name == str(chat_tokenizer).replace("/", "__")
+    assert lm.chat_template(True) == CHAT and lm.chat_template(False) is None
+
+
+def test_without_a_template_the_chat_layout_is_vicunas(checkpoints, local_tasks):
+    """The tiny tokenizer has no chat template: Vicuna's layout, lm-eval's system message as its system prompt."""
+    lm = lm_harness.FlowLM(checkpoint=str(checkpoints["mdm"]), nfe=4, gen_length=8, device="cpu")
+    seen = _prompts(lm)
+    lm_eval.simple_evaluate(
+        model=lm, tasks=["flowlm_qa"], task_manager=local_tasks, apply_chat_template=True, limit=1,
+        system_instruction="Be brief.", bootstrap_iters=0,
+    )  # fmt: skip
+    ((_, text),) = seen
+    assert text == "<|endoftext|>Be brief. USER: Question: How many legs do 4 dogs have?\nAnswer: ASSISTANT:"
+    assert lm.tokenizer_name.endswith("__vicuna") and lm.summary()["chat_template"] == "vicuna"
+    with pytest.raises(ValueError, match="template=tokenizer, but the tokenizer has no chat template"):
+        lm_harness.FlowLM(checkpoint=str(checkpoints["mdm"]), template="tokenizer", device="cpu")
+
+
+def test_a_prefilled_answer_is_continued_in_both_layouts(chat_tokenizer):
+    """add_generation_prompt=False (lm-eval's prefilled assistant turn): the last message left open, no EOS."""
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "The answer is"}]
+    tok = load_tokenizer(chat_tokenizer)
+    render = chat_renderer(tok, "auto", None, drop_bos=True)
+    assert render(messages, add_generation_prompt=False) == "<|user|>q<|end|><|assistant|>The answer is"
+    vicuna = chat_renderer(tok, "vicuna", "S", drop_bos=True)
+    assert vicuna(messages, add_generation_prompt=False) == "S USER: q ASSISTANT: The answer is"
+    assert vicuna(messages) == "S USER: q ASSISTANT: The answer is<|endoftext|>"
 
 
 @pytest.mark.slow
