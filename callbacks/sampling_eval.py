@@ -63,6 +63,11 @@ class SamplingEvaluation(Callback):
     evaluated: the training runner validates once more after fit when the last validation did not sample, and a
     ``validate`` / evaluation run always samples. A 6×6 Sudoku MDM at the sweep's validation every 50 steps spent
     ≈ 45 % of its wall time sampling (2 batches × 4 sampler-budgets, measured from its MLflow timestamps).
+
+    ``row_generators``: each row draws from its own generator, seeded seed · 2³² + (its index in the validation set),
+    so a row's sample does not depend on the batch size, the rows beside it or the number of ranks (the MDM samplers,
+    ``row_generators = True`` on the class); off (the default), batch i of rank r draws from one generator seeded
+    seed · 1 000 003 + i · 1009 + r, the stream of every committed result.
     """
 
     def __init__(
@@ -78,6 +83,7 @@ class SamplingEvaluation(Callback):
         compile_tails: bool = False,
         skip_unfit_budgets: bool = False,
         every_n_steps: int | None = None,
+        row_generators: bool = False,
     ) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be ≥ 1 (or null: every validation), got {every_n_steps}")
@@ -94,6 +100,11 @@ class SamplingEvaluation(Callback):
             if not isinstance(sampler, Sampler):
                 raise TypeError(f"eval sampler {name!r} is a {type(sampler).__name__}, not a Sampler")
             confidence_kind(sampler)  # a declared kind, checked before any compute
+            if row_generators and not getattr(sampler, "row_generators", False):
+                raise ValueError(
+                    f"eval.row_generators=true: sampler {name!r} ({type(sampler).__name__}) draws from one generator "
+                    "per batch; per-row generators are taken by the MDM samplers only: set eval.row_generators=false"
+                )
             for budget in nfe:
                 self._check_budget(name, sampler, int(budget))
         self.samplers = dict(samplers)
@@ -101,6 +112,8 @@ class SamplingEvaluation(Callback):
         self.metric_factory = metric
         self.max_batches = max_batches
         self.seed = seed
+        self.row_generators = row_generators
+        self._rows_seen = 0  # this rank's validation rows sampled so far in the current validation
         self.num_logged_samples = num_logged_samples
         self.compile_tails = compile_tails  # torch.compile the passes over the logits (flowlm/ops/compiled.py)
         if calibration_tokens < 0:
@@ -156,6 +169,7 @@ class SamplingEvaluation(Callback):
         self._sampling = self.samples_now(trainer)
         if not self._sampling:  # the validation loss only: results and states stay those of the last sampling
             return
+        self._rows_seen = 0
         self._states = {
             (name, budget): {
                 "metric": self.metric_factory(datamodule=self._datamodule).to(pl_module.device),
@@ -182,9 +196,9 @@ class SamplingEvaluation(Callback):
     def _sample_batch(self, trainer, pl_module, batch, batch_idx: int) -> None:
         model = pl_module.denoiser()
         tokens, prompt_mask = batch["tokens"], batch["prompt_mask"]
+        first, self._rows_seen = self._rows_seen, self._rows_seen + tokens.shape[0]
         for (name, budget), state in self._states.items():
-            gen = torch.Generator(device=tokens.device)
-            gen.manual_seed(self.seed * 1_000_003 + batch_idx * 1009 + trainer.global_rank)
+            gen = self.generators(tokens, batch_idx, first, trainer)
             start = _now(tokens.device)
             with trainer.precision_plugin.forward_context(), compiled_tails(self.compile_tails):
                 out = self.samplers[name](model, prompt=tokens, prompt_mask=prompt_mask, nfe=budget, generator=gen)
@@ -202,6 +216,21 @@ class SamplingEvaluation(Callback):
             if trainer.is_global_zero and not calibration.full and hasattr(state["metric"], "token_correct"):
                 correct, scored = state["metric"].token_correct(out.tokens, tokens)
                 calibration.add(out.confidence, correct, scored)
+
+    def generators(
+        self, tokens: torch.Tensor, batch_idx: int, first: int, trainer
+    ) -> torch.Generator | list[torch.Generator]:
+        """A batch's random source: one generator (seed, batch index, rank), or with ``row_generators`` one per row,
+        seeded from (seed, the row's validation-set index); ``first``: the rank's rows before this batch. Validation is
+        not shuffled and Lightning's sampler deals rows to ranks in turn: local row j of rank r is row j·world + r."""
+        rank = trainer.global_rank
+        if not self.row_generators:
+            return torch.Generator(device=tokens.device).manual_seed(self.seed * 1_000_003 + batch_idx * 1009 + rank)
+        world = trainer.world_size
+        return [
+            torch.Generator(device=tokens.device).manual_seed(self.seed * 2**32 + (first + j) * world + rank)
+            for j in range(tokens.shape[0])
+        ]
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:  # noqa: D102
         if not self._sampling or not self._states or trainer.sanity_checking:

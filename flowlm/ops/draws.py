@@ -1,11 +1,60 @@
 """Categorical draws in float64: the inverse CDF in two levels (one uniform per row, no (n, |V|) copy) and Gumbel-max
-(the suite's earlier random stream). The samplers' contract is flowlm/samplers/base.py, their option checks
+(the suite's earlier random stream); and the random source of an MDM sampler call, one generator for the batch or one
+per row (``Generators``). The samplers' contract is flowlm/samplers/base.py, their option checks
 flowlm/samplers/common.py."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
+
+Generators = torch.Generator | Sequence[torch.Generator] | None
+"""An MDM sampler's random source: one generator for the whole batch (None: torch's default one), or a list or tuple
+of one generator per row. Per row, every step of a sampler's loop draws from each row's own generator a block of fixed
+size, one uniform per position for each draw the step makes (``draw_uniforms``: a coin, a categorical u, |V| Gumbel
+uniforms), whether or not the row uses them (drawn and discarded): the count never depends on the other rows, so a row
+decodes alike alone (generator s) and inside any batch (generators [..., s, ...]). A batch may run steps past a
+finished row; those draws come after its last token and change nothing."""
+
+
+def per_row(generator: Generators) -> bool:
+    """Whether ``generator`` holds one generator per row (a list or tuple)."""
+    return isinstance(generator, list | tuple)
+
+
+def check_generators(generator: Generators, batch: int, device: torch.device) -> None:
+    """A clear error, before any compute, unless ``generator`` is None, one ``torch.Generator``, or exactly ``batch``
+    of them (one per row), each on ``device``'s type (torch.rand draws on the generator's device only)."""
+    gens = list(generator) if per_row(generator) else [] if generator is None else [generator]
+    if any(not isinstance(g, torch.Generator) for g in gens):
+        kinds = sorted({type(g).__name__ for g in gens})
+        raise TypeError(f"generator must be a torch.Generator, None or a list of one per row, got {kinds}")
+    if per_row(generator) and len(gens) != batch:
+        raise ValueError(f"per-row generators: got {len(gens)} for a batch of {batch} rows (one per row)")
+    wrong = sorted({g.device.type for g in gens} - {torch.device(device).type})
+    if wrong:
+        raise ValueError(f"generator on {wrong} for tensors on {torch.device(device).type}: create it on that device")
+
+
+def draw_uniforms(generator: Generators, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """U(0, 1) in float64 of ``shape`` = (B, …). One generator: torch.rand's stream over the whole tensor. One per row:
+    row b's block (shape[1:]) from generator b, whatever the other rows draw."""
+    if not per_row(generator):
+        return torch.rand(shape, generator=generator, device=device, dtype=torch.float64)
+    rows = [torch.rand(shape[1:], generator=g, device=device, dtype=torch.float64) for g in generator]
+    return torch.stack(rows) if rows else torch.empty(shape, device=device, dtype=torch.float64)
+
+
+def row_uniforms(
+    generator: Generators, shape: tuple[int, ...], device: torch.device, temperature: float
+) -> Tensor | None:
+    """The uniforms a draw at ``temperature`` takes from per-row generators (``draw_uniforms``; one per position of
+    ``shape``, drawn whether or not the position is drawn at, so a row's stream never depends on the other rows); None
+    at T = 0 (argmax) and for one generator, whose draws the kernels make themselves (``draw_rows``, ``pick_tokens``:
+    the stream the suite always had)."""
+    return draw_uniforms(generator, shape, device) if per_row(generator) and temperature > 0 else None
 
 
 def sample_categorical(log_probs: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
@@ -24,7 +73,12 @@ CDF_TILE_BYTES = 1 << 20  # float64 working tile of the first level (rows × col
 
 
 def draw_rows(
-    logits: Tensor, temperature: float, generator: torch.Generator | None, *, rows: Tensor | None = None
+    logits: Tensor,
+    temperature: float,
+    generator: Generators,
+    *,
+    rows: Tensor | None = None,
+    uniforms: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """A draw from softmax(logits[r] / T) for each row r of ``rows`` (all rows of the (N, |V|) ``logits`` when None),
     T > 0, by a two-level inverse CDF in float64, and log softmax(logits[r]) at the drawn token (untempered, float64:
@@ -38,6 +92,9 @@ def draw_rows(
     with the same u picks, up to float64 rounding. A chunk or token of mass 0 is never picked (clamped to the last of
     positive mass). log p(v) = l_v/T − m − log Σ M at T = 1 (the same normaliser); at T ≠ 1 an untempered Σ exp is
     accumulated in the same pass.
+
+    ``uniforms``: the u of every row of ``logits`` (N elements, e.g. (B, L) per position), read at ``rows``, in place
+    of the n drawn from ``generator`` (per-row generators: ``row_uniforms``; they draw nothing here).
     """
     n_all, vocab = logits.shape
     device = logits.device
@@ -74,7 +131,12 @@ def draw_rows(
     top = tops.amax(-1, keepdim=True)
     mass.mul_((tops - top).exp_())  # M_c
     cdf = mass.cumsum(-1)
-    u = torch.rand((n, 1), generator=generator, device=device, dtype=torch.float64)
+    if uniforms is None:
+        if per_row(generator):
+            raise TypeError("draw_rows: per-row generators draw through ``uniforms`` (row_uniforms), not here")
+        u = torch.rand((n, 1), generator=generator, device=device, dtype=torch.float64)
+    else:
+        u = (uniforms.reshape(-1) if rows is None else uniforms.reshape(-1)[rows])[:, None]
     target = u * cdf[:, -1:]
     c = torch.minimum(torch.searchsorted(cdf, target, right=True), cdf.argmax(-1, keepdim=True))
     below = torch.where(c > 0, cdf.gather(1, (c - 1).clamp_min(0)), 0.0)
@@ -102,11 +164,12 @@ def finite(top: Tensor) -> Tensor:
     return torch.where(top == -torch.inf, 0.0, top)
 
 
-def gumbel_argmax(log_probs: Tensor, generator: torch.Generator | None, *, uniforms: Tensor | None = None) -> Tensor:
+def gumbel_argmax(log_probs: Tensor, generator: Generators, *, uniforms: Tensor | None = None) -> Tensor:
     """A categorical draw by Gumbel-max in float64 (float32 Gumbel noise biases low-probability tokens).
 
     ``uniforms``: the float64 U(0, 1) draws to use (log_probs' shape), when the caller drew them itself, e.g. in full
-    to keep its random stream while it needs the draw at a few positions only."""
+    to keep its random stream while it needs the draw at a few positions only, or from per-row generators
+    (``row_uniforms``)."""
     if uniforms is None:  # drawn here, so transformed in place
         gumbel = torch.rand(log_probs.shape, generator=generator, device=log_probs.device, dtype=torch.float64)
         gumbel = gumbel.clamp_min_(1e-300)
@@ -118,7 +181,7 @@ def gumbel_argmax(log_probs: Tensor, generator: torch.Generator | None, *, unifo
 
 
 def pick_tokens(
-    log_probs: Tensor, temperature: float, generator: torch.Generator | None, *, uniforms: Tensor | None = None
+    log_probs: Tensor, temperature: float, generator: Generators, *, uniforms: Tensor | None = None
 ) -> Tensor:
     """argmax at temperature 0, else a float64 Gumbel draw from softmax(log_probs / temperature) (``uniforms``: see
     ``gumbel_argmax``)."""

@@ -28,6 +28,7 @@ import math
 import torch
 from torch import Tensor
 
+from flowlm.ops.draws import Generators, check_generators
 from flowlm.samplers.base import MaskedDenoiser
 from flowlm.samplers.common import check_draws, check_score, check_temperature, masked_start
 from flowlm.samplers.planned import PlannedSampler
@@ -88,7 +89,11 @@ def guided_denoiser(model: MaskedDenoiser, prompt_mask: Tensor, cfg_scale: float
 
 class GuidedSampler(PlannedSampler):
     """An MDM sampler with unsupervised CFG at ``cfg_scale`` w, as the confidence, semi-AR and ancestral samplers
-    are: their options, a budget of ⌊nfe / cost⌋ steps, and the guided model with the all-[MASK] start."""
+    are: their options, a budget of ⌊nfe / cost⌋ steps, and the guided model with the all-[MASK] start. The sampler
+    draws for the B rows it decodes (the unconditional branch draws nothing), so per-row generators apply as without
+    guidance."""
+
+    row_generators = True  # ``generator`` may be one per row (flowlm.ops.draws.Generators)
 
     def __init__(self, *, temperature: float, draws: str, cfg_scale: float, score: str | None = None) -> None:
         self.temperature = check_temperature(temperature)
@@ -107,10 +112,11 @@ class GuidedSampler(PlannedSampler):
         return guided_steps(type(self).__name__, nfe, self.cfg_scale)
 
     def start(
-        self, model: MaskedDenoiser, prompt: Tensor, prompt_mask: Tensor
+        self, model: MaskedDenoiser, prompt: Tensor, prompt_mask: Tensor, generator: Generators = None
     ) -> tuple[MaskedDenoiser, Tensor, Tensor, int]:
         """The model the steps call (``guided_denoiser``), the all-[MASK] start and its confidence (``masked_start``),
-        and the network evaluations a step costs."""
+        and the network evaluations a step costs; ``generator`` checked (one, or one per row: ``Generators``)."""
+        check_generators(generator, prompt.shape[0], prompt.device)
         model = guided_denoiser(model, prompt_mask, self.cfg_scale)
         x, confidence = masked_start(prompt, prompt_mask, model.mask_id)
         return model, x, confidence, evaluations_per_step(self.cfg_scale)

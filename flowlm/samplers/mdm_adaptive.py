@@ -21,6 +21,10 @@ row's first call in a block (and every ``refresh`` calls) is a full pass for it,
 what follows (prefix) or its block alone (dual) over the keys kept from that pass; the budget's last call, which
 commits beyond the block, is a full pass. Rows enter blocks at different calls; each keeps its own schedule. The
 calls, and so the NFE, are the same as without the cache; approximate unless ``refresh=1``.
+
+Per-row generators (``flowlm.ops.draws.Generators``): at T > 0 each call draws from each row's generator its |V|
+Gumbel uniforms per position, read where the row commits; a row's calls, rule and blocks are its own, so it decodes
+alike (tokens and ``row_nfe``) alone and inside any batch.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from abc import abstractmethod
 import torch
 from torch import Tensor
 
-from flowlm.ops.draws import pick_tokens
+from flowlm.ops.draws import check_generators, pick_tokens, row_uniforms
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
 from flowlm.samplers.block_cache import BlockCachedReader, check_cache
 from flowlm.samplers.common import check_temperature, masked_start
@@ -67,6 +71,7 @@ class AdaptiveMDMSampler(PlannedSampler):
 
     family = "mdm"
     confidence_kind = "a-priori"  # p_θ(token) when it is committed, before the masked rest is drawn
+    row_generators = True  # ``generator`` may be one per row (flowlm.ops.draws.Generators)
 
     def __init__(
         self,
@@ -93,6 +98,7 @@ class AdaptiveMDMSampler(PlannedSampler):
 
     def sample(self, model: MaskedDenoiser, prompt: Tensor, prompt_mask: Tensor, nfe: int, generator) -> SampleOutput:
         """Decode with at most ``nfe`` network evaluations (fewer where the rule commits faster)."""
+        check_generators(generator, prompt.shape[0], prompt.device)
         x, confidence = masked_start(prompt, prompt_mask, model.mask_id)
         b, length = x.shape
         n_free = (~prompt_mask).sum(-1).clamp_min(1)
@@ -121,7 +127,8 @@ class AdaptiveMDMSampler(PlannedSampler):
             calls += 1
             row_nfe += left
             log_p = torch.log_softmax(logits.double(), -1)
-            candidate = pick_tokens(log_p, self.temperature, generator)
+            per_row = row_uniforms(generator, log_p.shape, x.device, self.temperature)
+            candidate = pick_tokens(log_p, self.temperature, generator, uniforms=per_row)
             if calls == nfe:  # the budget's last call commits the rest, as the fixed-step sampler's last step does
                 eligible = masked
             else:

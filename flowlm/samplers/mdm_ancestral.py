@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flowlm.ops.draws import draw_rows
+from flowlm.ops.draws import draw_rows, draw_uniforms, row_uniforms
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
 from flowlm.samplers.guidance import GuidedSampler
 
@@ -19,7 +19,8 @@ class AncestralSampler(GuidedSampler):
     Each step reads one number back from the device, how many tokens unmask: it decides whether the next step
     spends an NFE (the cache, and the early exit once nothing is masked). The float64 draw is made at the unmasking
     positions only, by the two-level inverse CDF of ``draw_rows``, which also gives the drawn token's log-probability
-    from the same normaliser.
+    from the same normaliser. Per-row generators (``flowlm.ops.draws.Generators``): each step draws from each row's
+    generator its L coins, then (T > 0) L categorical uniforms, one per position, read where the row unmasks.
 
     ``cfg_scale`` w > 0: SMDM's unsupervised CFG (``flowlm.samplers.guidance``); each step spends 2 network
     evaluations, so the grid has ⌊nfe / 2⌋ steps (a cached step spends none).
@@ -36,7 +37,7 @@ class AncestralSampler(GuidedSampler):
 
     def sample(self, model: MaskedDenoiser, prompt: Tensor, prompt_mask: Tensor, steps: int, generator) -> SampleOutput:
         """The grid of ``steps`` steps (at most ``nfe`` network evaluations; a cached step spends none)."""
-        model, x, confidence, cost = self.start(model, prompt, prompt_mask)
+        model, x, confidence, cost = self.start(model, prompt, prompt_mask, generator)
         batch = x.shape[0]
         masked = x == model.mask_id
         remaining = int(masked.sum())  # tracked on the host from here: drawn tokens are data ids, never [MASK]
@@ -50,7 +51,8 @@ class AncestralSampler(GuidedSampler):
                 calls += cost
             # Only the positions that unmask need the categorical draw: the unmask coins, then the draw on those rows.
             p_unmask = (t - s) / t  # (α_s − α_t)/(1 − α_t) with α = 1 − t
-            u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float64)
+            u = draw_uniforms(generator, x.shape, x.device)  # the unmask coins
+            categorical = row_uniforms(generator, x.shape, x.device, self.temperature)  # per row: every step
             unmask = masked & (u < p_unmask)
             rows = unmask.nonzero(as_tuple=True)  # the step's one host read (how many positions unmask)
             n_unmask = rows[0].numel()
@@ -62,7 +64,7 @@ class AncestralSampler(GuidedSampler):
                 else:  # read in column tiles from the logits themselves: no (n, |V|) gather, cast or second pass
                     flat = rows[0] * x.shape[1] + rows[1]  # the rows of logits viewed as (B·L, |V|)
                     by_row = logits.reshape(-1, logits.shape[-1])
-                    draw, log_p = draw_rows(by_row, self.temperature, generator, rows=flat)
+                    draw, log_p = draw_rows(by_row, self.temperature, generator, rows=flat, uniforms=categorical)
                     p_draw = log_p.exp().float()
                 x = x.index_put(rows, draw.to(x.dtype))
                 confidence = confidence.index_put(rows, p_draw)

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from flowlm.ops.compiled import compilable, tails_enabled
-from flowlm.ops.draws import draw_rows, pick_tokens
+from flowlm.ops.draws import draw_rows, pick_tokens, row_uniforms
 from flowlm.ops.summary import chunked_max_log_prob
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
 from flowlm.samplers.guidance import GuidedSampler
@@ -26,7 +26,9 @@ class ConfidenceSampler(GuidedSampler):
     the host, ``slots``); with "max_prob" the ranking does not depend on the draw, so the float64 draw is made at the
     committing positions only: at most ⌈#masked / steps_left⌉ rows per sequence, by the
     two-level inverse CDF of ``draw_rows``, so the step reads nothing back. "sampled" ranks by the draw itself and
-    draws at every masked position (the full path).
+    draws at every masked position (the full path). Per-row generators (``flowlm.ops.draws.Generators``): each step
+    draws from each row's generator one categorical u per position (the full path: |V| Gumbel uniforms per position),
+    read where the row draws.
 
     ``cfg_scale`` w > 0: SMDM's unsupervised CFG (``flowlm.samplers.guidance``) on the logits every step reads, so the
     ranking, the draw and the reported confidence are the guided distribution's; each step spends 2 network
@@ -43,7 +45,7 @@ class ConfidenceSampler(GuidedSampler):
 
     def sample(self, model: MaskedDenoiser, prompt: Tensor, prompt_mask: Tensor, steps: int, generator) -> SampleOutput:
         """``steps`` commit steps, fewer once nothing is masked (at most ``nfe`` network evaluations)."""
-        model, x, confidence, cost = self.start(model, prompt, prompt_mask)
+        model, x, confidence, cost = self.start(model, prompt, prompt_mask, generator)
         n_free = (~prompt_mask).sum(-1).clamp_min(1)
         positions = torch.arange(x.shape[1], device=x.device)
         calls = 0
@@ -57,7 +59,8 @@ class ConfidenceSampler(GuidedSampler):
             n_commit = torch.div(n_masked + (steps - k) - 1, steps - k, rounding_mode="floor")  # ⌈masked/left⌉
             if full:
                 log_p = torch.log_softmax(logits.double(), -1)
-                candidate = pick_tokens(log_p, self.temperature, generator)
+                per_row = row_uniforms(generator, log_p.shape, x.device, self.temperature)
+                candidate = pick_tokens(log_p, self.temperature, generator, uniforms=per_row)
                 p_candidate = log_p.gather(-1, candidate[..., None]).squeeze(-1)
                 score = log_p.amax(-1) if self.score == "max_prob" else p_candidate  # log-probabilities: same order
                 score = torch.where(masked, score, -torch.inf)
@@ -80,7 +83,9 @@ class ConfidenceSampler(GuidedSampler):
                     k_max = -(-most_masked // (steps - k))  # the most-masked row commits the most (⌈n/m⌉ is monotone)
                     top = order[:, :k_max]  # every committing slot of a row is among its first k_max
                     by_row = logits.reshape(-1, logits.shape[-1])
-                    drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=flat.gather(1, top).view(-1))
+                    per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
+                    at = flat.gather(1, top).view(-1)
+                    drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=at, uniforms=per_row)
                     candidate = candidate.scatter(1, top, drawn.view(top.shape))
                     p_candidate = score.scatter(1, top, log_p.float().view(top.shape))
                 x, confidence = commit_slots(x, confidence, slot, commit, candidate, p_candidate)

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from flowlm.ops.draws import draw_rows
+from flowlm.ops.draws import draw_rows, row_uniforms
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput, Sampler
 from flowlm.samplers.block_cache import BlockCachedReader, check_cache
 from flowlm.samplers.common import block_ids
@@ -31,6 +31,8 @@ class SemiARConfidenceSampler(GuidedSampler):
     argmax and log max p in float32 (``max_log_prob``), the two scores' common value; at T > 0 with "max_prob" the
     same ranking, then the float64 draw at the committing positions only (the ranking does not depend on it); with
     "sampled" the draw at every block position first (``draw_rows``, two-level inverse CDF), ranked by its log p.
+    Per-row generators (``flowlm.ops.draws.Generators``): at T > 0 each step draws from each row's generator one
+    categorical u per position, read where the row draws.
 
     ``cache`` "prefix" | "dual" (block_cache.py, Fast-dLLM's block KV cache): a block's first step (and every
     ``refresh`` steps) is a full pass; its other steps run on the block and what follows it (prefix) or the block
@@ -84,7 +86,7 @@ class SemiARConfidenceSampler(GuidedSampler):
     def sample(self, model: MaskedDenoiser, prompt: Tensor, prompt_mask: Tensor, schedule, generator) -> SampleOutput:
         """blocks × K steps (network evaluations: × 2 with guidance)."""
         n_blocks, steps, most_free = schedule
-        model, x, confidence, cost = self.start(model, prompt, prompt_mask)
+        model, x, confidence, cost = self.start(model, prompt, prompt_mask, generator)
         reader = None if self.cache == "none" else BlockCachedReader(model, self.cache, self.refresh, x.shape[1])
         fn = model.fn if reader is None else reader
         free = ~prompt_mask
@@ -113,8 +115,9 @@ class SemiARConfidenceSampler(GuidedSampler):
                 n_commit = torch.div(eligible.sum(-1) + left - 1, left, rounding_mode="floor")  # ⌈masked / left⌉
                 by_row = logits.reshape(-1, logits.shape[-1])
                 live = eligible.gather(1, slot)
+                per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
                 if draw_all:
-                    drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=flat)
+                    drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=flat, uniforms=per_row)
                     candidate, score = drawn.view(slot.shape), log_p.view(slot.shape)
                 else:  # argmax and log max p (the score at T = 0, where "sampled" and "max_prob" coincide)
                     score, candidate = (t.view(slot.shape) for t in max_log_prob(logits, rows=flat))
@@ -125,7 +128,7 @@ class SemiARConfidenceSampler(GuidedSampler):
                 if self.temperature > 0 and not draw_all:  # "max_prob": the draw at the committing slots only
                     top = order[:, : -(-most // left)]  # every committing slot of a row is among its first ⌈most/left⌉
                     committing = block_rows.gather(1, top).view(-1)
-                    drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=committing)
+                    drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=committing, uniforms=per_row)
                     candidate = candidate.scatter(1, top, drawn.view(top.shape))
                     p_candidate = score.scatter(1, top, log_p.float().view(top.shape))
                 x, confidence = commit_slots(x, confidence, slot, commit, candidate, p_candidate)
