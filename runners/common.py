@@ -12,7 +12,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -69,30 +69,6 @@ def check_budgets(eval_cfg: DictConfig) -> None:
             raise ValueError(
                 f"eval.nfe holds {budget!r}, which is not an NFE budget: each must be an integer ≥ 1 (network "
                 "evaluations per sample)"
-            )
-
-
-def check_data_choice(cfg: DictConfig, overrides: Sequence[str]) -> None:
-    """Refuse a ``data=`` choice of the command line (``overrides``, Hydra's task overrides) that the scale would
-    replace: ``scale.data`` names the data a scale trains on (conf/scale/<task>/cpu.yaml: the shipped fixtures),
-    merged over whatever data config was chosen, so ``data=owt`` trained on the TinyStories fixture and
-    ``data=tinystories_local`` failed as "Key 'train' is not in struct"."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    fixture = OmegaConf.select(cfg, "scale.data", default=None)
-    if not fixture:
-        return
-    for override in OverridesParser.create().parse_overrides(list(overrides)):
-        if override.key_or_group != "data" or override.package is not None or override.is_delete():
-            continue
-        chosen = override.value()
-        if chosen != fixture:
-            keys = " ".join(f"data.{key}=<path>" for key in cfg.data if str(key).endswith("files"))
-            raise ValueError(
-                f"data={chosen} is refused at scale={cfg.scale.name}: this scale trains {cfg.name} on the shipped "
-                f"data {fixture} (conf/data/{fixture}.yaml), which would replace your choice. At this scale, point "
-                f"it at your own files instead ({keys}; data.tokenizer=gpt2 for GPT-2's tokenizer); for "
-                f"data={chosen} as configured, run scale=paper (on a CPU: add trainer=cpu backbone=tiny)."
             )
 
 

@@ -13,7 +13,6 @@ from runners.common import (
     build,
     check_arguments,
     check_budgets,
-    check_data_choice,
     check_run_dir,
     check_run_name,
     exit_on_sigterm,
@@ -165,11 +164,8 @@ def _last_ckpt(run_dir: Path) -> Path | None:
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
 def main(cfg: DictConfig) -> float | list[float] | None:
     """Console entry point; in a sweep, returns the trial's objective(s) to the sweeper."""
-    from hydra.core.hydra_config import HydraConfig
-
     from runners.trial import run_trial
 
-    check_data_choice(cfg, HydraConfig.get().overrides.task)  # what the command line chose, before any compute
     return run_trial(train, cfg)
 
 

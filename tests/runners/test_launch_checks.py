@@ -1,6 +1,7 @@
-"""Launches refused by name before any compute (issue 39): a ``data=`` choice the scale would replace (it trained on
-the scale's fixture instead, with status 0), and an MLflow store on a full disk (reported as "not reachable", after
-run_config.yaml was written)."""
+"""Issue 39: a ``data=`` choice of the user wins at every scale (``scale=cpu`` merged its fixture over it: ``data=owt``
+trained on the TinyStories fixture with status 0, ``data=tinystories_local data.files.train=...`` failed as "Key
+'train' is not in struct"); an MLflow store on a full disk is refused by name before any compute (it was reported as
+"not reachable", after run_config.yaml was written)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ from lightning.pytorch.loggers import MLFlowLogger
 from mlflow.exceptions import MlflowException
 from omegaconf import OmegaConf
 
-from flowlm.project import CONF_DIR
-from runners.common import check_data_choice
 from runners.tracking import ResilientMLFlowLogger, TrackingUnavailable
 from runners.train import train
 from tests.conftest import compose_config
@@ -23,43 +22,53 @@ from tests.process_helpers import subprocess_env
 from tests.runners.test_bad_input_round3 import RUN
 
 BIN = Path(sys.executable).parent
-TEXT = {
-    "tinystories_mdm": "tiny_tinystories",
-    "owt_mdm": "tiny_owt",
-    "gsm8k_mdm": "tiny_gsm8k",
-    "tinygsm_mdm": "tiny_tinygsm",
+# Each text task's data from local files (conf/data/<task>_local.yaml), as its README line spells it.
+LOCAL = {
+    "tinystories": [
+        "data=tinystories_local",
+        "data.files.train=/mine/train.jsonl",
+        "data.files.validation=/mine/v.jsonl",
+    ],
+    "owt": ["data=owt_local", "data.files=/mine/owt.jsonl"],
+    "gsm8k": ["data=gsm8k_local", "data.train_files=/mine/train.jsonl", "data.eval_files=/mine/test.jsonl"],
+    "tinygsm": ["data=tinygsm_local", "data.train_files=/mine/train.jsonl", "data.eval_files=/mine/test.jsonl"],
 }
 
-
-# ------------------------------------------------------------------ data= at a scale that sets the data
-@pytest.mark.parametrize(("experiment", "fixture"), TEXT.items())
-def test_a_data_choice_the_cpu_scale_would_replace_is_refused_by_name(experiment, fixture):
-    for chosen in ("owt", "tinystories_local", "gsm8k"):
-        cfg = compose_config(overrides=[f"experiment={experiment}", "scale=cpu", f"data={chosen}"])
-        assert cfg.scale.data == fixture  # what the scale trains on whatever data= says (was: silently)
-        match = rf"data={chosen} is refused at scale=cpu: this scale trains {experiment} on the shipped data {fixture}"
-        with pytest.raises(ValueError, match=match):
-            check_data_choice(cfg, [f"experiment={experiment}", "scale=cpu", f"data={chosen}"])
-    cfg = compose_config(overrides=[f"experiment={experiment}", "scale=cpu"])
-    check_data_choice(cfg, [f"experiment={experiment}", "scale=cpu", "data.batch_size=8"])  # keys of it: fine
-    check_data_choice(cfg, [f"experiment={experiment}", "scale=cpu", f"data={fixture}"])  # the scale's own: fine
-    paper = compose_config(overrides=[f"experiment={experiment}", "data=owt"])
-    check_data_choice(paper, [f"experiment={experiment}", "data=owt"])  # the paper scale keeps a data choice
+CPU_OWNS = ("batch_size", "num_workers", "num_proc")  # the data keys conf/scale/<task>/cpu.yaml sets
 
 
-@pytest.mark.parametrize("task", ["tinystories", "owt", "gsm8k", "tinygsm"])
-def test_scale_data_names_the_data_config_the_scale_merges(task):
-    scale = OmegaConf.load(Path(CONF_DIR) / "scale" / task / "cpu.yaml")
-    assert f"/data/{scale.scale.data}@data" in scale.defaults
+# ------------------------------------------------------------------ data= at any scale: the user's choice wins
+def _data(overrides: list[str]) -> dict:
+    return OmegaConf.to_container(compose_config(overrides=overrides).data, resolve=True)
 
 
-def test_flowlm_train_refuses_a_replaced_data_choice_before_any_run_is_made(runs_env):
-    cmd = [str(BIN / "flowlm-train"), "experiment=tinystories_mdm", "scale=cpu", "data=owt", "logger=none"]
+@pytest.mark.parametrize("task", LOCAL)
+def test_a_data_choice_of_the_user_wins_at_the_cpu_scale_which_sets_only_its_sizes(task):
+    at_cpu = [f"experiment={task}_mdm", "scale=cpu"]
+    mine = _data([*at_cpu, *LOCAL[task]])  # tinystories_local was "Key 'train' is not in struct"; others the fixture
+    as_configured = _data(LOCAL[task])  # the same choice on the bare config: no experiment, no scale
+    cpu = {key: value for key, value in _data(at_cpu).items() if key in CPU_OWNS}
+    assert mine == {**as_configured, **cpu}
+    assert mine["batch_size"] < as_configured["batch_size"]  # the CPU batch (16 or 4), not the papers' (512, ...)
+    other = "gsm8k" if task in ("tinystories", "owt") else "owt"  # another task's hub data: chosen, so trained on
+    assert _data([*at_cpu, f"data={other}"]) == {**_data([f"data={other}"]), **cpu}
+
+
+@pytest.mark.parametrize("task", LOCAL)
+def test_without_a_data_choice_each_scale_trains_on_its_own_data(task):
+    assert _data([f"experiment={task}_mdm", "scale=cpu"]) == _data([f"data=tiny_{task}"])  # the shipped fixture
+    assert _data([f"experiment={task}_mdm", "scale=paper"]) == _data([f"data={task}"])  # the papers' data
+
+
+def test_cfg_job_shows_the_data_a_cpu_launch_trains_on(runs_env):
+    cmd = [str(BIN / "flowlm-train"), "experiment=tinystories_mdm", "scale=cpu", *LOCAL["tinystories"], "--cfg", "job"]
     done = subprocess.run(cmd, env=subprocess_env(runs_env), cwd=runs_env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]  # was 0, trained on the TinyStories fixture
-    assert "data=owt is refused at scale=cpu" in done.stderr and "data.files=<path>" in done.stderr, done.stderr
-    run_dir = runs_env / "runs" / "tinystories_mdm" / "cpu" / "seed0"  # Hydra's log only: no run was made there
-    assert sorted(p.name for p in run_dir.iterdir()) == [".hydra", "train.log"]
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]  # was 1: "Key 'train' is not in struct"
+    job = OmegaConf.create(done.stdout)
+    assert OmegaConf.to_container(job.data.files) == {"train": "/mine/train.jsonl", "validation": "/mine/v.jsonl"}
+    assert (job.data.name, job.data.tokenizer, job.data.batch_size) == (None, "gpt2", 16)  # yours; the CPU batch
+    assert (job.backbone.d_model, job.trainer.max_steps) == (128, 300)  # sizes the CPU scale owns: tiny DiT, steps
+    assert not (runs_env / "runs").exists()  # shown, nothing made
 
 
 # ------------------------------------------------------------------ a full disk under the MLflow store

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from analysis.tables import reference_numbers
 from flowlm.project import CONF_DIR
+from runners import resolvers  # noqa: F401  (registers the ${flowlm.*} resolvers the configs use)
 
 EXPERIMENTS = sorted(p.stem for p in (Path(CONF_DIR) / "experiment").glob("*.yaml"))
 SCALES = sorted(p.stem for p in (Path(CONF_DIR) / "scale").glob("*.yaml"))
