@@ -46,13 +46,13 @@ def evaluate(cfg: DictConfig) -> dict:
     from runners.objectives import check_objectives
 
     log_lightning_once()
-    resolve_paths(cfg)
     check_run_name(cfg)
+    meta = read_checkpoint_meta(cfg.ckpt_path)
+    inherit_temperature(cfg, meta)  # before the config is resolved: the samplers' temperatures interpolate it
+    resolve_paths(cfg)
     check_budgets(cfg.eval)
     check_tracking(cfg)  # a full disk under the MLflow store: refused before anything is written
-    meta = read_checkpoint_meta(cfg.ckpt_path)
     name_after_checkpoint(cfg, meta)
-    inherit_temperature(cfg, meta)
     cls = import_class(meta["class_path"])
     evaluation: SamplingEvaluation = build(cfg.eval)
     evaluation.check_model(cls)

@@ -127,6 +127,26 @@ def sharded_step_error(rank: int, prepare: Callable[[torch.nn.Module], None] | N
     return max(diffs), n_dtensor
 
 
+def launch_until_flag(cmd: list[str], root: Path, flag: Path, *, never: str) -> subprocess.Popen:
+    """Start ``cmd`` (a console script) in its own session under ``root`` (``subprocess_env``), output piped and
+    merged, and wait until it writes ``flag`` (at most 180 s): the moment a test signals it."""
+    proc = subprocess.Popen(
+        cmd,
+        env=subprocess_env(root),
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        wait_for_flag(proc, flag, timeout_s=180, poll_s=0.1, never=never)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc
+
+
 def wait_for_flag(proc: subprocess.Popen, flag: Path, *, timeout_s: float, poll_s: float, never: str) -> None:
     """Wait until ``proc`` writes ``flag``; fail with its output if it exits first, or with ``never`` after
     ``timeout_s`` seconds."""

@@ -14,7 +14,13 @@ from torch import Tensor
 
 from flowlm.backbones.llama import BidirectionalLM
 from flowlm.pretrained.files import read_json, resolve_source
-from flowlm.pretrained.llama_family import bidirectional_spec, block_shapes, check_expected, load_backbone
+from flowlm.pretrained.llama_family import (
+    bidirectional_spec,
+    block_shapes,
+    check_expected,
+    decoder_config,
+    load_backbone,
+)
 
 # Dream-v0-7B's shapes (third-party configs, docs/pretrained.md), for `expect=` in conf/backbone/dream_7b.yaml.
 DREAM_7B = {
@@ -114,17 +120,4 @@ def source_config(spec: dict) -> dict | None:
     another."""
     if spec["arch"] != "qwen2" or not spec["shift_logits"] or spec["embed_rows"] != spec["head_rows"]:
         return None
-    return {
-        "hidden_size": spec["hidden_size"],
-        "num_hidden_layers": spec["n_layers"],
-        "num_attention_heads": spec["n_heads"],
-        "num_key_value_heads": spec["n_kv_heads"],
-        "intermediate_size": spec["intermediate_size"],
-        "vocab_size": spec["embed_rows"],
-        "max_position_embeddings": spec["max_positions"],
-        "rope_theta": spec["rope_theta"],
-        "rms_norm_eps": spec["rms_norm_eps"],
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "mask_token_id": spec["mask_id"],
-    }
+    return {**decoder_config(spec), "rope_theta": spec["rope_theta"], "mask_token_id": spec["mask_id"]}

@@ -27,6 +27,7 @@ from torch import Tensor
 import flowlm.backbones.dit as dit_module
 from flowlm.pretrained import dream, llada, smdm
 from flowlm.pretrained.files import check_state
+from flowlm.pretrained.llama_family import decoder_config
 
 MARK = "flowlm_export"  # config.json key holding the format version
 VERSION = 1
@@ -104,17 +105,8 @@ SOURCE_LAYOUTS = {
 def decoder_keys(spec: dict) -> dict:
     """transformers' Llama/Qwen2 config keys of a ``BidirectionalLM`` spec: the decoder run bidirectionally."""
     return {
-        "hidden_size": spec["hidden_size"],
-        "num_hidden_layers": spec["n_layers"],
-        "num_attention_heads": spec["n_heads"],
-        "num_key_value_heads": spec["n_kv_heads"],
-        "intermediate_size": spec["intermediate_size"],
-        "vocab_size": spec["embed_rows"],
-        "max_position_embeddings": spec["max_positions"],
-        "rms_norm_eps": spec["rms_norm_eps"],
+        **decoder_config(spec),
         "rope_parameters": {"rope_type": "default", "rope_theta": spec["rope_theta"]},
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
         "is_causal": False,  # create_causal_mask → create_bidirectional_mask
         "use_cache": False,
         "pad_token_id": None,

@@ -63,3 +63,20 @@ def load_backbone(
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     state = load_tensors(files, deferrable=True)  # on the meta device where rank 0 broadcasts them (FSDP2)
     return BidirectionalLM.from_state(backbone_spec(cfg), to_backbone_state(state, cfg), dtype)
+
+
+def decoder_config(spec: dict) -> dict:
+    """The transformers Llama/Qwen2 config keys every layout writes for a ``BidirectionalLM`` spec (each adds its
+    own: the rotary keys' form, the mask id, bidirectionality)."""
+    return {
+        "hidden_size": spec["hidden_size"],
+        "num_hidden_layers": spec["n_layers"],
+        "num_attention_heads": spec["n_heads"],
+        "num_key_value_heads": spec["n_kv_heads"],
+        "intermediate_size": spec["intermediate_size"],
+        "vocab_size": spec["embed_rows"],
+        "max_position_embeddings": spec["max_positions"],
+        "rms_norm_eps": spec["rms_norm_eps"],
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+    }

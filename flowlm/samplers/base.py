@@ -3,7 +3,6 @@ budget check (methods.md §2, §5); the option checks are ``common.py``, the dra
 
 from __future__ import annotations
 
-import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,8 +12,8 @@ from torch import Tensor
 
 from flowlm.ops.summary import dense_summary
 from flowlm.processes.gaussian_flow import EmbeddingSpace, OneHotSpace
-from flowlm.samplers.common import check_temperature, sequence_times  # noqa: F401 (mlfm.py imports check_temperature)
-from flowlm.samplers.interrupt import interruptible
+from flowlm.samplers.common import BUDGET_PER_POSITION, check_budget, sequence_times  # noqa: F401 (tests import it)
+from flowlm.samplers.interrupt import with_interruptible_view
 
 
 @dataclass
@@ -100,7 +99,6 @@ class FlowDenoiser:
 
 
 CONFIDENCE_KINDS = ("a-priori", "a-posteriori")
-BUDGET_PER_POSITION = 16  # the largest NFE budget per position to generate, a loose cap (docs/reliability.md)
 
 
 class Sampler(ABC):
@@ -124,7 +122,7 @@ class Sampler(ABC):
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         if "__call__" in cls.__dict__ and not getattr(cls.__call__, "__isabstractmethod__", False):
-            cls.__call__ = _with_interruptible_view(cls.__call__)
+            cls.__call__ = with_interruptible_view(cls.__call__)
         names = (name for name in dir(cls) if name != "confidence_kind")
         if any(getattr(getattr(cls, name, None), "__isabstractmethod__", False) for name in names):
             return  # an abstract method (``__call__``, a skeleton's hook) still open: a base for other samplers
@@ -145,27 +143,5 @@ class Sampler(ABC):
 
     def check_budget(self, nfe: int, *, free_positions: int | None = None) -> None:
         """Raise a clear error, before any compute, if this sampler cannot honour an NFE budget (for sequences
-        with ``free_positions`` non-prompt tokens, when the sampler's cost depends on it), or, with
-        ``free_positions``, if the budget is above ``BUDGET_PER_POSITION`` NFE per position."""
-        if not isinstance(nfe, int) or nfe < 1:
-            raise ValueError(f"{type(self).__name__}: NFE budget must be an integer ≥ 1, got {nfe!r}")
-        cap = BUDGET_PER_POSITION * max(free_positions or 0, 1)
-        if free_positions is not None and nfe > cap:
-            raise ValueError(
-                f"{type(self).__name__}: NFE budget {nfe} is above the cap of {cap} for {free_positions} positions "
-                f"to generate ({BUDGET_PER_POSITION} NFE per position, docs/reliability.md); lower it (eval.nfe)"
-            )
-
-
-def _with_interruptible_view(call: Callable) -> Callable:
-    """A sampler's ``__call__`` that receives its model view with every function stop-checked."""
-
-    @functools.wraps(call)
-    def sample(self: Sampler, *args, **kwargs) -> SampleOutput:
-        if args:
-            args = (interruptible(args[0]), *args[1:])
-        elif "model" in kwargs:
-            kwargs["model"] = interruptible(kwargs["model"])
-        return call(self, *args, **kwargs)
-
-    return sample
+        with ``free_positions`` non-prompt tokens, when the sampler's cost depends on it): ``common.check_budget``."""
+        check_budget(type(self).__name__, nfe, free_positions)

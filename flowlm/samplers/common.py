@@ -8,6 +8,21 @@ from torch import Tensor
 
 from flowlm.removed import check_removed
 
+BUDGET_PER_POSITION = 16  # the largest NFE budget per position to generate, a loose cap (docs/reliability.md)
+
+
+def check_budget(owner: str, nfe: int, free_positions: int | None = None) -> None:
+    """An NFE budget is an integer ≥ 1 and, for sequences with ``free_positions`` non-prompt tokens, at most
+    ``BUDGET_PER_POSITION`` NFE per position."""
+    if not isinstance(nfe, int) or nfe < 1:
+        raise ValueError(f"{owner}: NFE budget must be an integer ≥ 1, got {nfe!r}")
+    cap = BUDGET_PER_POSITION * max(free_positions or 0, 1)
+    if free_positions is not None and nfe > cap:
+        raise ValueError(
+            f"{owner}: NFE budget {nfe} is above the cap of {cap} for {free_positions} positions to generate "
+            f"({BUDGET_PER_POSITION} NFE per position, docs/reliability.md); lower it (eval.nfe)"
+        )
+
 
 def check_temperature(temperature: float) -> float:
     """A sampling temperature: 0 means argmax, > 0 scales the logits."""

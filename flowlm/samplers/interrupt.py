@@ -59,3 +59,17 @@ def interruptible(view: View) -> View:
     fields = {f.name: getattr(view, f.name) for f in dataclasses.fields(view) if f.init}
     wrapped = {name: checked(value) for name, value in fields.items() if _is_function(value)}
     return dataclasses.replace(view, **wrapped) if wrapped else view
+
+
+def with_interruptible_view(call: Callable) -> Callable:
+    """A sampler's ``__call__`` that receives its model view (the first argument, or ``model=``) ``interruptible``."""
+
+    @functools.wraps(call)
+    def sample(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            args = (interruptible(args[0]), *args[1:])
+        elif "model" in kwargs:
+            kwargs["model"] = interruptible(kwargs["model"])
+        return call(self, *args, **kwargs)
+
+    return sample

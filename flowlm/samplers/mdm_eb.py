@@ -14,17 +14,8 @@ class EBSampler(AdaptiveMDMSampler):
     """Commit the largest prefix of the ranked eligible positions with Σ H − max H ≤ ``gamma`` (γ ≥ 0). ``cache`` /
     ``refresh`` with ``block_length``: the block KV cache (``mdm_adaptive.py``)."""
 
-    def __init__(
-        self,
-        *,
-        gamma: float = 0.1,
-        score: str = "entropy",
-        block_length: int | None = None,
-        temperature: float = 0.0,
-        cache: str = "none",
-        refresh: int | None = None,
-    ) -> None:
-        super().__init__(score=score, block_length=block_length, temperature=temperature, cache=cache, refresh=refresh)
+    def __init__(self, *, gamma: float = 0.1, score: str = "entropy", **options) -> None:
+        super().__init__(score=score, **options)  # block_length, temperature, cache, refresh: AdaptiveMDMSampler
         if gamma < 0:
             raise ValueError(f"gamma must be ≥ 0, got {gamma}")
         self.gamma = float(gamma)

@@ -19,17 +19,9 @@ class ThresholdSampler(AdaptiveMDMSampler):
     ``cache`` / ``refresh`` with ``block_length``: the block KV cache (``mdm_adaptive.py``)."""
 
     def __init__(
-        self,
-        *,
-        threshold: float = 0.9,
-        factor: float | None = None,
-        score: str = "max_prob",
-        block_length: int | None = None,
-        temperature: float = 0.0,
-        cache: str = "none",
-        refresh: int | None = None,
+        self, *, threshold: float = 0.9, factor: float | None = None, score: str = "max_prob", **options
     ) -> None:
-        super().__init__(score=score, block_length=block_length, temperature=temperature, cache=cache, refresh=refresh)
+        super().__init__(score=score, **options)  # block_length, temperature, cache, refresh: AdaptiveMDMSampler
         if factor is not None and factor <= 0:
             raise ValueError(f"factor must be > 0 (or null: the threshold rule), got {factor}")
         self.threshold, self.factor = float(threshold), factor

@@ -42,7 +42,8 @@ from torch import Tensor
 from flowlm.ops.draws import pick_tokens
 from flowlm.processes.bridge import BridgeProcess
 from flowlm.removed import check_removed
-from flowlm.samplers.base import SampleOutput, Sampler, check_temperature
+from flowlm.samplers.base import SampleOutput, Sampler
+from flowlm.samplers.common import check_temperature
 
 GUIDANCE_SCOPES = ("prompt", "context")
 OTP_MODES = ("trajectory", "rounds")

@@ -24,7 +24,7 @@ from runners.common import SIGTERM_STATUS, check_run_name
 from runners.evaluate import evaluate
 from runners.train import train
 from tests.conftest import FAST, compose_config, module_runs
-from tests.process_helpers import subprocess_env, wait_for_flag
+from tests.process_helpers import launch_until_flag, subprocess_env
 from tests.samplers.test_sampler_contract import FREE, SAMPLER_YAMLS, Counted, _run, _sampler
 
 BIN = Path(sys.executable).parent
@@ -79,17 +79,8 @@ def test_sigterm_ends_a_training_with_status_143_and_keeps_its_checkpoint(runs_e
         "+callbacks.pause.step=3",
         f"+callbacks.pause.flag={flag}",
     ]
-    proc = subprocess.Popen(
-        cmd,
-        env=subprocess_env(runs_env),
-        cwd=runs_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = launch_until_flag(cmd, runs_env, flag, never="the run never reached step 3")
     try:
-        wait_for_flag(proc, flag, timeout_s=180, poll_s=0.1, never="the run never reached step 3")
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=120)[0]
     finally:

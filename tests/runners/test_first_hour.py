@@ -141,18 +141,17 @@ def _mlflow_runs(root: Path) -> list:
     return client.search_runs([e.experiment_id for e in client.search_experiments()])
 
 
-@pytest.mark.slow
-def test_flowlm_train_names_its_folder_and_mlflow_run_and_prints_no_library_notices(tmp_path):
-    proc = subprocess.run(
-        [str(BIN / "flowlm-train"), *RUN],
-        cwd=tmp_path,
-        env=subprocess_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def _run_ok(cmd: list[str], root: Path) -> tuple[subprocess.CompletedProcess, str]:
+    """Run a console script under ``root`` (``subprocess_env``), asserting it succeeded; it and its whole output."""
+    proc = subprocess.run(cmd, cwd=root, env=subprocess_env(root), capture_output=True, text=True, timeout=600)
     out = f"{proc.stdout}\n{proc.stderr}"
     assert proc.returncode == 0, out[-4000:]
+    return proc, out
+
+
+@pytest.mark.slow
+def test_flowlm_train_names_its_folder_and_mlflow_run_and_prints_no_library_notices(tmp_path):
+    proc, out = _run_ok([str(BIN / "flowlm-train"), *RUN], tmp_path)
     (run,) = _mlflow_runs(tmp_path)
     runs = (tmp_path / "runs").resolve()
     folder = f"run folder: {runs / 'sudoku_mdm_uncond' / 'cpu' / 'seed0'}"
@@ -245,7 +244,7 @@ def test_an_optuna_sweep_ends_with_its_summary_and_without_optuna_notices(step2_
     import optuna
 
     objective = "eval/confidence/nfe2/valid_pct"
-    proc = subprocess.run(
+    proc, out = _run_ok(
         [
             str(BIN / "flowlm-eval"),
             "-m",
@@ -259,14 +258,8 @@ def test_an_optuna_sweep_ends_with_its_summary_and_without_optuna_notices(step2_
             "eval.max_batches=int(interval(1, 2))",
             "trainer.enable_progress_bar=false",
         ],
-        cwd=tmp_path,
-        env=subprocess_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=600,
+        tmp_path,
     )
-    out = f"{proc.stdout}\n{proc.stderr}"
-    assert proc.returncode == 0, out[-4000:]
     for noise in NOISE:
         assert noise not in out, f"{noise!r} in the output:\n{out[-4000:]}"
     study = optuna.load_study(study_name="first_hour", storage=f"sqlite:///{tmp_path / 'runs' / 'optuna.db'}")

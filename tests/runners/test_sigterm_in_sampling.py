@@ -19,7 +19,7 @@ from flowlm.samplers.interrupt import interruptible, stop_check
 from runners.common import SIGTERM_STATUS
 from runners.train import train
 from tests.conftest import compose_config, module_runs
-from tests.process_helpers import subprocess_env, wait_for_flag
+from tests.process_helpers import launch_until_flag
 from tests.runners.test_bad_input_round3 import CELLS, RUN
 
 BIN = Path(sys.executable).parent
@@ -70,17 +70,8 @@ def test_sigterm_stops_an_evaluation_inside_a_long_sampling_loop_with_status_143
         f"+{sampler}.flag={flag}",
         f"+{sampler}.seconds={SECONDS_PER_CALL}",
     ]
-    proc = subprocess.Popen(
-        cmd,
-        env=subprocess_env(runs_env),
-        cwd=runs_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = launch_until_flag(cmd, runs_env, flag, never="the evaluation never started sampling")
     try:
-        wait_for_flag(proc, flag, timeout_s=180, poll_s=0.1, never="the evaluation never started sampling")
         time.sleep(1.0)  # a few network calls into the loop
         signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
