@@ -102,6 +102,11 @@ def _ways_to_provide(source: str, reason: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ answers
+# generate.* keys that are FlowLM's model arguments of the same name
+PASSED_TO_FLOWLM = ("sampler", "nfe", "max_length", "tokenizer", "template", "system", "dtype", "trust_pickle")
+PASSED_TO_FLOWLM += ("batch_size", "device")
+
+
 def flowlm_model(cfg: DictConfig):
     """The checkpoint as runners/lm_harness.py's ``FlowLM`` with the ``generate`` settings (checked before the
     weights are read); ``gen_length`` null: half the row."""
@@ -115,22 +120,8 @@ def flowlm_model(cfg: DictConfig):
         gen_length = max(1, int(row) // 2) if isinstance(row, int) else None
     settings = OmegaConf.to_container(gen.sampler_options, resolve=True) if gen.sampler_options else {}
     options = {f"sampler.{k}": v for k, v in settings.items()}
-    return FlowLM(
-        checkpoint=cfg.ckpt_path,
-        sampler=gen.sampler,
-        nfe=gen.nfe,
-        gen_length=gen_length,
-        max_length=gen.max_length,
-        seed=cfg.seed,
-        tokenizer=gen.tokenizer,
-        template=gen.template,
-        system=gen.system,
-        dtype=gen.dtype,
-        trust_pickle=gen.trust_pickle,
-        batch_size=gen.batch_size,
-        device=gen.device,
-        **options,
-    )
+    passed = {key: gen[key] for key in PASSED_TO_FLOWLM}
+    return FlowLM(checkpoint=cfg.ckpt_path, gen_length=gen_length, seed=cfg.seed, **passed, **options)
 
 
 def generate_answers(cfg: DictConfig, questions: Sequence[Question], model_id: str) -> list[dict]:
