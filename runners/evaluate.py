@@ -180,8 +180,20 @@ def write_results_csv(cfg: DictConfig, meta: dict, module, evaluation: SamplingE
     machine = {"precision": str((run.get("trainer") or {}).get("precision", "")), "device": device}
     rows = ResultsCSV.rows(run, method_label(module), evaluation, _RecordedConvergence(cfg.ckpt_path), machine)
     path = folder / f"{run['name']}_seed{run.get('seed', 0)}_eval.csv"
-    write_rows(path, rows)
+    write_rows(path, [*earlier_rows(path, rows), *rows])
     return path
+
+
+def earlier_rows(path: Path, rows: list[dict]) -> list[dict]:
+    """The rows already in ``path`` that ``rows`` do not replace (same sampler name, settings and budget): the trials
+    of a sampling-only sweep (``hparams_search=eb_grid``) each add theirs to the checkpoint's one file, where each trial
+    had overwritten the file; evaluating a setting again replaces its rows."""
+    if not path.is_file():
+        return []
+    key = lambda row: (str(row["sampler"]), str(row["sampler_settings"]), str(row["nfe_budget"]))  # noqa: E731
+    new = {key(row) for row in rows}
+    with path.open(newline="") as f:
+        return [row for row in csv.DictReader(f) if key(row) not in new]
 
 
 def checkpoint_step(path: str) -> int:

@@ -246,6 +246,20 @@ def test_flowlm_eval_writes_its_rows_beside_the_runs_own(step2_ckpt, runs_env, t
     assert rows[0]["steps"] == "2" and rows[0]["precision"] in {"32-true", "bf16-mixed"}
 
 
+def test_flowlm_eval_adds_a_settings_rows_to_the_checkpoints_file_and_replaces_its_own(step2_ckpt, runs_env, tmp_path):
+    """The trials of a sampling-only sweep write to one checkpoint's file: each keeps the others' rows (a γ grid had
+    left only its last trial's), and evaluating a setting again replaces its rows instead of doubling them."""
+    import csv
+
+    folder = tmp_path / "results"
+    for score in ("max_prob", "sampled", "sampled"):
+        _eval(step2_ckpt, f"results_csv={folder}", "logger=none", f"eval.samplers.confidence.score={score}")
+    (path,) = folder.rglob("*_eval.csv")
+    with path.open() as f:
+        rows = [(r["sampler"], '"score": "sampled"' in r["sampler_settings"]) for r in csv.DictReader(f)]
+    assert sorted(rows) == [("ancestral", False), ("confidence", False), ("confidence", True)]
+
+
 @pytest.mark.parametrize(
     ("given", "recorded", "expected"),
     [(None, 1.0, 1.0), (None, None, 0.0), (0.5, 1.0, 0.5), (0.0, 1.0, 0.0)],
