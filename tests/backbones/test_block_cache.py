@@ -150,18 +150,22 @@ def test_a_refresh_at_every_step_decodes_as_no_cache(cache, score):
     torch.testing.assert_close(outs[cache].confidence, outs["none"].confidence, atol=1e-5, rtol=1e-5)
 
 
+def counting_windows(model):
+    """``model`` (a MaskedDenoiser) whose windowed reads are recorded as (start, width), and the list they go to."""
+    calls = []
+
+    def windowed(length):
+        read = model.windowed(length)
+        return lambda x, t, start, fresh: calls.append((start, x.shape[1])) or read(x, t, start, fresh)
+
+    return type(model)(fn=model.fn, mask_id=model.mask_id, windowed=windowed), calls
+
+
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_the_approximate_cache_spends_the_same_nfe_and_fills_every_position(cache):
     model = random_mdm(seed=3).denoiser()
     tokens, mask = prompts()
-    calls = []
-    windowed = model.windowed
-
-    def counting(length):
-        read = windowed(length)
-        return lambda x, t, start, fresh: calls.append((start, x.shape[1])) or read(x, t, start, fresh)
-
-    counted = type(model)(fn=model.fn, mask_id=model.mask_id, windowed=counting)
+    counted, calls = counting_windows(model)
     sampler = SemiARConfidenceSampler(block_length=4, cache=cache, temperature=1.0)
     with torch.no_grad():
         out = sampler(counted, prompt=tokens, prompt_mask=mask, nfe=12, generator=torch.Generator().manual_seed(0))
@@ -208,14 +212,7 @@ def test_the_adaptive_decoders_refresh_where_a_row_enters_a_block_and_at_the_bud
     block's window, and call 10, the budget's last, which commits beyond the block, is a full pass."""
     model = random_mdm().denoiser()
     tokens, mask = (t[:1] for t in prompts())
-    calls = []
-    read = model.windowed
-
-    def counting(length):
-        inner = read(length)
-        return lambda x, t, start, fresh: calls.append((start, x.shape[1])) or inner(x, t, start, fresh)
-
-    counted = type(model)(fn=model.fn, mask_id=model.mask_id, windowed=counting)
+    counted, calls = counting_windows(model)
     with torch.no_grad():
         out = ThresholdSampler(threshold=1.01, block_length=4, cache=cache)(
             counted, prompt=tokens, prompt_mask=mask, nfe=10
