@@ -222,3 +222,22 @@ def gsm8k_datamodule(tmp_path: Path, **options):
         **options,
     }
     return GSM8KDataModule(**args)
+
+
+def validating_trainer(**extra):
+    """A stand-in for a Lightning trainer in a validation pass on one process (rank 0, not sanity checking), enough
+    for SamplingEvaluation's hooks; ``extra`` attributes beside (global_step, loggers, …)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    return SimpleNamespace(
+        precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext),
+        global_rank=0,
+        world_size=1,
+        is_global_zero=True,
+        sanity_checking=False,
+        state=SimpleNamespace(fn=TrainerFn.VALIDATING),
+        **extra,
+    )

@@ -1,19 +1,17 @@
 """The costs of an adaptive decode, as the evaluation logs and the results CSV keeps them: the NFE each row spent
 (mean and spread), tokens per forward, the NFE histogram; on hand examples and through the callback itself."""
 
-import contextlib
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import Metric
 
 from callbacks.results_csv import COLUMNS, ResultsCSV
 from callbacks.sampling_eval import COST_KEYS, SamplingEvaluation, nfe_histogram, nfe_spread, row_costs
 from flowlm.samplers.base import SampleOutput, Sampler
+from tests.conftest import validating_trainer
 
 
 def test_tpf_is_generated_positions_over_the_nfe_each_row_spent():
@@ -92,15 +90,7 @@ class Module(torch.nn.Module):
 def test_an_adaptive_decode_logs_its_mean_nfe_spread_and_tpf_into_the_results_rows():
     """Two batches of 2 rows, 8 positions, 2 of them prompt: rows spent 2, 3 | 3, 6 calls of a 16-call cap."""
     evaluation = SamplingEvaluation(samplers={"eb": Scripted([[2, 3], [3, 6]])}, nfe=[16], metric=Matched)
-    trainer = SimpleNamespace(
-        precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext),
-        global_rank=0,
-        global_step=7,
-        sanity_checking=False,
-        is_global_zero=True,
-        loggers=[],
-        state=SimpleNamespace(fn=TrainerFn.VALIDATING),
-    )
+    trainer = validating_trainer(global_step=7, loggers=[])
     module = Module()
     evaluation._datamodule = None
     evaluation.on_validation_epoch_start(trainer, module)

@@ -6,12 +6,10 @@ back from the device; the evaluation callback's ``row_generators`` seeds each ro
 
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
 
 import pytest
 import torch
-from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import MeanMetric
 
 from callbacks.sampling_eval import SamplingEvaluation
@@ -26,6 +24,7 @@ from flowlm.samplers import (
 )
 from tests.backbones.test_block_cache import L, V, batch_prompts, random_mdm
 from tests.backbones.test_block_cache_llama import smdm_module
+from tests.conftest import validating_trainer
 from tests.host_syncs import HostSyncs
 
 SEEDS = [11 + 7 * i for i in range(8)]
@@ -221,14 +220,7 @@ class Filled(MeanMetric):
 def validation_samples(row_generators: bool, sizes: list[int]) -> torch.Tensor:
     """The callback's logged samples of one validation pass over the 8 ragged prompts, in batches of ``sizes``."""
     evaluation = evaluation_of(ConfidenceSampler(temperature=1.0), row_generators)
-    trainer = SimpleNamespace(
-        precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext),
-        global_rank=0,
-        world_size=1,
-        is_global_zero=True,
-        sanity_checking=False,
-        state=SimpleNamespace(fn=TrainerFn.VALIDATING),
-    )
+    trainer = validating_trainer()
     model = random_mdm()
     evaluation._datamodule = None
     evaluation.on_validation_epoch_start(trainer, model)
