@@ -19,11 +19,18 @@ each over the bare step and over the limit.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/sweep_step.py                   # sudoku_mdm_easy, the sweep's batch
     .venv/bin/python benchmarks/sweep_step.py --experiment sudoku_fmlm_plus_scratch_uncond --reps 2
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/sweep_step.py --compile  # + the loops with compiled DiT blocks
+
+With ``--compile`` two more loops run in the same interleaving: the bare step on a copy of the module whose DiT blocks
+are compiled (``lightning_modules.sharding.compile_blocks``, what ``compile: true`` does), and the sweep with
+``compile=true``. Their compilation falls in the untimed warm-up; the first validation's (eval-mode graphs) is
+printed apart, as a once-per-model cost, with the eager sweep's first validation beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import tempfile
 import time
 
@@ -84,22 +91,27 @@ class StepClock:
         self.callback = Hook()
 
 
-def run_sweep(args, warmup: int) -> float:
-    """Seconds per step of the sweep's own training over ``args.window`` steps after ``warmup`` (a multiple of the
-    validation interval, so the window holds the sweep's share of validations and checkpoints)."""
+def run_sweep(args, warmup: int, overrides: tuple[str, ...] = ()) -> tuple[float, float]:
+    """Seconds per step of the sweep's own training over ``args.window`` steps after ``warmup`` (the window holds
+    the sweep's share of validations and checkpoints: ``args.window`` is a multiple of the validation interval), and
+    the seconds of the first validation beyond the later ones' median (a once-per-model cost: with compiled blocks,
+    the eval-mode compilation)."""
     import callbacks.progress as progress
     from runners.train import train
 
     clock = StepClock()
     with tempfile.TemporaryDirectory() as root:
-        cfg = sweep_config(args.experiment, args.seed, root, warmup + args.window + 1, args.override)
+        cfg = sweep_config(args.experiment, args.seed, root, warmup + args.window + 1, [*args.override, *overrides])
         progress.progress_callbacks, restore = _with_clock(progress.progress_callbacks, clock)
         try:
             train(cfg)
         finally:
             progress.progress_callbacks = restore
     stamps = clock.steps
-    return (stamps[warmup + args.window - 1] - stamps[warmup - 1]) / args.window
+    # a validation runs after its step's training batch: from that batch's end to its own end
+    val_seconds = [end - max(t for t in stamps if t <= end) for end in clock.validations if end > stamps[0]]
+    first_extra = val_seconds[0] - median(val_seconds[1:]) if len(val_seconds) > 1 else float("nan")
+    return (stamps[warmup + args.window - 1] - stamps[warmup - 1]) / args.window, first_extra
 
 
 def _with_clock(progress_callbacks, clock: StepClock):
@@ -177,6 +189,9 @@ def main() -> None:
     ap.add_argument("--bare-steps", type=int, default=30, help="timed steps of the bare and Lightning loops")
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each loop")
     ap.add_argument("--window", type=int, default=100, help="timed steps of the sweep loop (a multiple of 50)")
+    ap.add_argument(
+        "--compile", action="store_true", help="also the bare step and the sweep with each DiT block compiled"
+    )
     ap.add_argument("override", nargs="*", help="more Hydra overrides of the sweep's config")
     args = ap.parse_args()
     if args.window % VAL_EVERY or args.window <= 0:
@@ -189,14 +204,39 @@ def main() -> None:
     def loss(batch: dict, i: int):
         return module.loss(batch, module.draw(batch, i, stage="train")).loss
 
-    seconds: dict[str, list[float]] = {"bare": [], "lightning": [], "sweep": []}
+    loops = ("bare", "lightning", "sweep", "bare_compiled", "sweep_compiled")
+    seconds: dict[str, list[float]] = {name: [] for name in loops}
+    first_validation: dict[str, list[float]] = {"sweep": [], "sweep_compiled": []}
+    compilation: list[float] = []  # the compiled bare loop's first pass: its wall time beyond its steady steps
     steps = args.warmup + args.bare_steps
     kw = {"steps": steps, "warmup": args.warmup, "precision": precision, "device": device}
+    compiled = None
+    if args.compile:
+        from lightning_modules.sharding import compile_blocks
+
+        compiled = copy.deepcopy(module)
+        if not compile_blocks(compiled):
+            ap.error("--compile: torch.compile is unavailable here (see the warning)")
+
+        def compiled_loss(batch: dict, i: int):
+            return compiled.loss(batch, compiled.draw(batch, i, stage="train")).loss
+
+    def sweep(name: str, overrides: tuple[str, ...] = ()) -> None:
+        step, first = run_sweep(args, args.warmup, overrides)
+        seconds[name].append(step)
+        first_validation[name].append(first)
+
     for _ in range(args.reps):
         seconds["bare"].append(run_bare(module, loss, batches, **kw)[0])
         seconds["lightning"].append(run_lightning(module, batches, **kw)[0])
-        seconds["sweep"].append(run_sweep(args, args.warmup))
+        sweep("sweep")
         seconds["bare"].append(run_bare(module, loss, batches, **kw)[0])
+        if compiled is not None:
+            start = time.perf_counter()
+            seconds["bare_compiled"].append(run_bare(compiled, compiled_loss, batches, **kw)[0])
+            if not compilation:
+                compilation.append(time.perf_counter() - start - steps * seconds["bare_compiled"][-1])
+            sweep("sweep_compiled", ("compile=true",))
     sampling = sampling_seconds(args)
 
     def one_step() -> None:
@@ -221,14 +261,25 @@ def main() -> None:
         ("bare", "bare step (draw + loss + backward + clip + AdamW)"),
         ("lightning", "Lightning, no validation / logging / callbacks"),
         ("sweep", "the sweep's training (validation and checkpoint every 50, EMA, MLflow, data)"),
+        ("bare_compiled", "bare step, DiT blocks compiled"),
+        ("sweep_compiled", "the sweep's training, compile=true"),
     ):
-        s = median(seconds[name])
-        print(f"| {label} | {s:.4f} | {s / bare:.2f} | {s / limit:.2f} |")
-    sweep = median(seconds["sweep"])
+        if seconds[name]:
+            s = median(seconds[name])
+            print(f"| {label} | {s:.4f} | {s / bare:.2f} | {s / limit:.2f} |")
+    per_step = median(seconds["sweep"])
     print(
         f"sampling at the final weights (one validation with the sweep's samplers and budgets): {sampling:.1f} s, "
-        f"the time of {sampling / sweep:.0f} sweep steps"
+        f"the time of {sampling / per_step:.0f} sweep steps"
     )
+    if compilation:
+        print(
+            f"compiling the training step (the compiled loop's first pass beyond its steady steps): "
+            f"{compilation[0]:.1f} s"
+        )
+    for name, label in (("sweep", "eager"), ("sweep_compiled", "compile=true")):
+        if first_validation[name]:
+            print(f"first validation beyond the later ones' median ({label}): {median(first_validation[name]):.1f} s")
 
 
 if __name__ == "__main__":

@@ -196,8 +196,22 @@ class ResilientMLFlowLogger(MLFlowLogger):
 
     @property
     def experiment(self):  # noqa: D102 - the MLflow client, guarded when resilient
-        client = super().experiment
+        client = self._client()
         return _GuardedClient(client, self) if self.resilient else client
+
+    def _client(self):
+        """Lightning's MLflow client (made on the first call), unguarded. That first call runs
+        mlflow.set_tracking_uri, which also exports the URI as $MLFLOW_TRACKING_URI; conf/logger/mlflow.yaml reads
+        that variable first, so a later run in this process (the next job of a Hydra multirun, a second train()
+        call) would track into this run's store. The environment is kept as it was."""
+        before = os.environ.get("MLFLOW_TRACKING_URI")
+        try:
+            return MLFlowLogger.experiment.fget(self)
+        finally:
+            if before is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = before
 
     def check_reachable(self, timeout_s: float = 5.0) -> None:
         """Contact the store once with few retries; raise TrackingUnavailable with the URI if it cannot be reached."""
@@ -207,13 +221,13 @@ class ResilientMLFlowLogger(MLFlowLogger):
         try:
             self._forget_missing_run()
             try:
-                MLFlowLogger.experiment.fget(self)  # creates/looks up the experiment and the run, unguarded
+                self._client()  # creates/looks up the experiment and the run
             except MlflowException as err:
                 # Workers starting together on a new experiment all miss it and all create it: one wins, the
                 # others' create fails with RESOURCE_ALREADY_EXISTS and their second look-up finds it.
                 if err.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
-                MLFlowLogger.experiment.fget(self)
+                self._client()
             self._store_identity = self._store_file_identity()
         except Exception as err:  # noqa: BLE001 - any failure here means "cannot track"
             if disk_full(err):  # reached, but it cannot write

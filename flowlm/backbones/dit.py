@@ -145,11 +145,9 @@ def attention(
 ) -> Tensor:
     """softmax(q·kᵀ/√d) v, or with ``softcap`` > 0 softmax(cap · tanh(q·kᵀ/(√d · cap))) v (``capped_attention``).
 
-    Without a cap: PyTorch SDPA. On CPU with autograd on it is pinned to the math kernel, whose backward beat the CPU
-    flash kernel by ≈ 1.7× on `tiny` Sudoku batches with bf16 autocast (256×36 tokens: 0.32 vs 0.56 s a training step);
-    without autograd (sampling, evaluation) SDPA's own choice, the CPU flash kernel, is faster: a `tiny` no-grad
-    forward 1.08× (128×36 tokens) and 1.17× (16×128) in bf16 (benchmarks/sampler_overhead.py prints it). On GPU
-    SDPA picks the flash / memory-efficient kernels itself."""
+    Without a cap: PyTorch SDPA. On CPU with autograd on it is pinned to the math kernel (its backward is the faster
+    one there), without autograd SDPA's own choice, the CPU flash kernel (docs/performance.md#design, the figures).
+    On GPU SDPA picks the flash / memory-efficient kernels itself."""
     if softcap > 0:
         return capped_attention(q, k, v, cap=softcap, dropout_p=dropout_p, is_causal=is_causal, attn_mask=attn_mask)
     if q.device.type == "cpu" and torch.is_grad_enabled():
@@ -558,7 +556,7 @@ def _per_token(time: Tensor, batch: int, length: int) -> Tensor:
     """(B, L) per-token times, or (B, 1) when one time serves the whole sequence.
 
     Keeping a per-sequence time at length 1 lets the time MLP and every adaLN Linear run once per sequence
-    and broadcast over tokens (measured: ≈ 40 % of a `tiny` training step when expanded to every token).
+    and broadcast over tokens (docs/performance.md#design: what expanding it to every token costs).
     """
     if time.dim() == 0:
         return time.expand(batch, 1)

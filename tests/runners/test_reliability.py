@@ -3,6 +3,7 @@ from another working directory."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import torch
 from callbacks.finite_loss import NonFiniteLossError
 from lightning_modules.mdm import MDMModule
 from runners.common import RunExistsError
-from runners.tracking import TrackingUnavailable
+from runners.tracking import ResilientMLFlowLogger, TrackingUnavailable
 from runners.train import train
 from tests.conftest import FAST, compose_config
 
@@ -248,3 +249,20 @@ def test_a_dangling_last_checkpoint_link_is_refused(runs_env):
     last.symlink_to("last.ckpt.step0000002")  # its folder is gone
     with pytest.raises(RunExistsError, match="which is gone"):
         train(compose_config(overrides=[*RUN, "logger=none"]))
+
+
+@pytest.mark.parametrize("user_uri", [None, "sqlite:////elsewhere/mlflow.db"])
+def test_a_run_leaves_the_process_tracking_uri_as_it_was(tmp_path, monkeypatch, user_uri):
+    """Lightning's first MLflow call exports its store as $MLFLOW_TRACKING_URI (mlflow.set_tracking_uri), which
+    conf/logger/mlflow.yaml reads first: the next job of a multirun in the same process tracked into this run's
+    store (a deleted temporary one: "attempt to write a readonly database")."""
+    if user_uri is None:
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    else:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", user_uri)
+    for name in ("first", "second"):
+        logger = ResilientMLFlowLogger(experiment_name="x", tracking_uri=f"sqlite:///{tmp_path / name}.db")
+        logger.check_reachable()  # what every run does first
+        assert os.environ.get("MLFLOW_TRACKING_URI") == user_uri
+        assert logger.experiment.get_experiment_by_name("x") is not None
+        assert os.environ.get("MLFLOW_TRACKING_URI") == user_uri
