@@ -89,6 +89,7 @@ def test_a_tiny_tables_sweep_trains_in_order_and_writes_the_csvs(tmp_path, monke
         [
             "hparams_search=sudoku_tables_quick",
             "experiment=sudoku_mdm_easy,sudoku_fmlm_plus_init_easy",
+            "compile=false",  # compiling costs ≈ 20 s a model; this tests the order and the CSVs
             *FAST_KEEP_NFE,
         ],
         tmp_path,
