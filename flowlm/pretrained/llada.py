@@ -15,6 +15,7 @@ from torch import Tensor
 
 from flowlm.backbones.llama import BidirectionalLM
 from flowlm.pretrained.files import read_json, resolve_source
+from flowlm.pretrained.hf_remote.configuration_llada import BLOCK_NAMES as LLADA_LAYOUT
 from flowlm.pretrained.llama_family import bidirectional_spec, block_shapes, check_expected, load_backbone
 
 # config.json fields whose value this mapping assumes; any other value is refused (a different architecture).
@@ -33,18 +34,9 @@ REQUIRED = {
 # LLaDA-8B's shapes (config.json of the released snapshot), for `expect=` in conf/backbone/llada_8b.yaml.
 LLADA_8B = {"d_model": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 32, "mlp_hidden_size": 12288}
 
-# block name (after model.transformer.blocks.{i}.) → BidirectionalLM name (after model.layers.{i}.)
-BLOCK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "q_proj.weight": "self_attn.q_proj.weight",
-    "k_proj.weight": "self_attn.k_proj.weight",
-    "v_proj.weight": "self_attn.v_proj.weight",
-    "attn_out.weight": "self_attn.o_proj.weight",
-    "ff_norm.weight": "post_attention_layernorm.weight",
-    "ff_proj.weight": "mlp.gate_proj.weight",  # silu(ff_proj(h)) ⊙ up_proj(h)
-    "up_proj.weight": "mlp.up_proj.weight",
-    "ff_out.weight": "mlp.down_proj.weight",  # the block's ff_out; the head's is model.transformer.ff_out
-}
+# block tensor (after model.transformer.blocks.{i}.) → BidirectionalLM tensor (after model.layers.{i}.): LLaDA's
+# layout as the shipped export states it (hf_remote/configuration_llada.py), so loader, writer and export agree
+BLOCK_NAMES = {f"{name}.weight": f"{target}.weight" for name, target in LLADA_LAYOUT.items()}
 TOP_NAMES = {
     "model.transformer.wte.weight": "model.embed_tokens.weight",
     "model.transformer.ln_f.weight": "model.norm.weight",

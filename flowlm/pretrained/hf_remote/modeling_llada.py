@@ -12,20 +12,8 @@ from transformers import LlamaForCausalLM
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import WeightRenaming
 
-from .configuration_llada import LLaDAConfig
+from .configuration_llada import BLOCK_NAMES, LLaDAConfig
 
-# LLaDA name (after model.transformer.blocks.{i}.) → transformers' Llama name (after model.layers.{i}.)
-BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "q_proj": "self_attn.q_proj",
-    "k_proj": "self_attn.k_proj",
-    "v_proj": "self_attn.v_proj",
-    "attn_out": "self_attn.o_proj",
-    "ff_norm": "post_attention_layernorm",
-    "ff_proj": "mlp.gate_proj",  # silu(ff_proj(h)) ⊙ up_proj(h)
-    "up_proj": "mlp.up_proj",
-    "ff_out": "mlp.down_proj",  # a block's ff_out; the head's is model.transformer.ff_out
-}
 RENAMES = [
     WeightRenaming(r"^model\.transformer\.wte\.", "model.embed_tokens."),
     WeightRenaming(r"^model\.transformer\.ln_f\.", "model.norm."),
