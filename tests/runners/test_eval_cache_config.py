@@ -5,17 +5,21 @@ generators (so the caches are compared on the same rows and draws)."""
 
 from __future__ import annotations
 
+import re
+
 from conftest import compose_config
 
 import runners  # noqa: F401  (registers the ${flowlm.*} resolvers the configs use)
 from runners.common import build
 
 CACHES = [("none", None), ("prefix", None), ("dual", None), ("dual", 2)]
+CACHE_SUFFIX = re.compile(r"_(none|prefix|dual|dual_r2)$")
 
 
 def built(*overrides: str):
-    cfg = compose_config("eval", ["ckpt_path=unused.ckpt", "eval=sudoku_mdm_cache", "a_priori_temperature=0.0", *overrides])
-    return build(cfg.eval)
+    """What `flowlm-eval eval=sudoku_mdm_cache` builds (at temperature 0: no checkpoint to inherit it from)."""
+    base = ["ckpt_path=unused.ckpt", "eval=sudoku_mdm_cache", "a_priori_temperature=0.0"]
+    return build(compose_config("eval", [*base, *overrides]).eval)
 
 
 def test_each_decoder_runs_with_every_cache_and_nothing_else_differs():
@@ -23,7 +27,7 @@ def test_each_decoder_runs_with_every_cache_and_nothing_else_differs():
     assert evaluation.row_generators
     groups: dict[str, list] = {}
     for name, sampler in evaluation.samplers.items():
-        groups.setdefault(name.split("_none")[0].split("_prefix")[0].split("_dual")[0], []).append(sampler)
+        groups.setdefault(CACHE_SUFFIX.sub("", name), []).append(sampler)
     assert sorted(groups) == ["eb", "semi_ar", "semi_ar_long", "threshold"]
     for decoder, samplers in groups.items():
         assert [(s.cache, s.refresh) for s in samplers] == CACHES, decoder
