@@ -197,6 +197,7 @@ class Convergence(Callback):
                 "window": self.window,
                 "rel_tol": self.rel_tol,
                 "progress_tol": self.progress_tol,
+                "min_evals": self.min_evals,
             },
             **{k: v for k, v in asdict(self.verdict).items() if k != "converged"},
         }

@@ -59,6 +59,27 @@ def test_the_window_is_the_last_fifth_of_the_steps_and_compares_bests():
     assert not check_convergence(history, window=0.5).converged
 
 
+def test_the_tables_sweep_does_not_stop_on_an_early_plateau():
+    """The easy MDM of seed 1 (the campaign, 2026-12-05; val loss every 50 steps): three validations in, its plateau
+    at ≈ 1.6 met the rule (gain 0.75 %) and the sweep stopped it at step 150, 0 % solved; a rerun left it at step 200.
+    The tables sweep's floor of 20 validations lets it through; a real plateau later still stops it."""
+    from hydra import compose, initialize_config_dir
+
+    from flowlm.project import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=["hparams_search=sudoku_tables", "experiment=sudoku_mdm_easy", "scale=cpu"])
+    floor = cfg.callbacks.convergence.min_evals
+    early = [(49, 1.982), (99, 1.611), (149, 1.599)]
+    assert check_convergence(early).converged  # the rule without the floor stops it
+    assert not check_convergence(early, min_evals=floor).converged
+    later = [(50 * i, 2.0 / i) for i in range(1, 16)] + [(50 * i, 0.1329) for i in range(16, 21)]
+    assert check_convergence(later, min_evals=floor).converged
+    rerun = [(49, 1.981), (99, 1.647), (149, 1.609), (199, 1.601)]
+    assert not check_convergence(rerun, min_evals=floor).converged
+    assert floor * cfg.trainer.val_check_interval <= cfg.trainer.max_steps
+
+
 def test_too_few_evaluations_never_converge_and_bad_settings_fail():
     assert not check_convergence([]).converged
     assert not check_convergence([(100, 1.0), (200, 1.0)]).converged  # min_evals 3
