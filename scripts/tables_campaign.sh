@@ -9,6 +9,8 @@
 #   scripts/tables_campaign.sh collect    # copy finished CSVs into results/sudoku/, regenerate the report
 #   scripts/tables_campaign.sh update     # the campaign's clone takes this checkout's new commits (next model on)
 #   scripts/tables_campaign.sh stop       # end the background campaign (a relaunch resumes the model it was on)
+#   scripts/tables_campaign.sh redo EXP SEED   # train EXP at SEED again when its turn comes (resumed from its last
+#                                         # checkpoint here: a protocol change, e.g. a later stop), though committed
 #
 # Its folders live outside the work tree (which may be laid anew): $FLOWLM_CAMPAIGN, default ../flowlm_campaign
 # beside the checkout: code/ (the clone it trains from, so editing the checkout never changes a running campaign),
@@ -47,6 +49,8 @@ committed_csv() {  # the committed results CSV of experiment $1, seed $2, if the
 
 is_done() { [[ -e "$CAMPAIGN/done/$1_seed$2" ]]; }
 
+is_redo() { [[ -e "$CAMPAIGN/redo/$1_seed$2" ]]; }  # committed rows to be replaced (`redo`)
+
 needed_later() {  # whether an unfinished model after position $3 of the plan is built from $1 at seed $2
     local i=0 item exp seed
     for item in $PLAN; do
@@ -54,7 +58,7 @@ needed_later() {  # whether an unfinished model after position $3 of the plan is
         ((i > $3)) || continue
         exp="${item%%:*}" seed="${item##*:}"
         if [[ "$seed" == "$2" && "$(source_of "$exp")" == "$1" ]] && ! is_done "$exp" "$seed" \
-            && [[ -z "$(committed_csv "$exp" "$seed")" ]]; then
+            && { [[ -z "$(committed_csv "$exp" "$seed")" ]] || is_redo "$exp" "$seed"; }; then
             return 0
         fi
     done
@@ -71,6 +75,7 @@ train_one() {  # train (or resume) one model from the campaign's clone; the mark
         nice -n 10 "$PYTHON" -m runners.train -m hparams_search=sudoku_tables "experiment=$exp" "seed=$seed" \
         "hydra.sweep.dir=$CAMPAIGN/multirun/${exp}_seed$seed") >>"$CAMPAIGN/logs/${exp}_seed$seed.log" 2>&1; then
         touch "$CAMPAIGN/done/${exp}_seed$seed"
+        rm -f "$CAMPAIGN/redo/${exp}_seed$seed"
         echo "$(date -u +%FT%TZ) done $exp seed $seed"
     else
         echo "$(date -u +%FT%TZ) FAILED $exp seed $seed: see $CAMPAIGN/logs/${exp}_seed$seed.log"
@@ -84,7 +89,7 @@ run_plan() {
         i=$((i + 1))
         exp="${item%%:*}" seed="${item##*:}"
         if is_done "$exp" "$seed"; then continue; fi
-        if [[ -n "$(committed_csv "$exp" "$seed")" ]] && ! needed_later "$exp" "$seed" "$i"; then
+        if [[ -n "$(committed_csv "$exp" "$seed")" ]] && ! is_redo "$exp" "$seed" && ! needed_later "$exp" "$seed" "$i"; then
             echo "$(date -u +%FT%TZ) skip $exp seed $seed: its rows are committed"
             continue
         fi
@@ -112,6 +117,12 @@ run) run_plan ;;
 update)
     git -C "$CAMPAIGN/code" pull -q --ff-only "$ROOT" HEAD
     echo "the campaign's clone is at $(git -C "$CAMPAIGN/code" rev-parse --short HEAD): the next model trains from it"
+    ;;
+redo)
+    [[ $# -eq 3 && -f "$ROOT/conf/experiment/$2.yaml" && "$3" =~ ^[0-9]+$ ]] \
+        || { echo "usage: $0 redo EXPERIMENT SEED (an experiment of conf/experiment/)" >&2; exit 2; }
+    mkdir -p "$CAMPAIGN/redo" && touch "$CAMPAIGN/redo/$2_seed$3" && rm -f "$CAMPAIGN/done/$2_seed$3"
+    echo "$2 seed $3 trains again when its turn in the plan comes (from its last checkpoint where there is one)"
     ;;
 stop)
     pid="$(running_pid)"
@@ -145,7 +156,7 @@ collect)
     (cd "$ROOT" && "$ROOT/.venv/bin/flowlm-report" --config-name report_sudoku)
     ;;
 *)
-    echo "usage: $0 start|status|collect|update|stop" >&2
+    echo "usage: $0 start|status|collect|update|redo|stop" >&2
     exit 2
     ;;
 esac
