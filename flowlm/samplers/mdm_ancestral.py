@@ -16,6 +16,8 @@ class AncestralSampler(GuidedSampler):
     Under α_t = 1 − t that probability is (t − s)/t; the last step goes to s = 0, where it is 1, so every token
     is decoded within the budget and no extra "noise removal" call is spent. A step in which no token changed
     leaves the input unchanged, so a time-agnostic network's output is reused at no NFE (``ddpm_cache``).
+    ``row_nfe``: the calls each row needs, while it holds [MASK], its first and one after each step that changed it
+    (every step without the cache), as alone; ``nfe``: the batch's, a call whenever any row changed.
     Each step reads one number back from the device, how many tokens unmask: it decides whether the next step
     spends an NFE (the cache, and the early exit once nothing is masked). The float64 draw is made at the unmasking
     positions only, by the two-level inverse CDF of ``draw_rows``, which also gives the drawn token's log-probability
@@ -44,11 +46,14 @@ class AncestralSampler(GuidedSampler):
         cacheable = self.cache and not model.time_conditioned
         logits: Tensor | None = None
         calls = 0
+        row_nfe = torch.zeros(batch, dtype=torch.long, device=x.device)
+        changed = torch.ones(batch, dtype=torch.bool, device=x.device)  # since the row's last call (none yet)
         for k in range(steps):
             t, s = 1.0 - k / steps, 1.0 - (k + 1) / steps
             if logits is None:
                 logits = model.fn(x, torch.full((batch,), t, device=x.device))
                 calls += cost
+                row_nfe += cost * (masked.any(-1) & (changed | (not cacheable)))
             # Only the positions that unmask need the categorical draw: the unmask coins, then the draw on those rows.
             p_unmask = (t - s) / t  # (α_s − α_t)/(1 − α_t) with α = 1 − t
             u = draw_uniforms(generator, x.shape, x.device)  # the unmask coins
@@ -69,10 +74,11 @@ class AncestralSampler(GuidedSampler):
                 x = x.index_put(rows, draw.to(x.dtype))
                 confidence = confidence.index_put(rows, p_draw)
             masked = masked & ~unmask
+            changed = unmask.any(-1)
             remaining -= n_unmask
             if remaining == 0:  # everything decoded: no further call
                 break
             # Cache: the next call would see the same input; exact only for a time-agnostic network.
             if not (cacheable and n_unmask == 0):
                 logits = None
-        return SampleOutput(tokens=x, confidence=confidence, nfe=calls)
+        return SampleOutput(tokens=x, confidence=confidence, nfe=calls, row_nfe=row_nfe)

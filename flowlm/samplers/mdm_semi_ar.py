@@ -17,14 +17,16 @@ from flowlm.samplers.mdm_confidence import commit_slots, max_log_prob, slots
 
 
 class SemiARConfidenceSampler(GuidedSampler):
-    """Non-prompt positions in blocks of ``block_length``, left to right; each block gets K = budget // blocks steps,
-    and at step k commits the ⌈#masked in block / (K − k)⌉ most confident of its masked positions (LLaDA's
-    ``get_num_transfer_tokens`` split: the remainder goes to the first steps). Later blocks stay [MASK] and are
-    seen by the network. Candidates: argmax at T = 0, else a float64 Gumbel draw from softmax(logits / T);
-    ``score`` "sampled" ranks by p_θ(candidate) (LLaDA's low_confidence remasking), "max_prob" by max_v p_θ(v).
-    NFE = blocks × K. ``cfg_scale`` w > 0: SMDM's unsupervised CFG (``flowlm.samplers.guidance``; LLaDA's ``generate``
-    has the same ``cfg_scale``) on the logits every step reads; a step spends 2 network evaluations, so K =
-    ⌊budget / 2⌋ // blocks and NFE = 2 × blocks × K.
+    """Each row's non-prompt positions in blocks of ``block_length``, left to right: row r has n_r = ⌈free_r /
+    block_length⌉ blocks of K_r = budget // n_r steps, and at step k commits the ⌈#masked in block / (K_r − k)⌉ most
+    confident of its block's masked positions (LLaDA's ``get_num_transfer_tokens`` split: the remainder goes to the
+    first steps). Later blocks stay [MASK] and are seen by the network. Candidates: argmax at T = 0, else a float64
+    Gumbel draw from softmax(logits / T); ``score`` "sampled" ranks by p_θ(candidate) (LLaDA's low_confidence
+    remasking), "max_prob" by max_v p_θ(v). A row's plan is its own, so it decodes alike alone and in any batch:
+    ``row_nfe`` = n_r × K_r, NFE = max_r n_r × K_r (a row past its schedule does not move). ``cfg_scale`` w > 0:
+    SMDM's unsupervised CFG (``flowlm.samplers.guidance``; LLaDA's ``generate`` has the same ``cfg_scale``) on the
+    logits every step reads; a step spends 2 network evaluations, so K_r = ⌊budget / 2⌋ // n_r and row_nfe =
+    2 × n_r × K_r.
 
     Cost beyond the network: only the current block's positions are ever
     eligible, so only their ≤ ``block_length`` rows of the logits are read (``slots``): at T = 0 (the default) the
@@ -62,9 +64,11 @@ class SemiARConfidenceSampler(GuidedSampler):
             raise ValueError("cache (the block KV cache) does not combine with cfg_scale > 0: use cache=none")
         super().__init__(temperature=temperature, score=score, draws=draws, cfg_scale=cfg_scale)
 
-    def plan(self, nfe: int, free_positions: int) -> tuple[int, int]:
-        """(blocks, steps per block) for a budget, or a clear error before any compute."""
-        Sampler.check_budget(self, nfe, free_positions=free_positions)  # guidance is checked per block below
+    def plan(self, nfe: int, free_positions: int, *, capped: bool = True) -> tuple[int, int]:
+        """(blocks, steps per block) for a row with ``free_positions`` to generate, or a clear error before any
+        compute; ``capped``: the budget is also checked against that row's cap (``Sampler.check_budget``)."""
+        if capped:
+            Sampler.check_budget(self, nfe, free_positions=free_positions)  # guidance is checked per block below
         n_blocks = max(1, math.ceil(free_positions / self.block_length))
         if self.cfg_scale == 0 and nfe < n_blocks:
             raise ValueError(f"{n_blocks} blocks of {self.block_length} need at least {n_blocks} NFE, got {nfe}")
@@ -77,15 +81,29 @@ class SemiARConfidenceSampler(GuidedSampler):
         else:
             self.plan(nfe, free_positions)
 
-    def schedule(self, nfe: int, prompt: Tensor, prompt_mask: Tensor) -> tuple[int, int, int]:
-        """(blocks, steps per block) for the row with the most positions to generate, and that number."""
-        free = ~prompt_mask
-        most_free = int(free.sum(-1).max()) if free.numel() else 0  # the call's one host read
-        return (*self.plan(nfe, most_free), most_free)
+    def schedule(self, nfe: int, prompt: Tensor, prompt_mask: Tensor) -> tuple[Tensor, list[tuple[int, int, int]]]:
+        """Each row's index into the plans (B,), and for each distinct number of positions to generate f in the batch
+        (the call's one host read) the plan (f, blocks, steps per block); the budget checked against the longest."""
+        distinct, row_plan = torch.unique((~prompt_mask).sum(-1), return_inverse=True)
+        counts = distinct.tolist()
+        self.check_budget(nfe, free_positions=max(counts, default=0))
+        return row_plan, [(f, *self.plan(nfe, f, capped=False)) for f in counts]
+
+    def split(self, free: int, n_blocks: int, steps: int) -> list[int]:
+        """The commits of a row with ``free`` positions at each of its blocks × K steps: ⌈#masked in block / (K − k)⌉
+        at step k (LLaDA's split)."""
+        commits = []
+        for b in range(n_blocks):
+            most = min(self.block_length, max(free - b * self.block_length, 0))
+            for k in range(steps):
+                commits.append(-(-most // (steps - k)))
+                most -= commits[-1]
+        return commits
 
     def sample(self, model: MaskedDenoiser, prompt: Tensor, prompt_mask: Tensor, schedule, generator) -> SampleOutput:
-        """blocks × K steps (network evaluations: × 2 with guidance)."""
-        n_blocks, steps, most_free = schedule
+        """max_r n_r × K_r steps (network evaluations: × 2 with guidance); row r's k-th step in its block b is the
+        batch's step b·K_r + k, and a row past its n_r × K_r steps has no block left (it does not move)."""
+        row_plan, plans = schedule
         model, x, confidence, cost = self.start(model, prompt, prompt_mask, generator)
         reader = None if self.cache == "none" else BlockCachedReader(model, self.cache, self.refresh, x.shape[1])
         fn = model.fn if reader is None else reader
@@ -94,43 +112,43 @@ class SemiARConfidenceSampler(GuidedSampler):
         n_free = free.sum(-1).clamp_min(1)
         positions = torch.arange(x.shape[1], device=x.device)
         first_row = torch.arange(x.shape[0], device=x.device)[:, None] * x.shape[1]  # row offsets in (B·L, |V|)
+        each_plan = torch.tensor([plan[1:] for plan in plans], dtype=torch.long, device=x.device).view(-1, 2)
+        n_blocks, steps = each_plan[row_plan].unbind(-1)  # each row's (blocks, steps per block)
+        commits = [self.split(*plan) for plan in plans]  # on the host: the most any row commits at each step
         draw_all = self.temperature > 0 and self.score == "sampled"  # the ranking reads the draw: draw every slot
-        calls = 0
-        for b in range(n_blocks):
-            in_block = block_id == b
-            if reader is not None:  # each row's block lies in [lo, hi) (empty where the row has no block b)
-                lo = torch.where(in_block, positions, x.shape[1]).amin(-1)
-                reader.block(lo, torch.where(in_block, positions + 1, 0).amax(-1))
-            # the block's positions (only they are ever eligible) as slots; the fullest row's count
-            slot, _ = slots(in_block, self.block_length)
-            block_rows = slot + first_row
-            flat = block_rows.reshape(-1)
-            most = min(self.block_length, max(most_free - b * self.block_length, 0))
-            for k in range(steps):
-                masked = x == model.mask_id
-                eligible = masked & in_block
-                logits = fn(x, masked.sum(-1) / n_free)
-                calls += cost
-                left = steps - k
-                n_commit = torch.div(eligible.sum(-1) + left - 1, left, rounding_mode="floor")  # ⌈masked / left⌉
-                by_row = logits.reshape(-1, logits.shape[-1])
-                live = eligible.gather(1, slot)
-                per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
-                if draw_all:
-                    drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=flat, uniforms=per_row)
-                    candidate, score = drawn.view(slot.shape), log_p.view(slot.shape)
-                else:  # argmax and log max p (the score at T = 0, where "sampled" and "max_prob" coincide)
-                    score, candidate = (t.view(slot.shape) for t in max_log_prob(logits, rows=flat))
-                order = torch.where(live, score, -torch.inf).argsort(dim=-1, descending=True)
-                rank = torch.empty_like(order).scatter_(-1, order, positions[: order.shape[1]].expand_as(order))
-                commit = live & (rank < n_commit[:, None])
-                p_candidate = score
-                if self.temperature > 0 and not draw_all:  # "max_prob": the draw at the committing slots only
-                    top = order[:, : -(-most // left)]  # every committing slot of a row is among its first ⌈most/left⌉
-                    committing = block_rows.gather(1, top).view(-1)
-                    drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=committing, uniforms=per_row)
-                    candidate = candidate.scatter(1, top, drawn.view(top.shape))
-                    p_candidate = score.scatter(1, top, log_p.float().view(top.shape))
-                x, confidence = commit_slots(x, confidence, slot, commit, candidate, p_candidate)
-                most -= -(-most // left)
-        return SampleOutput(tokens=x, confidence=confidence, nfe=calls)
+        total = max(map(len, commits), default=0)
+        for g in range(total):
+            block, k = g // steps, g % steps  # each row's block and its step in it
+            if any(g % plan[2] == 0 for plan in plans):  # some row enters a block
+                in_block = block_id == block[:, None]
+                if reader is not None:  # each row's block lies in [lo, hi) (empty where the row has no block b)
+                    lo = torch.where(in_block, positions, x.shape[1]).amin(-1)
+                    reader.block(lo, torch.where(in_block, positions + 1, 0).amax(-1), None if g == 0 else k == 0)
+                slot, _ = slots(in_block, self.block_length)  # the blocks' positions (only they are ever eligible)
+                block_rows = slot + first_row
+                flat = block_rows.reshape(-1)
+            masked = x == model.mask_id
+            eligible = masked & in_block
+            logits = fn(x, masked.sum(-1) / n_free)
+            left = steps - k
+            n_commit = torch.div(eligible.sum(-1) + left - 1, left, rounding_mode="floor")  # ⌈masked / left⌉
+            by_row = logits.reshape(-1, logits.shape[-1])
+            live = eligible.gather(1, slot)
+            per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
+            if draw_all:
+                drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=flat, uniforms=per_row)
+                candidate, score = drawn.view(slot.shape), log_p.view(slot.shape)
+            else:  # argmax and log max p (the score at T = 0, where "sampled" and "max_prob" coincide)
+                score, candidate = (t.view(slot.shape) for t in max_log_prob(logits, rows=flat))
+            order = torch.where(live, score, -torch.inf).argsort(dim=-1, descending=True)
+            rank = torch.empty_like(order).scatter_(-1, order, positions[: order.shape[1]].expand_as(order))
+            commit = live & (rank < n_commit[:, None])
+            p_candidate = score
+            if self.temperature > 0 and not draw_all:  # "max_prob": the draw at the committing slots only
+                top = order[:, : max(c[g] for c in commits if g < len(c))]  # every committing slot of every row
+                committing = block_rows.gather(1, top).view(-1)
+                drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=committing, uniforms=per_row)
+                candidate = candidate.scatter(1, top, drawn.view(top.shape))
+                p_candidate = score.scatter(1, top, log_p.float().view(top.shape))
+            x, confidence = commit_slots(x, confidence, slot, commit, candidate, p_candidate)
+        return SampleOutput(tokens=x, confidence=confidence, nfe=total * cost, row_nfe=n_blocks * steps * cost)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from flowlm.ops.draws import pick_tokens
+from flowlm.ops.draws import draw_rows, pick_tokens, row_uniforms
 from flowlm.samplers import AncestralSampler, ConfidenceSampler, SampleOutput, SemiARConfidenceSampler
-from flowlm.samplers.mdm_confidence import decode_steps
+from flowlm.samplers.block_cache import BlockCachedReader
+from flowlm.samplers.common import block_ids
+from flowlm.samplers.mdm_confidence import commit_slots, decode_steps, max_log_prob, slots
 
 
 def _commit_ranked(log_p, candidate, eligible, n_commit, x, confidence, score):
@@ -77,22 +79,87 @@ class FullDrawAncestral(AncestralSampler):
 
 
 class FullDrawSemiAR(SemiARConfidenceSampler):
-    """``SemiARConfidenceSampler`` (no cache) drawing at every position of every step, ranking the block's."""
+    """``SemiARConfidenceSampler`` (no cache) drawing at every position of every step, ranking the blocks': row r's
+    step k of block b at the batch's step b·K_r + k."""
 
     def sample(self, model, prompt, prompt_mask, schedule, generator) -> SampleOutput:
-        n_blocks, steps, _ = schedule
+        row_plan, plans = schedule
         model, x, confidence, cost = self.start(model, prompt, prompt_mask)
         free = ~prompt_mask
         block_id = torch.where(free, (free.cumsum(-1) - 1) // self.block_length, -1)
         n_free = free.sum(-1).clamp_min(1)
+        n_blocks, steps = torch.tensor([plan[1:] for plan in plans])[row_plan].unbind(-1)
+        total = int((n_blocks * steps).max())
+        for g in range(total):
+            masked = x == model.mask_id
+            eligible = masked & (block_id == (g // steps)[:, None])
+            log_p = torch.log_softmax(model.fn(x, masked.sum(-1) / n_free).double(), -1)
+            left = steps - g % steps
+            n_commit = torch.div(eligible.sum(-1) + left - 1, left, rounding_mode="floor")
+            candidate = pick_tokens(log_p, self.temperature, generator)
+            x, confidence = _commit_ranked(log_p, candidate, eligible, n_commit, x, confidence, self.score)
+        return SampleOutput(tokens=x, confidence=confidence, nfe=total * cost, row_nfe=n_blocks * steps * cost)
+
+
+class BatchPlannedSemiAR(SemiARConfidenceSampler):
+    """``SemiARConfidenceSampler`` as it was before its rows planned alone (issue 37): every row's blocks and steps
+    per block from the batch's longest response. Where every row has as many positions to fill, the sampler's
+    tokens, confidences and NFE are this one's, bit for bit."""
+
+    def schedule(self, nfe, prompt, prompt_mask) -> tuple[int, int, int]:
+        """(blocks, steps per block) for the row with the most positions to generate, and that number."""
+        free = ~prompt_mask
+        most_free = int(free.sum(-1).max()) if free.numel() else 0  # the call's one host read
+        return (*self.plan(nfe, most_free), most_free)
+
+    def sample(self, model, prompt, prompt_mask, schedule, generator) -> SampleOutput:
+        """blocks × K steps (network evaluations: × 2 with guidance)."""
+        n_blocks, steps, most_free = schedule
+        model, x, confidence, cost = self.start(model, prompt, prompt_mask, generator)
+        reader = None if self.cache == "none" else BlockCachedReader(model, self.cache, self.refresh, x.shape[1])
+        fn = model.fn if reader is None else reader
+        free = ~prompt_mask
+        block_id = block_ids(free, self.block_length)
+        n_free = free.sum(-1).clamp_min(1)
+        positions = torch.arange(x.shape[1], device=x.device)
+        first_row = torch.arange(x.shape[0], device=x.device)[:, None] * x.shape[1]  # row offsets in (B·L, |V|)
+        draw_all = self.temperature > 0 and self.score == "sampled"  # the ranking reads the draw: draw every slot
         calls = 0
         for b in range(n_blocks):
+            in_block = block_id == b
+            if reader is not None:  # each row's block lies in [lo, hi) (empty where the row has no block b)
+                lo = torch.where(in_block, positions, x.shape[1]).amin(-1)
+                reader.block(lo, torch.where(in_block, positions + 1, 0).amax(-1))
+            # the block's positions (only they are ever eligible) as slots; the fullest row's count
+            slot, _ = slots(in_block, self.block_length)
+            block_rows = slot + first_row
+            flat = block_rows.reshape(-1)
+            most = min(self.block_length, max(most_free - b * self.block_length, 0))
             for k in range(steps):
                 masked = x == model.mask_id
-                eligible = masked & (block_id == b)
-                log_p = torch.log_softmax(model.fn(x, masked.sum(-1) / n_free).double(), -1)
+                eligible = masked & in_block
+                logits = fn(x, masked.sum(-1) / n_free)
                 calls += cost
-                n_commit = torch.div(eligible.sum(-1) + steps - k - 1, steps - k, rounding_mode="floor")
-                candidate = pick_tokens(log_p, self.temperature, generator)
-                x, confidence = _commit_ranked(log_p, candidate, eligible, n_commit, x, confidence, self.score)
+                left = steps - k
+                n_commit = torch.div(eligible.sum(-1) + left - 1, left, rounding_mode="floor")  # ⌈masked / left⌉
+                by_row = logits.reshape(-1, logits.shape[-1])
+                live = eligible.gather(1, slot)
+                per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
+                if draw_all:
+                    drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=flat, uniforms=per_row)
+                    candidate, score = drawn.view(slot.shape), log_p.view(slot.shape)
+                else:  # argmax and log max p (the score at T = 0, where "sampled" and "max_prob" coincide)
+                    score, candidate = (t.view(slot.shape) for t in max_log_prob(logits, rows=flat))
+                order = torch.where(live, score, -torch.inf).argsort(dim=-1, descending=True)
+                rank = torch.empty_like(order).scatter_(-1, order, positions[: order.shape[1]].expand_as(order))
+                commit = live & (rank < n_commit[:, None])
+                p_candidate = score
+                if self.temperature > 0 and not draw_all:  # "max_prob": the draw at the committing slots only
+                    top = order[:, : -(-most // left)]  # every committing slot of a row is among its first ⌈most/left⌉
+                    committing = block_rows.gather(1, top).view(-1)
+                    drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=committing, uniforms=per_row)
+                    candidate = candidate.scatter(1, top, drawn.view(top.shape))
+                    p_candidate = score.scatter(1, top, log_p.float().view(top.shape))
+                x, confidence = commit_slots(x, confidence, slot, commit, candidate, p_candidate)
+                most -= -(-most // left)
         return SampleOutput(tokens=x, confidence=confidence, nfe=calls)

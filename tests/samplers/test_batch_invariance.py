@@ -22,7 +22,7 @@ from flowlm.samplers import (
     SemiARConfidenceSampler,
     ThresholdSampler,
 )
-from tests.backbones.test_block_cache import L, V, batch_prompts, random_mdm
+from tests.backbones.test_block_cache import L, V, random_mdm
 from tests.backbones.test_block_cache_llama import smdm_module
 from tests.conftest import validating_trainer
 from tests.host_syncs import HostSyncs
@@ -37,6 +37,7 @@ SAMPLERS = {  # name → (sampler at T = 1, NFE budget)
     "confidence_cfg": (ConfidenceSampler(temperature=1.0, cfg_scale=1.5), 12),
     "semi_ar_sampled": (SemiARConfidenceSampler(block_length=4, temperature=1.0), 8),
     "semi_ar_max_prob": (SemiARConfidenceSampler(block_length=4, temperature=1.0, score="max_prob"), 8),
+    "semi_ar_dual_cache": (SemiARConfidenceSampler(block_length=4, cache="dual", refresh=2, temperature=1.0), 12),
     "threshold_max_prob": (ThresholdSampler(threshold=0.5, temperature=1.0), 10),
     "threshold_margin": (ThresholdSampler(threshold=0.5, score="margin", temperature=1.0), 10),
     "threshold_entropy": (ThresholdSampler(threshold=0.5, score="entropy", temperature=1.0), 10),
@@ -65,18 +66,12 @@ def each_alone(sampler, model, tokens: torch.Tensor, mask: torch.Tensor, nfe: in
     ]
 
 
-def prompts_for(name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged prompts, except for semi_ar, which plans its blocks from the batch's longest response (the same
-    number of positions to fill in every row keeps a row's plan alike alone)."""
-    return batch_prompts() if name.startswith("semi_ar") else ragged_prompts()
-
-
 @pytest.mark.parametrize("name", SAMPLERS)
 @pytest.mark.parametrize("family", MODELS)
 def test_a_row_decodes_alike_alone_and_inside_a_batch_of_eight(family, name):
     sampler, nfe = SAMPLERS[name]
     model = MODELS[family]()
-    tokens, mask = prompts_for(name)
+    tokens, mask = ragged_prompts()
     with torch.no_grad():
         batch = sampler(model, prompt=tokens, prompt_mask=mask, nfe=nfe, generator=generators(SEEDS))
         alone = each_alone(sampler, model, tokens, mask, nfe)
@@ -84,7 +79,7 @@ def test_a_row_decodes_alike_alone_and_inside_a_batch_of_eight(family, name):
     for i, row in enumerate(alone):
         assert torch.equal(row.tokens[0], batch.tokens[i]), i
         torch.testing.assert_close(row.confidence[0], batch.confidence[i])
-        if batch.row_nfe is not None:  # adaptive samplers: each row's own calls
+        if not name.startswith("confidence"):  # adaptive, semi-AR and ancestral samplers: each row's own calls
             assert int(row.row_nfe[0]) == int(batch.row_nfe[i]), i
     spent = [row.nfe for row in alone]
     if name == "ancestral":  # the no-change cache skips a call only when no row of the batch changed
@@ -96,17 +91,27 @@ def test_a_row_decodes_alike_alone_and_inside_a_batch_of_eight(family, name):
     assert int(differs.sum()) >= 4, differs  # other seeds, other tokens: the rows really sample
 
 
-def test_ancestral_no_cache_rows_end_at_different_steps_alone():
-    """The ancestral NFE check above is not vacuous: alone, rows spend different NFE (a row whose positions all
-    unmask before the last step stops early), and the batch spends its most demanding row's."""
-    sampler, nfe = SAMPLERS["ancestral_no_cache"]
+@pytest.mark.parametrize("name", ["ancestral_no_cache", "ancestral"])
+def test_ancestral_rows_end_at_different_steps_alone(name):
+    """The ancestral NFE checks above are not vacuous: alone, rows spend different NFE (a row whose positions all
+    unmask before the last step stops early; with the no-change cache a step that changes nothing in the row spends
+    nothing), ``row_nfe`` in the batch is each row's own, and the batch spends at least its most demanding row's
+    (more with the cache, which skips a call only when no row of the batch changed)."""
+    sampler, nfe = SAMPLERS[name]
     model = MODELS["dit"]()
     tokens, mask = ragged_prompts()
     mask[:, :18] = True  # few positions to fill: rows finish early at random
+    mask[0] = True  # nothing to fill: its one call alone is not one it needs
     with torch.no_grad():
-        spent = [row.nfe for row in each_alone(sampler, model, tokens, mask, nfe)]
+        alone = each_alone(sampler, model, tokens, mask, nfe)
         batch = sampler(model, prompt=tokens, prompt_mask=mask, nfe=nfe, generator=generators(SEEDS))
-    assert len(set(spent)) > 1 and batch.nfe == max(spent), spent
+    spent = [row.nfe for row in alone]
+    assert len(set(spent[1:])) > 1 and [int(row.row_nfe[0]) for row in alone] == [0, *spent[1:]], spent
+    assert batch.row_nfe.tolist() == [0, *spent[1:]], (spent, batch.row_nfe)
+    if name == "ancestral":
+        assert batch.nfe > max(spent) and batch.mean_nfe() < batch.nfe, (batch.nfe, spent)
+    else:
+        assert batch.nfe == max(spent), (batch.nfe, spent)
 
 
 def test_draw_uniforms_per_row_are_each_rows_own_stream():
@@ -152,7 +157,7 @@ class Refusing:
 )
 def test_bad_generators_are_refused_before_any_call(name, gens, error):
     sampler, nfe = SAMPLERS[name]
-    tokens, mask = prompts_for(name)
+    tokens, mask = ragged_prompts()
     with pytest.raises((ValueError, TypeError), match=error):
         sampler(Refusing(), prompt=tokens, prompt_mask=mask, nfe=nfe, generator=gens())
 
@@ -169,7 +174,7 @@ def test_per_row_generators_read_nothing_more_from_the_device(name):
     """The per-row draws add no host read to the loops (tests/samplers/test_host_syncs.py counts the same)."""
     sampler, nfe = SAMPLERS[name]
     model = MODELS["dit"]()
-    tokens, mask = prompts_for(name)
+    tokens, mask = ragged_prompts()
     counts = []
     with torch.no_grad():
         for gen in (torch.Generator().manual_seed(1), generators(SEEDS)):
