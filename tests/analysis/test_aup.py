@@ -111,9 +111,10 @@ def test_an_adaptive_sampler_sits_at_its_mean_nfe_on_the_speed_quality_plot(tmp_
 
 
 def test_the_committed_results_csvs_still_load_and_get_a_tpf():
-    """The CSVs under results/ predate the TPF and NFE-spread columns: read, aggregated, TPF from the layout."""
+    """Most CSVs under results/ predate the TPF and NFE-spread columns (later ones have them): read, aggregated, TPF
+    from the layout where a row has none."""
     rows = read_results(RESULTS, skip=[RESULTS / "report"])
-    assert len(rows) and "tpf" not in rows.columns
+    assert len(rows) and ("tpf" not in rows.columns or rows["tpf"].isna().any())
     agg = aggregate(rows)
     fixed = agg[(agg["sampler"] == "confidence") & (agg["difficulty"] == "easy") & (agg["nfe_budget"] == 4)]
     assert fixed["tpf_mean"].tolist() == [41 / 4]  # 6×6 conditional: 36 cells + 5 separators generated per row
