@@ -105,17 +105,12 @@ class SemiARConfidenceSampler(GuidedSampler):
         batch's step b·K_r + k, and a row past its n_r × K_r steps has no block left (it does not move)."""
         row_plan, plans = schedule
         model, x, confidence, cost = self.start(model, prompt, prompt_mask, generator)
-        reader = None if self.cache == "none" else BlockCachedReader(model, self.cache, self.refresh, x.shape[1])
-        fn = model.fn if reader is None else reader
-        free = ~prompt_mask
-        block_id = block_ids(free, self.block_length)
-        n_free = free.sum(-1).clamp_min(1)
+        fn, reader = self.network(model, x.shape[1])
+        block_id, n_free = self.blocks(prompt_mask)
         positions = torch.arange(x.shape[1], device=x.device)
-        first_row = torch.arange(x.shape[0], device=x.device)[:, None] * x.shape[1]  # row offsets in (B·L, |V|)
         each_plan = torch.tensor([plan[1:] for plan in plans], dtype=torch.long, device=x.device).view(-1, 2)
         n_blocks, steps = each_plan[row_plan].unbind(-1)  # each row's (blocks, steps per block)
         commits = [self.split(*plan) for plan in plans]  # on the host: the most any row commits at each step
-        draw_all = self.temperature > 0 and self.score == "sampled"  # the ranking reads the draw: draw every slot
         total = max(map(len, commits), default=0)
         for g in range(total):
             block, k = g // steps, g % steps  # each row's block and its step in it
@@ -125,30 +120,49 @@ class SemiARConfidenceSampler(GuidedSampler):
                     lo = torch.where(in_block, positions, x.shape[1]).amin(-1)
                     reader.block(lo, torch.where(in_block, positions + 1, 0).amax(-1), None if g == 0 else k == 0)
                 slot, _ = slots(in_block, self.block_length)  # the blocks' positions (only they are ever eligible)
-                block_rows = slot + first_row
-                flat = block_rows.reshape(-1)
             masked = x == model.mask_id
-            eligible = masked & in_block
             logits = fn(x, masked.sum(-1) / n_free)
-            left = steps - k
-            n_commit = torch.div(eligible.sum(-1) + left - 1, left, rounding_mode="floor")  # ⌈masked / left⌉
-            by_row = logits.reshape(-1, logits.shape[-1])
-            live = eligible.gather(1, slot)
-            per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
-            if draw_all:
-                drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=flat, uniforms=per_row)
-                candidate, score = drawn.view(slot.shape), log_p.view(slot.shape)
-            else:  # argmax and log max p (the score at T = 0, where "sampled" and "max_prob" coincide)
-                score, candidate = (t.view(slot.shape) for t in max_log_prob(logits, rows=flat))
-            order = torch.where(live, score, -torch.inf).argsort(dim=-1, descending=True)
-            rank = torch.empty_like(order).scatter_(-1, order, positions[: order.shape[1]].expand_as(order))
-            commit = live & (rank < n_commit[:, None])
-            p_candidate = score
-            if self.temperature > 0 and not draw_all:  # "max_prob": the draw at the committing slots only
-                top = order[:, : max(c[g] for c in commits if g < len(c))]  # every committing slot of every row
-                committing = block_rows.gather(1, top).view(-1)
-                drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=committing, uniforms=per_row)
-                candidate = candidate.scatter(1, top, drawn.view(top.shape))
-                p_candidate = score.scatter(1, top, log_p.float().view(top.shape))
-            x, confidence = commit_slots(x, confidence, slot, commit, candidate, p_candidate)
+            width = max(c[g] for c in commits if g < len(c))  # every committing slot of every row is among these
+            x, confidence = self.commit(x, confidence, logits, masked & in_block, slot, steps - k, width, generator)
         return SampleOutput(tokens=x, confidence=confidence, nfe=total * cost, row_nfe=n_blocks * steps * cost)
+
+    def network(self, model: MaskedDenoiser, length: int):
+        """The network call, through the block KV cache where asked, and that cache's reader (None without)."""
+        reader = None if self.cache == "none" else BlockCachedReader(model, self.cache, self.refresh, length)
+        return (model.fn if reader is None else reader), reader
+
+    def blocks(self, prompt_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Each position's block among its row's positions to fill (``block_ids``), and each row's count of them."""
+        free = ~prompt_mask
+        return block_ids(free, self.block_length), free.sum(-1).clamp_min(1)
+
+    def commit(
+        self, x: Tensor, confidence: Tensor, logits: Tensor, eligible: Tensor, slot: Tensor, left, width: int, generator
+    ) -> tuple[Tensor, Tensor]:
+        """One call's commits: of each row's ``eligible`` positions (its block's masked ones, held in ``slot``),
+        the ⌈#eligible / ``left``⌉ best scored take their candidates (``left``: the row's steps left in its block);
+        ``width``: how many of a row's best-ranked slots can commit (the draw's width under "max_prob")."""
+        positions = torch.arange(x.shape[1], device=x.device)
+        block_rows = slot + torch.arange(x.shape[0], device=x.device)[:, None] * x.shape[1]  # rows of (B·L, |V|)
+        flat = block_rows.reshape(-1)
+        draw_all = self.temperature > 0 and self.score == "sampled"  # the ranking reads the draw: draw every slot
+        n_commit = torch.div(eligible.sum(-1) + left - 1, left, rounding_mode="floor")  # ⌈eligible / left⌉
+        by_row = logits.reshape(-1, logits.shape[-1])
+        live = eligible.gather(1, slot)
+        per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
+        if draw_all:
+            drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=flat, uniforms=per_row)
+            candidate, score = drawn.view(slot.shape), log_p.view(slot.shape)
+        else:  # argmax and log max p (the score at T = 0, where "sampled" and "max_prob" coincide)
+            score, candidate = (t.view(slot.shape) for t in max_log_prob(logits, rows=flat))
+        order = torch.where(live, score, -torch.inf).argsort(dim=-1, descending=True)
+        rank = torch.empty_like(order).scatter_(-1, order, positions[: order.shape[1]].expand_as(order))
+        commit = live & (rank < n_commit[:, None])
+        p_candidate = score
+        if self.temperature > 0 and not draw_all:  # "max_prob": the draw at the committing slots only
+            top = order[:, :width]
+            committing = block_rows.gather(1, top).view(-1)
+            drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=committing, uniforms=per_row)
+            candidate = candidate.scatter(1, top, drawn.view(top.shape))
+            p_candidate = score.scatter(1, top, log_p.float().view(top.shape))
+        return commit_slots(x, confidence, slot, commit, candidate, p_candidate)

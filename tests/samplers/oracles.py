@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from flowlm.ops.draws import draw_rows, pick_tokens, row_uniforms
+from flowlm.ops.draws import pick_tokens
 from flowlm.samplers import AncestralSampler, ConfidenceSampler, SampleOutput, SemiARConfidenceSampler
-from flowlm.samplers.block_cache import BlockCachedReader
-from flowlm.samplers.common import block_ids
-from flowlm.samplers.mdm_confidence import commit_slots, decode_steps, max_log_prob, slots
+from flowlm.samplers.mdm_confidence import decode_steps, slots
 
 
 def _commit_ranked(log_p, candidate, eligible, n_commit, x, confidence, score):
@@ -116,14 +114,9 @@ class BatchPlannedSemiAR(SemiARConfidenceSampler):
         """blocks × K steps (network evaluations: × 2 with guidance)."""
         n_blocks, steps, most_free = schedule
         model, x, confidence, cost = self.start(model, prompt, prompt_mask, generator)
-        reader = None if self.cache == "none" else BlockCachedReader(model, self.cache, self.refresh, x.shape[1])
-        fn = model.fn if reader is None else reader
-        free = ~prompt_mask
-        block_id = block_ids(free, self.block_length)
-        n_free = free.sum(-1).clamp_min(1)
+        fn, reader = self.network(model, x.shape[1])
+        block_id, n_free = self.blocks(prompt_mask)
         positions = torch.arange(x.shape[1], device=x.device)
-        first_row = torch.arange(x.shape[0], device=x.device)[:, None] * x.shape[1]  # row offsets in (B·L, |V|)
-        draw_all = self.temperature > 0 and self.score == "sampled"  # the ranking reads the draw: draw every slot
         calls = 0
         for b in range(n_blocks):
             in_block = block_id == b
@@ -132,34 +125,14 @@ class BatchPlannedSemiAR(SemiARConfidenceSampler):
                 reader.block(lo, torch.where(in_block, positions + 1, 0).amax(-1))
             # the block's positions (only they are ever eligible) as slots; the fullest row's count
             slot, _ = slots(in_block, self.block_length)
-            block_rows = slot + first_row
-            flat = block_rows.reshape(-1)
             most = min(self.block_length, max(most_free - b * self.block_length, 0))
-            for k in range(steps):
+            for k in range(steps):  # one call's commits as the sampler's own (``commit``): the plan is what differs
                 masked = x == model.mask_id
-                eligible = masked & in_block
                 logits = fn(x, masked.sum(-1) / n_free)
                 calls += cost
                 left = steps - k
-                n_commit = torch.div(eligible.sum(-1) + left - 1, left, rounding_mode="floor")  # ⌈masked / left⌉
-                by_row = logits.reshape(-1, logits.shape[-1])
-                live = eligible.gather(1, slot)
-                per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
-                if draw_all:
-                    drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=flat, uniforms=per_row)
-                    candidate, score = drawn.view(slot.shape), log_p.view(slot.shape)
-                else:  # argmax and log max p (the score at T = 0, where "sampled" and "max_prob" coincide)
-                    score, candidate = (t.view(slot.shape) for t in max_log_prob(logits, rows=flat))
-                order = torch.where(live, score, -torch.inf).argsort(dim=-1, descending=True)
-                rank = torch.empty_like(order).scatter_(-1, order, positions[: order.shape[1]].expand_as(order))
-                commit = live & (rank < n_commit[:, None])
-                p_candidate = score
-                if self.temperature > 0 and not draw_all:  # "max_prob": the draw at the committing slots only
-                    top = order[:, : -(-most // left)]  # every committing slot of a row is among its first ⌈most/left⌉
-                    committing = block_rows.gather(1, top).view(-1)
-                    drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=committing, uniforms=per_row)
-                    candidate = candidate.scatter(1, top, drawn.view(top.shape))
-                    p_candidate = score.scatter(1, top, log_p.float().view(top.shape))
-                x, confidence = commit_slots(x, confidence, slot, commit, candidate, p_candidate)
+                x, confidence = self.commit(
+                    x, confidence, logits, masked & in_block, slot, left, -(-most // left), generator
+                )
                 most -= -(-most // left)
         return SampleOutput(tokens=x, confidence=confidence, nfe=calls)

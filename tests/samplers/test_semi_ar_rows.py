@@ -127,3 +127,31 @@ def test_a_finished_rows_window_goes_idle_in_the_block_cache(cache):
         out = SemiARConfidenceSampler(block_length=4, cache=cache)(counted, prompt=tokens, prompt_mask=mask, nfe=8)
     assert out.row_nfe.tolist() == [5, 8] and len(calls) == 8
     assert calls[5:] == [(20, 4)] * 3, calls
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_each_call_commits_llada_s_split_of_its_block(temperature):
+    """LLaDA's ``get_num_transfer_tokens``: a block of m masked positions with K steps commits ⌈m' / (K − k)⌉ at
+    step k (m' still masked): rows with 10 and 6 positions to fill, blocks of 4, budget 6 → (3 blocks, K = 2) and
+    (2 blocks, K = 3)."""
+    length = 12
+    network = random_network(V, length, torch.Generator().manual_seed(1))
+    masked_per_call = []
+
+    def fn(x, t):
+        masked_per_call.append((x == V).sum(-1).tolist())
+        return network(x, t)
+
+    tokens = torch.randint(0, V, (2, length), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, length, dtype=torch.bool)
+    mask[0, :10] = False
+    mask[1, 3:9] = False
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        out = SemiARConfidenceSampler(block_length=4, temperature=temperature)(
+            MaskedDenoiser(fn=fn, mask_id=V), prompt=tokens, prompt_mask=mask, nfe=6, generator=gen
+        )
+    masked = [*masked_per_call, (out.tokens == V).sum(-1).tolist()]
+    commits = [[before[r] - after[r] for before, after in zip(masked[:-1], masked[1:], strict=True)] for r in range(2)]
+    assert commits == [[2, 2, 2, 2, 1, 1], [2, 1, 1, 1, 1, 0]]  # row 1: ⌈4/3⌉, ⌈2/2⌉, 1; ⌈2/3⌉, ⌈1/2⌉, 0
+    assert out.row_nfe.tolist() == [6, 6]
