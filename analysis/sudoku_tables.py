@@ -19,6 +19,7 @@ import pandas as pd
 from analysis.aup import aup_lines
 from analysis.report import REPORT_HTML, REPORT_MD, Report, Section, _inline, _render_html, _render_markdown
 from analysis.tables import reference_numbers
+from flowlm.removed import REMOVED_SAMPLER_OPTIONS
 from flowlm.tasks.sudoku import SudokuLayout, clues_for
 
 # A table row's identity; with `seed` the identity of one measurement (the latest `date` wins on duplicates).
@@ -84,12 +85,26 @@ def read_results(folder: str | Path, *, skip: Iterable[str | Path] = ()) -> pd.D
     if not frames:
         raise NoResultsError(f"no readable results CSV under {folder.resolve()}: skipped {', '.join(skipped)}")
     rows = pd.concat(frames, ignore_index=True)
-    rows["sampler_settings"] = rows["sampler_settings"].fillna("{}")
+    rows["sampler_settings"] = rows["sampler_settings"].fillna("{}").map(current_settings)
     rows["converged"] = rows["converged"].astype(str).str.lower().eq("true")
     rows = rows.sort_values("date", kind="stable").drop_duplicates([*KEY, "seed"], keep="last")
     rows = rows.reset_index(drop=True)
     rows.attrs["skipped"] = skipped
     return rows
+
+
+def current_settings(text: str) -> str:
+    """Recorded sampler settings as today's samplers record them: a removed option at its kept value
+    (``REMOVED_SAMPLER_OPTIONS``) is left out, so rows from before and after its removal are one sampler (seeds
+    trained on either side of it aggregate together)."""
+    try:
+        settings = json.loads(text)
+    except ValueError:
+        return text
+    if not isinstance(settings, dict):
+        return text
+    kept = {k: v for k, v in settings.items() if k not in REMOVED_SAMPLER_OPTIONS or REMOVED_SAMPLER_OPTIONS[k] != v}
+    return text if len(kept) == len(settings) else json.dumps(kept, sort_keys=True)
 
 
 def _read_results_csv(path: Path) -> tuple[pd.DataFrame | None, str, str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flowlm.removed import check_removed
+from flowlm.removed import REMOVED_SAMPLER_OPTIONS, check_removed
 
 BUDGET_PER_POSITION = 16  # the largest NFE budget per position to generate, a loose cap (docs/reliability.md)
 
@@ -46,7 +46,13 @@ def check_draws(owner: str, draws: str) -> None:
     """``draws``, removed: MDM samplers draw their float64 categorical at the positions that commit or unmask in a
     step only (the same law: which positions commit does not depend on the draw); the whole-tensor Gumbel-max stream
     is a test oracle (tests/samplers/oracles.py)."""
-    check_removed(owner, "draws", draws, "committed", "the categorical is drawn where a step commits (the same law)")
+    check_removed(
+        owner,
+        "draws",
+        draws,
+        REMOVED_SAMPLER_OPTIONS["draws"],
+        "the categorical is drawn where a step commits (the same law)",
+    )
 
 
 def masked_start(prompt: Tensor, prompt_mask: Tensor, mask_id: int) -> tuple[Tensor, Tensor]:

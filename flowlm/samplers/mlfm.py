@@ -41,7 +41,7 @@ from torch import Tensor
 
 from flowlm.ops.draws import pick_tokens
 from flowlm.processes.bridge import BridgeProcess
-from flowlm.removed import check_removed
+from flowlm.removed import REMOVED_SAMPLER_OPTIONS, check_removed
 from flowlm.samplers.base import SampleOutput, Sampler
 from flowlm.samplers.common import check_temperature
 
@@ -132,7 +132,13 @@ class MLFMSampler(Sampler):
             raise ValueError(f"OTP ε must be in [0, 1) (0 = no promotion), got {otp_eps}")
         if otp_mode not in OTP_MODES:
             raise ValueError(f"otp_mode must be one of {OTP_MODES}, got {otp_mode!r}")
-        check_removed("MLFMSampler", "otp_order", otp_order, "before_step", "OTP promotes before each bridge step")
+        check_removed(
+            "MLFMSampler",
+            "otp_order",
+            otp_order,
+            REMOVED_SAMPLER_OPTIONS["otp_order"],
+            "OTP promotes before each bridge step",
+        )
         if rounds < 1 or (rounds > 1 and otp_mode != "rounds"):
             raise ValueError(f"rounds={rounds}: must be ≥ 1, and > 1 only with otp_mode=rounds")
         if grid not in GRIDS:

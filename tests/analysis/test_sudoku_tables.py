@@ -420,3 +420,24 @@ def test_the_mdms_best_decoder_within_a_budget_counts_the_nfe_spent():
     assert label == "MDM eb@4 (3.9 NFE)" and got.mean == 75.0
     assert best_within_nfe(part, "accuracy", "MDM", 3) is None
     assert best_within_nfe(part, "accuracy", "MDM", 18)[1].mean == 90.0
+
+
+def test_seeds_on_either_side_of_a_removed_option_aggregate_together(tmp_path):
+    """Seed 0's MDM rows were written while the samplers still recorded `draws: committed` (an option since removed,
+    flowlm/removed.py); seed 1's do not name it. The same sampler: one cell, mean ± std over both seeds."""
+    old = '{"draws": "committed", "score": "max_prob", "temperature": 0.0}'
+    new = '{"score": "max_prob", "temperature": 0.0}'
+    write_rows(
+        tmp_path / "a" / "mdm_seed0.csv", [row("MDM", "scratch", "confidence", 18, 0, 90.0, sampler_settings=old)]
+    )
+    write_rows(
+        tmp_path / "b" / "mdm_seed1.csv", [row("MDM", "scratch", "confidence", 18, 1, 86.0, sampler_settings=new)]
+    )
+    other = '{"draws": "full", "score": "max_prob", "temperature": 0.0}'  # not the kept value: another sampler
+    write_rows(
+        tmp_path / "c" / "mdm_seed2.csv", [row("MDM", "scratch", "confidence", 18, 2, 10.0, sampler_settings=other)]
+    )
+    cells = aggregate(read_results(tmp_path))
+    assert sorted(cells["n"].tolist()) == [1, 2]
+    both = cells[cells["n"] == 2].iloc[0]
+    assert both["accuracy_mean"] == 88.0 and both["sampler_settings"] == new
