@@ -22,6 +22,10 @@ from analysis.tables import reference_numbers
 from flowlm.removed import REMOVED_SAMPLER_OPTIONS
 from flowlm.tasks.sudoku import SudokuLayout, clues_for
 
+# Options the adaptive MDM samplers gained after rows were recorded (issue 37's block cache), at the values that
+# decode as before (their defaults: flowlm/samplers/mdm_adaptive.py AdaptiveMDMSampler): rows that name them at
+# these values and rows written before them are one sampler. Another value (a cache, blocks) is another sampler.
+ADDED_SAMPLER_OPTIONS = {"block_length": None, "cache": "none", "refresh": None}
 # A table row's identity; with `seed` the identity of one measurement (the latest `date` wins on duplicates).
 KEY = ["board", "difficulty", "method", "variant", "sampler", "sampler_settings", "nfe_budget"]
 MEASURES = ["accuracy", "valid_pct", "distinct_valid", "train_copy_pct", "auroc", "wrong_pct", "nfe", "nfe_std", "tpf"]
@@ -94,16 +98,18 @@ def read_results(folder: str | Path, *, skip: Iterable[str | Path] = ()) -> pd.D
 
 
 def current_settings(text: str) -> str:
-    """Recorded sampler settings as today's samplers record them: a removed option at its kept value
-    (``REMOVED_SAMPLER_OPTIONS``) is left out, so rows from before and after its removal are one sampler (seeds
-    trained on either side of it aggregate together)."""
+    """Recorded sampler settings without the options that leave the sampler as it was: a removed option at its kept
+    value (``REMOVED_SAMPLER_OPTIONS``) and an added one at the value that decodes as before it existed
+    (``ADDED_SAMPLER_OPTIONS``), so rows recorded on either side of the change are one sampler (their seeds
+    aggregate together)."""
     try:
         settings = json.loads(text)
     except ValueError:
         return text
     if not isinstance(settings, dict):
         return text
-    kept = {k: v for k, v in settings.items() if k not in REMOVED_SAMPLER_OPTIONS or REMOVED_SAMPLER_OPTIONS[k] != v}
+    unchanged = {**REMOVED_SAMPLER_OPTIONS, **ADDED_SAMPLER_OPTIONS}
+    kept = {k: v for k, v in settings.items() if k not in unchanged or unchanged[k] != v}
     return text if len(kept) == len(settings) else json.dumps(kept, sort_keys=True)
 
 

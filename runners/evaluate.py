@@ -49,6 +49,7 @@ def evaluate(cfg: DictConfig) -> dict:
     check_run_name(cfg)
     meta = read_checkpoint_meta(cfg.ckpt_path)
     inherit_temperature(cfg, meta)  # before the config is resolved: the samplers' temperatures interpolate it
+    inherit_seed(cfg, meta)  # and eval.seed interpolates the seed
     resolve_paths(cfg)
     check_budgets(cfg.eval)
     check_tracking(cfg)  # a full disk under the MLflow store: refused before anything is written
@@ -118,6 +119,18 @@ def inherit_temperature(cfg: DictConfig, meta: dict) -> None:
         cfg.a_priori_temperature = 0.0 if recorded is None else float(recorded)
     if recorded:
         print(f"a_priori_temperature={cfg.a_priori_temperature} as the checkpoint's run had it", flush=True)
+
+
+def inherit_seed(cfg: DictConfig, meta: dict) -> None:
+    """``seed`` left null takes the checkpoint run's own, else 0 (a foreign model, or a run that recorded none). The
+    evaluation then draws what the run's final evaluation drew, and its MLflow run's ``seed`` is the model's, by which
+    ``flowlm-report`` groups seeds. With a fixed 0, re-evaluating a seed-1 model drew other samples than its training
+    rows and logged ``seed`` 0 beside the checkpoint's 1 (MLflow kept the first: "parameters differ")."""
+    if cfg.get("seed") is not None:
+        return
+    recorded = (meta.get("config") or {}).get("seed")
+    with open_dict(cfg):
+        cfg.seed = 0 if recorded is None else int(recorded)
 
 
 def name_after_checkpoint(cfg: DictConfig, meta: dict) -> None:

@@ -4,7 +4,9 @@
 # into the repository's results/ and committed with the report.
 #
 #   scripts/tables_campaign.sh start      # clone this checkout to $CAMPAIGN/code, train the plan below in the
-#                                         # background (nohup, nice 10); a relaunch resumes the unfinished model
+#                                         # background (nohup, nice 10); a relaunch resumes the unfinished model;
+#                                         # each MDM, once trained, is re-evaluated with the fast decoders
+#                                         # (eval=sudoku_mdm_fast, sampling only: its <exp>_seed<n>_eval.csv)
 #   scripts/tables_campaign.sh status     # each model: done / running (its last step and val loss) / waiting
 #   scripts/tables_campaign.sh collect    # copy finished CSVs into results/sudoku/, regenerate the report
 #   scripts/tables_campaign.sh update     # the campaign's clone takes this checkout's new commits (next model on)
@@ -83,17 +85,49 @@ train_one() {  # train (or resume) one model from the campaign's clone; the mark
     fi
 }
 
+fast_eval_due() {  # whether the MDM $1 at seed $2 is finished and its fast decoders are still to be evaluated
+    [[ "$1" == sudoku_mdm_* ]] && is_done "$1" "$2" && ! is_done "$1" "$2_eval" \
+        && { [[ -z "$(committed_csv "$1" "$2_eval")" ]] || is_redo "$1" "$2_eval"; }
+}
+
+fast_eval_one() {  # issue 35 item 3: a finished MDM re-evaluated with the field's fast decoders (eval=sudoku_mdm_fast)
+    # at its training run's NFE budgets, puzzles and sampling seed (its run_config.yaml), sampling only; the rows go
+    # to results/<task>/<exp>_seed<seed>_eval.csv beside the training run's, which the report merges
+    local exp="$1" seed="$2" run settings
+    run="$CAMPAIGN/runs/$exp/cpu/seed$seed"
+    echo "$(date -u +%FT%TZ) start $exp seed $seed: fast decoders"
+    settings="$("$PYTHON" -c 'import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); e = c["eval"]; print("seed=%s eval.nfe=[%s] eval.max_batches=%s eval.seed=%s" % (c["seed"], ",".join(map(str, e["nfe"])), e["max_batches"], e["seed"]))' "$run/run_config.yaml")" \
+        || { echo "$(date -u +%FT%TZ) FAILED $exp seed $seed: no readable $run/run_config.yaml"; return 1; }
+    # shellcheck disable=SC2086  # $settings is four overrides
+    if (cd "$CAMPAIGN/code" && env PYTHONPATH="$CAMPAIGN/code" FLOWLM_RUNS="$CAMPAIGN/runs" \
+        FLOWLM_DATA="$CAMPAIGN/data" OMP_NUM_THREADS="$THREADS" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 MPLBACKEND=Agg \
+        nice -n 10 "$PYTHON" -m runners.evaluate "ckpt_path=$run/checkpoints/last.ckpt" eval=sudoku_mdm_fast \
+        $settings "results_csv=$CAMPAIGN/results/sudoku") \
+        >>"$CAMPAIGN/logs/${exp}_seed${seed}_eval.log" 2>&1; then
+        touch "$CAMPAIGN/done/${exp}_seed${seed}_eval"
+        rm -f "$CAMPAIGN/redo/${exp}_seed${seed}_eval"
+        echo "$(date -u +%FT%TZ) done $exp seed $seed: fast decoders"
+    else
+        echo "$(date -u +%FT%TZ) FAILED $exp seed $seed: fast decoders, see $CAMPAIGN/logs/${exp}_seed${seed}_eval.log"
+        return 1
+    fi
+}
+
 run_plan() {
     local i=0 item exp seed
     for item in $PLAN; do
         i=$((i + 1))
         exp="${item%%:*}" seed="${item##*:}"
-        if is_done "$exp" "$seed"; then continue; fi
+        if is_done "$exp" "$seed"; then
+            if fast_eval_due "$exp" "$seed"; then fast_eval_one "$exp" "$seed" || exit 1; fi
+            continue
+        fi
         if [[ -n "$(committed_csv "$exp" "$seed")" ]] && ! is_redo "$exp" "$seed" && ! needed_later "$exp" "$seed" "$i"; then
             echo "$(date -u +%FT%TZ) skip $exp seed $seed: its rows are committed"
             continue
         fi
         train_one "$exp" "$seed" || exit 1  # a failure stops the campaign: it is not silently skipped
+        if fast_eval_due "$exp" "$seed"; then fast_eval_one "$exp" "$seed" || exit 1; fi
     done
     echo "$(date -u +%FT%TZ) the plan is finished"
 }
@@ -122,6 +156,9 @@ redo)
     [[ $# -eq 3 && -f "$ROOT/conf/experiment/$2.yaml" && "$3" =~ ^[0-9]+$ ]] \
         || { echo "usage: $0 redo EXPERIMENT SEED (an experiment of conf/experiment/)" >&2; exit 2; }
     mkdir -p "$CAMPAIGN/redo" && touch "$CAMPAIGN/redo/$2_seed$3" && rm -f "$CAMPAIGN/done/$2_seed$3"
+    if [[ "$2" == sudoku_mdm_* ]]; then  # new weights: its fast decoders are evaluated again too
+        touch "$CAMPAIGN/redo/$2_seed$3_eval" && rm -f "$CAMPAIGN/done/$2_seed$3_eval"
+    fi
     echo "$2 seed $3 trains again when its turn in the plan comes (from its last checkpoint where there is one)"
     ;;
 stop)
@@ -134,7 +171,8 @@ status)
     for item in $PLAN; do
         exp="${item%%:*}" seed="${item##*:}"
         record="$CAMPAIGN/runs/$exp/cpu/seed$seed/convergence.json"
-        if is_done "$exp" "$seed"; then state="done"
+        if fast_eval_due "$exp" "$seed"; then state="trained; its fast decoders are evaluated next"
+        elif is_done "$exp" "$seed"; then state="done"
         elif [[ -f "$record" ]]; then
             state="$("$PYTHON" -c 'import json,sys; r=json.load(open(sys.argv[1])); v=r["final_val_loss"]; print("running: step {}, val loss {}, {:.0f} min".format(r["steps"], v if v is None else round(v, 4), r["wall_s"] / 60))' "$record")" || state="running (record unreadable)"
         elif [[ -n "$(committed_csv "$exp" "$seed")" ]]; then state="rows committed earlier"

@@ -441,3 +441,30 @@ def test_seeds_on_either_side_of_a_removed_option_aggregate_together(tmp_path):
     assert sorted(cells["n"].tolist()) == [1, 2]
     both = cells[cells["n"] == 2].iloc[0]
     assert both["accuracy_mean"] == 88.0 and both["sampler_settings"] == new
+
+
+def test_seeds_on_either_side_of_an_added_option_aggregate_together(tmp_path):
+    """Seed 0's EB rows were written before the adaptive samplers had the block cache; seed 1's name its options at
+    the values that decode as before (`block_length: null, cache: "none", refresh: null`). One sampler: one cell; a
+    cache in use is another sampler. And those values are the samplers' defaults."""
+    import inspect
+
+    from analysis.sudoku_tables import ADDED_SAMPLER_OPTIONS
+    from flowlm.samplers.mdm_adaptive import AdaptiveMDMSampler
+
+    defaults = inspect.signature(AdaptiveMDMSampler.__init__).parameters
+    assert {k: defaults[k].default for k in ADDED_SAMPLER_OPTIONS} == ADDED_SAMPLER_OPTIONS
+    old = '{"gamma": 0.1, "score": "entropy", "temperature": 0.0}'
+    new = (
+        '{"block_length": null, "cache": "none", "gamma": 0.1, "refresh": null, "score": "entropy", "temperature": 0.0}'
+    )
+    cached = new.replace('"cache": "none"', '"cache": "dual"').replace('"block_length": null', '"block_length": 6')
+    for seed, (settings, accuracy) in enumerate([(old, 75.0), (new, 63.0), (cached, 10.0)]):
+        write_rows(
+            tmp_path / f"s{seed}" / f"mdm_seed{seed}_eval.csv",
+            [row("MDM", "scratch", "eb", 4, seed, accuracy, sampler_settings=settings)],
+        )
+    cells = aggregate(read_results(tmp_path))
+    assert sorted(cells["n"].tolist()) == [1, 2]
+    both = cells[cells["n"] == 2].iloc[0]
+    assert both["accuracy_mean"] == 69.0 and both["sampler_settings"] == old

@@ -6,18 +6,45 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from flowlm.project import PROJECT_DIR
 
 SCRIPT = Path(PROJECT_DIR) / "scripts" / "tables_campaign.sh"
-COMMITTED = "sudoku_mdm_easy:0"  # results/sudoku/sudoku_easy_6x6/sudoku_mdm_easy_seed0.csv is committed
+COMMITTED = "sudoku_mdm_easy:0"  # results/sudoku/sudoku_easy_6x6/sudoku_mdm_easy_seed0{,_eval}.csv are committed
+FAST_EVAL = (  # the evaluation at the training run's budgets, puzzles and sampling seed (its run_config.yaml)
+    "evaluate sudoku_mdm_easy/cpu/seed{seed}/checkpoints/last.ckpt eval=sudoku_mdm_fast seed={seed} "
+    "eval.nfe=[4,18] eval.max_batches=2 eval.seed={seed}"
+)
 
 
-def campaign(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+# The stand-in for the campaign's python: a training records the experiment and seed it was asked for and writes the
+# run's run_config.yaml (its evaluation settings); an evaluation records the checkpoint and the overrides, and fails
+# while the file `fail_eval` exists; `-c` snippets run in the real interpreter.
+STAND_IN = """#!/bin/bash
+if [[ "$1" == -c ]]; then exec {python} "$@"; fi
+if [[ "$*" == *runners.evaluate* ]]; then
+    [[ -e {tmp}/fail_eval ]] && exit 1
+    echo "$*" | grep -o "runs/[a-z_]*/cpu/seed[0-9]*/checkpoints/last.ckpt eval=sudoku_mdm_fast .*eval.seed=[0-9]*" \
+        | sed "s|^runs/|evaluate |" >> {tmp}/trained.txt
+    exit 0
+fi
+exp=$(echo "$*" | grep -o "experiment=[a-z_]*" | cut -d= -f2)
+seed=$(echo "$*" | grep -o "seed=[0-9]*" | cut -d= -f2)
+echo "experiment=$exp seed=$seed" >> {tmp}/trained.txt
+run="$FLOWLM_RUNS/$exp/cpu/seed$seed"
+mkdir -p "$run"
+printf "seed: $seed\\neval:\\n  nfe: [4, 18]\\n  max_batches: 2\\n  seed: $seed\\n" > "$run/run_config.yaml"
+"""
+
+
+def campaign(
+    tmp_path: Path, *args: str, plan: str = f"{COMMITTED} sudoku_mdm_easy:7"
+) -> tuple[subprocess.CompletedProcess, list[str]]:
     trained = tmp_path / "trained.txt"
-    python = tmp_path / "python"  # the stand-in: records the experiment and seed it was asked to train
-    python.write_text(f'#!/bin/bash\necho "$*" | grep -o "experiment=[a-z_]* seed=[0-9]*" >> {trained}\n')
+    python = tmp_path / "python"
+    python.write_text(STAND_IN.format(python=sys.executable, tmp=tmp_path))
     python.chmod(0o755)
     code = tmp_path / "campaign" / "code"
     if not code.exists():
@@ -38,7 +65,7 @@ def campaign(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, l
         **os.environ,
         "FLOWLM_CAMPAIGN": str(tmp_path / "campaign"),
         "FLOWLM_PYTHON": str(python),
-        "FLOWLM_CAMPAIGN_PLAN": f"{COMMITTED} sudoku_mdm_easy:7",
+        "FLOWLM_CAMPAIGN_PLAN": plan,
     }
     done = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60)
     return done, trained.read_text().splitlines() if trained.exists() else []
@@ -47,7 +74,8 @@ def campaign(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, l
 def test_committed_rows_are_skipped_unless_redone(tmp_path):
     done, trained = campaign(tmp_path, "run")
     assert done.returncode == 0, done.stderr
-    assert trained == ["experiment=sudoku_mdm_easy seed=7"]  # seed 0's rows are committed
+    # seed 0's rows (and its fast decoders' rows) are committed; seed 7 trains, then its fast decoders are evaluated
+    assert trained == ["experiment=sudoku_mdm_easy seed=7", FAST_EVAL.format(seed=7)]
     assert "skip sudoku_mdm_easy seed 0" in done.stdout
     assert (tmp_path / "campaign" / "done" / "sudoku_mdm_easy_seed7").exists()
 
@@ -55,8 +83,30 @@ def test_committed_rows_are_skipped_unless_redone(tmp_path):
     assert redo.returncode == 0, redo.stderr
     again, trained = campaign(tmp_path, "run")
     assert again.returncode == 0, again.stderr
-    assert trained[1:] == ["experiment=sudoku_mdm_easy seed=0"]  # seed 7 is done; seed 0 trains again
+    # seed 7 is done; seed 0 trains again, and its fast decoders are evaluated again on the new weights
+    assert trained[2:] == ["experiment=sudoku_mdm_easy seed=0", FAST_EVAL.format(seed=0)]
     assert not (tmp_path / "campaign" / "redo" / "sudoku_mdm_easy_seed0").exists()  # done: no longer asked for
 
     bad, _ = campaign(tmp_path, "redo", "no_such_experiment", "0")
     assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_a_failed_fast_evaluation_stops_the_campaign_and_is_retried_alone(tmp_path):
+    """An MDM's fast decoders are evaluated once it is trained; a failure stops the plan (the FMLM+ built from it
+    waits), and the relaunch evaluates again without retraining; a model that is no MDM gets no such evaluation."""
+    plan = "sudoku_mdm_easy:7 sudoku_fmlm_plus_init_easy:7"
+    (tmp_path / "fail_eval").touch()
+    failed, trained = campaign(tmp_path, "run", plan=plan)
+    assert failed.returncode == 1
+    assert "FAILED sudoku_mdm_easy seed 7: fast decoders" in failed.stdout
+    assert trained == ["experiment=sudoku_mdm_easy seed=7"]
+    status, _ = campaign(tmp_path, "status", plan=plan)
+    assert "trained; its fast decoders are evaluated next" in status.stdout
+
+    (tmp_path / "fail_eval").unlink()
+    again, trained = campaign(tmp_path, "run", plan=plan)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert trained[1:] == [FAST_EVAL.format(seed=7), "experiment=sudoku_fmlm_plus_init_easy seed=7"]
+    assert (tmp_path / "campaign" / "done" / "sudoku_mdm_easy_seed7_eval").exists()
+    third, trained = campaign(tmp_path, "run", plan=plan)
+    assert third.returncode == 0 and len(trained) == 3  # nothing left to do

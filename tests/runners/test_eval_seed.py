@@ -1,0 +1,70 @@
+"""`flowlm-eval` draws as the checkpoint's run did: ``seed`` left unset is the run's own, so a re-evaluated seed-3
+model gives its training rows again and its MLflow run records seed 3 (with 0 fixed it drew other samples and logged
+seed 0 beside the checkpoint's 3, and MLflow warned that the parameters differ from a first launch)."""
+
+from __future__ import annotations
+
+import csv
+import warnings
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from runners.evaluate import evaluate
+from runners.train import train
+from tests.conftest import FAST, compose_config
+
+EVAL = ["eval.nfe=[1,4]", "eval.max_batches=1"]
+
+
+def _rows(path: Path) -> dict[tuple[str, str], tuple[str, ...]]:
+    """Per sampler and budget: what the drawn grids decide (a 2-step model solves none: % solved alone is 0 for any
+    draws; the AUROC of its confidences and the share of wrong tokens are not) and the model's seed."""
+    with path.open() as f:
+        return {
+            (r["sampler"], r["nfe_budget"]): (r["accuracy"], r["auroc"], r["wrong_pct"], r["seed"])
+            for r in csv.DictReader(f)
+        }
+
+
+def test_flowlm_eval_draws_with_the_checkpoint_runs_seed(runs_env):
+    results = runs_env / "results"
+    run = train(
+        compose_config(
+            overrides=["experiment=sudoku_mdm_easy", "scale=cpu", *FAST, "seed=3", *EVAL]
+            + [f"callbacks.results_csv.dir={results}"]
+        )
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        evaluate(
+            compose_config(
+                "eval",
+                [f"ckpt_path={Path(run['run_dir']) / 'checkpoints' / 'last.ckpt'}", *EVAL, f"results_csv={results}"],
+            )
+        )
+    assert not [w for w in caught if "parameters differ" in str(w.message)]
+    (trained,) = results.rglob("sudoku_mdm_easy_seed3.csv")
+    again = _rows(trained.with_name("sudoku_mdm_easy_seed3_eval.csv"))
+    # the ancestral sampler draws at temperature 1: another seed gives other grids
+    assert again == _rows(trained) and {row[-1] for row in again.values()} == {"3"}
+
+    client = MlflowClient(f"sqlite:///{runs_env / 'runs' / 'mlflow.db'}")
+    (evaluation,) = [
+        r
+        for r in client.search_runs([e.experiment_id for e in client.search_experiments()])
+        if r.data.params.get("name", "").startswith("eval/")
+    ]
+    assert evaluation.data.params["seed"] == "3"
+    assert "flowlm.resume_changed_params" not in evaluation.data.tags
+
+
+def test_an_explicit_seed_is_kept(runs_env):
+    from omegaconf import OmegaConf
+
+    from runners.evaluate import inherit_seed
+
+    for given, recorded, expected in [(None, 3, 3), (None, None, 0), (5, 3, 5), (0, 3, 0)]:
+        cfg = OmegaConf.create({"seed": given, "eval": {"seed": "${seed}"}})
+        inherit_seed(cfg, {"config": {} if recorded is None else {"seed": recorded}})
+        assert cfg.eval.seed == expected
