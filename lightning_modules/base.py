@@ -353,6 +353,13 @@ class FlowLMModule(L.LightningModule, ABC):
         gen = self.step_generator(stream, batch_idx, shared=True, device=self.device)
         return torch.rand((n_global, *shape[1:]), generator=gen, device=self.device)[offset : offset + shape[0]]
 
+    def starts_fresh(self) -> bool:
+        """Whether this fit starts a run rather than resuming one from its checkpoint: the moment to copy weights from
+        a source (``init_from``). Not ``global_step == 0``: on one device Lightning calls ``on_fit_start`` after it
+        has loaded a resumed run's weights and before it restores the step counter, so that guard copied the
+        source over the resumed weights at every relaunch."""
+        return self._trainer is None or self.trainer.ckpt_path is None
+
     def log_init_report(self, message: str, report: dict) -> None:
         """Say what an initialisation from a source checkpoint copied, and log ``report`` to MLflow (init_from.json)."""
         rank_zero_info(message)

@@ -120,7 +120,7 @@ class FMLMPlusModule(FlowLMModule):
 
     def on_fit_start(self) -> None:
         """Initialise from the MDM (fresh runs only) and load the frozen teacher."""
-        if self.init_from and self.global_step == 0 and self.init_report is None:
+        if self.init_from and self.starts_fresh() and self.init_report is None:
             source = read_checkpoint(self.init_from, data_vocab_size=self.data_vocab_size)
             self.initialise_from(source["state_dict"])  # the source's EMA weights
             report = self.init_report

@@ -98,7 +98,7 @@ class MLFMModule(FlowLMModule):
 
     def on_fit_start(self) -> None:
         """Copy the MDM's weights into the frozen base (fresh runs only; a resumed run has them already)."""
-        if self.init_from and self.global_step == 0 and self.init_report is None:
+        if self.init_from and self.starts_fresh() and self.init_report is None:
             source = read_checkpoint(self.init_from, data_vocab_size=self.data_vocab_size)
             self.init_report = self._copy_mdm(self.net, source["state_dict"])
             trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
