@@ -8,7 +8,8 @@
 #   bash benchmarks/gpu_tables.sh --dry-run             # no GPU: CPU, 3 models × 1 seed × 20 steps, every code path
 #
 # Order: phase 1 trains the four MDMs of every seed at once; phase 2 every run built from them (FMLM+ initialised
-# and distilled, MLFM) and the FMLM+ from scratch, --jobs at a time. A relaunch resumes every unfinished run (each has
+# and distilled, MLFM) and the FMLM+ from scratch, --jobs at a time; phase 3 re-evaluates each finished MDM with the
+# fast decoders (scripts/mdm_fast_eval.sh, sampling only: <model>_seed<n>_eval.csv), as the CPU campaign does. A relaunch resumes every unfinished run (each has
 # a deterministic folder); a finished run is only re-evaluated. The results CSVs land in <out>/results/sudoku/<task>/:
 # copy them into the repository's results/sudoku/ and run `flowlm-report --config-name report_sudoku`; each row
 # records its precision (bf16-mixed here) and device, and the report says when a table mixes machines.
@@ -49,11 +50,12 @@ for t in $tasks; do
   derived="$derived sudoku_fmlm_plus_init_$t sudoku_fmlm_plus_distill_$t sudoku_fmlm_plus_scratch_$t"
   [ "$t" = uncond ] || derived="$derived sudoku_mlfm_$t"
 done
-extra=(trainer=gpu)
+extra=(trainer=gpu) eval_extra=(trainer=gpu)
 if [ "$dry" = 1 ]; then
   mdms="sudoku_mdm_easy" derived="sudoku_fmlm_plus_init_easy sudoku_mlfm_easy" seeds="0" jobs=2
   out="${out%/}_dry_run"
   extra=(trainer=cpu trainer.max_steps=20 trainer.val_check_interval=10 data.num_train=512 data.num_val=64)
+  eval_extra=(trainer=cpu)
 else
   if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     echo "gpu_tables: no CUDA device visible to torch; install a CUDA build of torch (README), or pass --dry-run" >&2
@@ -82,14 +84,29 @@ run_one() {  # experiment seed: train (or resume) one run, its log in <out>/logs
     echo "NOT finished (rc $?): $1 seed $2 — see $out/logs/$1_seed$2.log"
   fi
 }
-export -f run_one
-export out deadline PY
-export EXTRA="${extra[*]}"
-
-phase() {  # name, then "experiment seed" lines on stdin: run them --jobs at a time
-  echo "== $1 ($(date -u +%T))"
-  xargs -P "$jobs" -L 1 bash -c 'extra=($EXTRA); run_one "$0" "$1"'
+eval_one() {  # experiment seed: a finished MDM's fast decoders (scripts/mdm_fast_eval.sh), its log in <out>/logs/
+  local left=$((deadline - $(date +%s)))
+  if [ "$left" -le 10 ]; then echo "skipped (budget spent): $1 seed $2, fast decoders"; return 0; fi
+  if [ ! -e "$out/done/$1_seed$2" ]; then echo "skipped: $1 seed $2, fast decoders (it did not finish)"; return 0; fi
+  if [ -e "$out/done/$1_seed$2_eval" ]; then return 0; fi
+  if timeout "$left" env FLOWLM_PYTHON="$PY" FLOWLM_RUNS="$out/runs" FLOWLM_DATA="$out/data" OMP_NUM_THREADS=1 \
+    bash scripts/mdm_fast_eval.sh "$out/runs/$1/cpu/seed$2" "$out/results/sudoku" "${eval_extra[@]}" \
+    >"$out/logs/$1_seed$2_eval.log" 2>&1; then
+    touch "$out/done/$1_seed$2_eval"
+    echo "done: $1 seed $2, fast decoders"
+  else
+    echo "NOT finished (rc $?): $1 seed $2, fast decoders — see $out/logs/$1_seed$2_eval.log"
+  fi
 }
-for s in $seeds; do for e in $mdms; do echo "$e $s"; done; done | phase "phase 1: the MDMs"
-for s in $seeds; do for e in $derived; do echo "$e $s"; done; done | phase "phase 2: the runs built from them"
+export -f run_one eval_one
+export out deadline PY
+export EXTRA="${extra[*]}" EVAL_EXTRA="${eval_extra[*]}"
+
+phase() {  # name, function, then "experiment seed" lines on stdin: run them --jobs at a time
+  echo "== $1 ($(date -u +%T))"
+  xargs -P "$jobs" -L 1 bash -c 'extra=($EXTRA) eval_extra=($EVAL_EXTRA); '"$2"' "$0" "$1"'
+}
+for s in $seeds; do for e in $mdms; do echo "$e $s"; done; done | phase "phase 1: the MDMs" run_one
+for s in $seeds; do for e in $derived; do echo "$e $s"; done; done | phase "phase 2: the runs built from them" run_one
+for s in $seeds; do for e in $mdms; do echo "$e $s"; done; done | phase "phase 3: the MDMs' fast decoders" eval_one
 echo "== results: $out/results/sudoku ($(find "$out/results" -name '*.csv' 2>/dev/null | wc -l) CSV files)"

@@ -90,20 +90,13 @@ fast_eval_due() {  # whether the MDM $1 at seed $2 is finished and its fast deco
         && { [[ -z "$(committed_csv "$1" "$2_eval")" ]] || is_redo "$1" "$2_eval"; }
 }
 
-fast_eval_one() {  # issue 35 item 3: a finished MDM re-evaluated with the field's fast decoders (eval=sudoku_mdm_fast)
-    # at its training run's NFE budgets, puzzles and sampling seed (its run_config.yaml), sampling only; the rows go
-    # to results/<task>/<exp>_seed<seed>_eval.csv beside the training run's, which the report merges
-    local exp="$1" seed="$2" run settings
-    run="$CAMPAIGN/runs/$exp/cpu/seed$seed"
+fast_eval_one() {  # issue 35 item 3: a finished MDM re-evaluated with the field's fast decoders (mdm_fast_eval.sh)
+    local exp="$1" seed="$2"
     echo "$(date -u +%FT%TZ) start $exp seed $seed: fast decoders"
-    settings="$("$PYTHON" -c 'import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); e = c["eval"]; print("seed=%s eval.nfe=[%s] eval.max_batches=%s eval.seed=%s" % (c["seed"], ",".join(map(str, e["nfe"])), e["max_batches"], e["seed"]))' "$run/run_config.yaml")" \
-        || { echo "$(date -u +%FT%TZ) FAILED $exp seed $seed: no readable $run/run_config.yaml"; return 1; }
-    # shellcheck disable=SC2086  # $settings is four overrides
-    if (cd "$CAMPAIGN/code" && env PYTHONPATH="$CAMPAIGN/code" FLOWLM_RUNS="$CAMPAIGN/runs" \
+    if (cd "$CAMPAIGN/code" && env PYTHONPATH="$CAMPAIGN/code" FLOWLM_PYTHON="$PYTHON" FLOWLM_RUNS="$CAMPAIGN/runs" \
         FLOWLM_DATA="$CAMPAIGN/data" OMP_NUM_THREADS="$THREADS" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 MPLBACKEND=Agg \
-        nice -n 10 "$PYTHON" -m runners.evaluate "ckpt_path=$run/checkpoints/last.ckpt" eval=sudoku_mdm_fast \
-        $settings "results_csv=$CAMPAIGN/results/sudoku") \
-        >>"$CAMPAIGN/logs/${exp}_seed${seed}_eval.log" 2>&1; then
+        nice -n 10 bash "$ROOT/scripts/mdm_fast_eval.sh" "$CAMPAIGN/runs/$exp/cpu/seed$seed" \
+        "$CAMPAIGN/results/sudoku") >>"$CAMPAIGN/logs/${exp}_seed${seed}_eval.log" 2>&1; then
         touch "$CAMPAIGN/done/${exp}_seed${seed}_eval"
         rm -f "$CAMPAIGN/redo/${exp}_seed${seed}_eval"
         echo "$(date -u +%FT%TZ) done $exp seed $seed: fast decoders"

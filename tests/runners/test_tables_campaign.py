@@ -20,8 +20,8 @@ FAST_EVAL = (  # the evaluation at the training run's budgets, puzzles and sampl
 
 
 # The stand-in for the campaign's python: a training records the experiment and seed it was asked for and writes the
-# run's run_config.yaml (its evaluation settings); an evaluation records the checkpoint and the overrides, and fails
-# while the file `fail_eval` exists; `-c` snippets run in the real interpreter.
+# run's run_config.yaml (its evaluation settings) and a checkpoint; an evaluation records the checkpoint and the
+# overrides, and fails while the file `fail_eval` exists; `-c` snippets run in the real interpreter.
 STAND_IN = """#!/bin/bash
 if [[ "$1" == -c ]]; then exec {python} "$@"; fi
 if [[ "$*" == *runners.evaluate* ]]; then
@@ -34,7 +34,7 @@ exp=$(echo "$*" | grep -o "experiment=[a-z_]*" | cut -d= -f2)
 seed=$(echo "$*" | grep -o "seed=[0-9]*" | cut -d= -f2)
 echo "experiment=$exp seed=$seed" >> {tmp}/trained.txt
 run="$FLOWLM_RUNS/$exp/cpu/seed$seed"
-mkdir -p "$run"
+mkdir -p "$run/checkpoints" && touch "$run/checkpoints/last.ckpt"
 printf "seed: $seed\\neval:\\n  nfe: [4, 18]\\n  max_batches: 2\\n  seed: $seed\\n" > "$run/run_config.yaml"
 """
 
