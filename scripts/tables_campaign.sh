@@ -13,6 +13,8 @@
 #   scripts/tables_campaign.sh stop       # end the background campaign (a relaunch resumes the model it was on)
 #   scripts/tables_campaign.sh redo EXP SEED   # train EXP at SEED again when its turn comes (resumed from its last
 #                                         # checkpoint here: a protocol change, e.g. a later stop), though committed
+#   scripts/tables_campaign.sh redo EXP SEED --fresh   # the same from the start (a damaged run): with the campaign
+#                                         # stopped, its run folder, sweep folder, logs and CSVs go to discarded/
 #
 # Its folders live outside the work tree (which may be laid anew): $FLOWLM_CAMPAIGN, default ../flowlm_campaign
 # beside the checkout: code/ (the clone it trains from, so editing the checkout never changes a running campaign),
@@ -146,13 +148,28 @@ update)
     echo "the campaign's clone is at $(git -C "$CAMPAIGN/code" rev-parse --short HEAD): the next model trains from it"
     ;;
 redo)
-    [[ $# -eq 3 && -f "$ROOT/conf/experiment/$2.yaml" && "$3" =~ ^[0-9]+$ ]] \
-        || { echo "usage: $0 redo EXPERIMENT SEED (an experiment of conf/experiment/)" >&2; exit 2; }
+    [[ ($# -eq 3 || ($# -eq 4 && "$4" == --fresh)) && -f "$ROOT/conf/experiment/$2.yaml" && "$3" =~ ^[0-9]+$ ]] \
+        || { echo "usage: $0 redo EXPERIMENT SEED [--fresh] (an experiment of conf/experiment/)" >&2; exit 2; }
+    if [[ "${4:-}" == --fresh ]]; then  # from the start: what the damaged run left is moved aside, not deleted
+        if [[ -n "$(running_pid)" ]]; then
+            echo "the campaign is running: stop it first ('start' resumes it), then redo --fresh" >&2
+            exit 2
+        fi
+        aside="$CAMPAIGN/discarded/$2_seed$3-$(date -u +%Y%m%dT%H%M%SZ)"
+        mkdir -p "$aside"
+        for what in "runs/$2/cpu/seed$3" "multirun/$2_seed$3" "logs/$2_seed$3.log" "logs/$2_seed$3_eval.log"; do
+            if [[ -e "$CAMPAIGN/$what" ]]; then mv "$CAMPAIGN/$what" "$aside/$(basename "$what")"; fi
+        done
+        find "$CAMPAIGN/results" -name "$2_seed$3.csv" -o -name "$2_seed$3_eval.csv" 2>/dev/null \
+            | while IFS= read -r csv; do mv "$csv" "$aside/"; done
+        echo "moved what $2 seed $3 left to $aside"
+    fi
     mkdir -p "$CAMPAIGN/redo" && touch "$CAMPAIGN/redo/$2_seed$3" && rm -f "$CAMPAIGN/done/$2_seed$3"
     if [[ "$2" == sudoku_mdm_* ]]; then  # new weights: its fast decoders are evaluated again too
         touch "$CAMPAIGN/redo/$2_seed$3_eval" && rm -f "$CAMPAIGN/done/$2_seed$3_eval"
     fi
-    echo "$2 seed $3 trains again when its turn in the plan comes (from its last checkpoint where there is one)"
+    if [[ "${4:-}" == --fresh ]]; then echo "$2 seed $3 trains again from the start when its turn in the plan comes"
+    else echo "$2 seed $3 trains again when its turn in the plan comes (from its last checkpoint where there is one)"; fi
     ;;
 stop)
     pid="$(running_pid)"

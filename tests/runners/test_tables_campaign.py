@@ -110,3 +110,30 @@ def test_a_failed_fast_evaluation_stops_the_campaign_and_is_retried_alone(tmp_pa
     assert (tmp_path / "campaign" / "done" / "sudoku_mdm_easy_seed7_eval").exists()
     third, trained = campaign(tmp_path, "run", plan=plan)
     assert third.returncode == 0 and len(trained) == 3  # nothing left to do
+
+
+def test_redo_fresh_moves_a_damaged_run_aside_and_trains_it_from_the_start(tmp_path):
+    """`redo EXP SEED --fresh`: the run folder, sweep folder, logs and CSVs go to discarded/ (nothing is deleted), and
+    the model trains again, then its fast decoders; refused while the campaign runs."""
+    plan = "sudoku_mdm_easy:7"
+    first, _ = campaign(tmp_path, "run", plan=plan)
+    assert first.returncode == 0, first.stdout + first.stderr
+    root = tmp_path / "campaign"
+    run = root / "runs" / "sudoku_mdm_easy" / "cpu" / "seed7"
+    csv = root / "results" / "sudoku" / "sudoku_easy_6x6" / "sudoku_mdm_easy_seed7.csv"
+    csv.parent.mkdir(parents=True)
+    csv.write_text("rows of the damaged run\n")
+
+    (root / "campaign.pid").write_text(str(os.getpid()))  # a live process: the campaign counts as running
+    refused, _ = campaign(tmp_path, "redo", "sudoku_mdm_easy", "7", "--fresh", plan=plan)
+    assert refused.returncode == 2 and "stop it first" in refused.stderr and run.exists()
+    (root / "campaign.pid").unlink()
+
+    fresh, _ = campaign(tmp_path, "redo", "sudoku_mdm_easy", "7", "--fresh", plan=plan)
+    assert fresh.returncode == 0, fresh.stderr
+    assert not run.exists() and not csv.exists()
+    (aside,) = (root / "discarded").iterdir()
+    assert (aside / "seed7" / "run_config.yaml").exists() and (aside / "sudoku_mdm_easy_seed7.csv").exists()
+    again, trained = campaign(tmp_path, "run", plan=plan)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert trained[2:] == ["experiment=sudoku_mdm_easy seed=7", FAST_EVAL.format(seed=7)]
