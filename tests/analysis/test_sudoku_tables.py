@@ -468,3 +468,19 @@ def test_seeds_on_either_side_of_an_added_option_aggregate_together(tmp_path):
     assert sorted(cells["n"].tolist()) == [1, 2]
     both = cells[cells["n"] == 2].iloc[0]
     assert both["accuracy_mean"] == 69.0 and both["sampler_settings"] == old
+
+
+def test_within_a_budget_means_on_every_seed(tmp_path):
+    """A threshold line whose three seeds spent 3.5, 4.6 and 2.6 NFE on average (mean 3.6) is not within 4 NFE: one
+    seed used more calls than PR's 4. The EB line, within 4 on every seed, is the MDM's best at ≤ 4."""
+    from analysis.sudoku_tables import best_within_nfe
+
+    spent = {"threshold": [(3.5, 80.0), (4.6, 90.0), (2.6, 85.0)], "eb": [(3.9, 75.0), (3.9, 63.0), (3.4, 89.0)]}
+    for sampler, seeds in spent.items():
+        for seed, (nfe, accuracy) in enumerate(seeds):
+            line = row("MDM", "scratch", sampler, 18, seed, accuracy)
+            line["nfe"] = nfe
+            write_rows(tmp_path / f"{sampler}{seed}" / f"mdm_seed{seed}_eval.csv", [line])
+    cells = aggregate(read_results(tmp_path))
+    label, got = best_within_nfe(cells, "accuracy", "MDM", 4)
+    assert label.startswith("MDM eb@18 (3.7 NFE)") and round(got.mean, 1) == 75.7
