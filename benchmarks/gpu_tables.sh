@@ -8,8 +8,8 @@
 #   bash benchmarks/gpu_tables.sh --dry-run             # no GPU: CPU, 3 models × 1 seed × 20 steps, every code path
 #
 # Order: phase 1 trains the four MDMs of every seed at once; phase 2 every run built from them (FMLM+ initialised
-# and distilled, MLFM) and the FMLM+ from scratch, --jobs at a time; phase 3 re-evaluates each finished MDM with the
-# fast decoders (scripts/mdm_fast_eval.sh, sampling only: <model>_seed<n>_eval.csv), as the CPU campaign does. A relaunch resumes every unfinished run (each has
+# and distilled, MLFM) and the FMLM+ from scratch, --jobs at a time, after the finished MDMs' fast decoders
+# (scripts/mdm_fast_eval.sh, sampling only: <model>_seed<n>_eval.csv), as the CPU campaign evaluates them. A relaunch resumes every unfinished run (each has
 # a deterministic folder); a finished run is only re-evaluated. The results CSVs land in <out>/results/sudoku/<task>/:
 # copy them into the repository's results/sudoku/ and run `flowlm-report --config-name report_sudoku`; each row
 # records its precision (bf16-mixed here) and device, and the report says when a table mixes machines.
@@ -102,11 +102,13 @@ export -f run_one eval_one
 export out deadline PY
 export EXTRA="${extra[*]}" EVAL_EXTRA="${eval_extra[*]}"
 
-phase() {  # name, function, then "experiment seed" lines on stdin: run them --jobs at a time
+phase() {  # name, then "function experiment seed" lines on stdin: run them --jobs at a time, in that order
   echo "== $1 ($(date -u +%T))"
-  xargs -P "$jobs" -L 1 bash -c 'extra=($EXTRA) eval_extra=($EVAL_EXTRA); '"$2"' "$0" "$1"'
+  xargs -P "$jobs" -L 1 bash -c 'extra=($EXTRA) eval_extra=($EVAL_EXTRA); "$0" "$1" "$2"'
 }
-for s in $seeds; do for e in $mdms; do echo "$e $s"; done; done | phase "phase 1: the MDMs" run_one
-for s in $seeds; do for e in $derived; do echo "$e $s"; done; done | phase "phase 2: the runs built from them" run_one
-for s in $seeds; do for e in $mdms; do echo "$e $s"; done; done | phase "phase 3: the MDMs' fast decoders" eval_one
+for s in $seeds; do for e in $mdms; do echo "run_one $e $s"; done; done | phase "phase 1: the MDMs"
+{  # the fast decoders first: short, and not left to a budget the derived runs spent
+  for s in $seeds; do for e in $mdms; do echo "eval_one $e $s"; done; done
+  for s in $seeds; do for e in $derived; do echo "run_one $e $s"; done; done
+} | phase "phase 2: the MDMs' fast decoders, then the runs built from them"
 echo "== results: $out/results/sudoku ($(find "$out/results" -name '*.csv' 2>/dev/null | wc -l) CSV files)"

@@ -353,11 +353,17 @@ class FlowLMModule(L.LightningModule, ABC):
         gen = self.step_generator(stream, batch_idx, shared=True, device=self.device)
         return torch.rand((n_global, *shape[1:]), generator=gen, device=self.device)[offset : offset + shape[0]]
 
+    # The checkpoint this fit resumes (runners/train.py sets it before fit): strategies that restore after setup
+    # (FSDP2, DeepSpeed) do not know it yet at on_fit_start, where one device and DDP already have trainer.ckpt_path.
+    resuming_from: str | None = None
+
     def starts_fresh(self) -> bool:
         """Whether this fit starts a run rather than resuming one from its checkpoint: the moment to copy weights from
-        a source (``init_from``). Not ``global_step == 0``: on one device Lightning calls ``on_fit_start`` after it
-        has loaded a resumed run's weights and before it restores the step counter, so that guard copied the
-        source over the resumed weights at every relaunch."""
+        a source (``init_from``). Not ``global_step == 0``: on one device and under DDP Lightning calls
+        ``on_fit_start`` after it has loaded a resumed run's weights and before it restores the step counter, so that
+        guard copied the source over the resumed weights at every relaunch."""
+        if self.resuming_from is not None:
+            return False
         return self._trainer is None or self.trainer.ckpt_path is None
 
     def log_init_report(self, message: str, report: dict) -> None:

@@ -99,6 +99,11 @@ OmegaConf.register_new_resolver("flowlm.run_dir", run_dir, replace=True)
 OmegaConf.register_new_resolver("flowlm.cpu_precision", cpu_precision, replace=True)
 # `${flowlm.hash:...}` in configs: trial folders (conf/hydra/default.yaml), one sweep name per checkpoint.
 OmegaConf.register_new_resolver("flowlm.hash", short_hash, replace=True)
+# `${flowlm.or_default:${seed},0}` in conf/hparams_search/optuna.yaml: a value, or the default where it is null
+# (flowlm-eval's seed is null until the checkpoint's is read, after Hydra built the sweeper; oc.select keeps null).
+OmegaConf.register_new_resolver(
+    "flowlm.or_default", lambda value, default: default if value is None else value, replace=True
+)
 # `${flowlm.sudoku_table_nfe:...}`: the budgets of hparams_search=sudoku_tables, from the task's data config.
 OmegaConf.register_new_resolver(
     "flowlm.sudoku_table_nfe", lambda *args: OmegaConf.create(sudoku_table_nfe(*args)), replace=True

@@ -112,7 +112,8 @@ def _fit(cfg, trainer, module, datamodule, evaluation, ckpt_path, logger) -> dic
     """Fit (or resume), evaluate the final weights unless just done, print and log the table; the run's results."""
     from callbacks.convergence import Convergence
 
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    module.resuming_from = str(ckpt_path) if ckpt_path else None  # before on_fit_start, whatever the strategy
+    trainer.fit(module, datamodule=datamodule, ckpt_path=module.resuming_from)
     evaluated_last_step = evaluation.results and evaluation.results[0]["step"] == trainer.global_step
     if cfg.get("final_eval", True) and not evaluated_last_step:
         trainer.validate(module, datamodule=datamodule, verbose=False)

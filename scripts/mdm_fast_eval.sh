@@ -16,11 +16,11 @@ PYTHON="${FLOWLM_PYTHON:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}"
 [[ -f "$run/run_config.yaml" && -f "$run/checkpoints/last.ckpt" ]] \
     || { echo "$0: $run holds no finished run (run_config.yaml and checkpoints/last.ckpt)" >&2; exit 2; }
 settings="$("$PYTHON" -c '
-import sys, yaml
+import json, sys, yaml
 c = yaml.safe_load(open(sys.argv[1]))
 e = c["eval"]
 print("seed=%s eval.nfe=[%s] eval.max_batches=%s eval.seed=%s"
-      % (c["seed"], ",".join(map(str, e["nfe"])), e["max_batches"], e["seed"]))' "$run/run_config.yaml")"
+      % (c["seed"], ",".join(map(str, e["nfe"])), json.dumps(e["max_batches"]), e["seed"]))' "$run/run_config.yaml")"
 # shellcheck disable=SC2086  # $settings is four overrides
 exec "$PYTHON" -m runners.evaluate "ckpt_path=$run/checkpoints/last.ckpt" eval=sudoku_mdm_fast $settings \
     "results_csv=$results" "$@"

@@ -95,9 +95,13 @@ fast_eval_due() {  # whether the MDM $1 at seed $2 is finished and its fast deco
 fast_eval_one() {  # issue 35 item 3: a finished MDM re-evaluated with the field's fast decoders (mdm_fast_eval.sh)
     local exp="$1" seed="$2"
     echo "$(date -u +%FT%TZ) start $exp seed $seed: fast decoders"
+    if [[ ! -f "$CAMPAIGN/code/scripts/mdm_fast_eval.sh" ]]; then  # the clone's, as its code: a clone from before it
+        echo "$(date -u +%FT%TZ) FAILED $exp seed $seed: the campaign's clone has no scripts/mdm_fast_eval.sh: 'update'"
+        return 1
+    fi
     if (cd "$CAMPAIGN/code" && env PYTHONPATH="$CAMPAIGN/code" FLOWLM_PYTHON="$PYTHON" FLOWLM_RUNS="$CAMPAIGN/runs" \
         FLOWLM_DATA="$CAMPAIGN/data" OMP_NUM_THREADS="$THREADS" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 MPLBACKEND=Agg \
-        nice -n 10 bash "$ROOT/scripts/mdm_fast_eval.sh" "$CAMPAIGN/runs/$exp/cpu/seed$seed" \
+        nice -n 10 bash "$CAMPAIGN/code/scripts/mdm_fast_eval.sh" "$CAMPAIGN/runs/$exp/cpu/seed$seed" \
         "$CAMPAIGN/results/sudoku") >>"$CAMPAIGN/logs/${exp}_seed${seed}_eval.log" 2>&1; then
         touch "$CAMPAIGN/done/${exp}_seed${seed}_eval"
         rm -f "$CAMPAIGN/redo/${exp}_seed${seed}_eval"
@@ -160,8 +164,10 @@ redo)
         for what in "runs/$2/cpu/seed$3" "multirun/$2_seed$3" "logs/$2_seed$3.log" "logs/$2_seed$3_eval.log"; do
             if [[ -e "$CAMPAIGN/$what" ]]; then mv "$CAMPAIGN/$what" "$aside/$(basename "$what")"; fi
         done
-        find "$CAMPAIGN/results" -name "$2_seed$3.csv" -o -name "$2_seed$3_eval.csv" 2>/dev/null \
-            | while IFS= read -r csv; do mv "$csv" "$aside/"; done
+        if [[ -d "$CAMPAIGN/results" ]]; then
+            find "$CAMPAIGN/results" -name "$2_seed$3.csv" -o -name "$2_seed$3_eval.csv" \
+                | while IFS= read -r csv; do mv "$csv" "$aside/"; done
+        fi
         echo "moved what $2 seed $3 left to $aside"
     fi
     mkdir -p "$CAMPAIGN/redo" && touch "$CAMPAIGN/redo/$2_seed$3" && rm -f "$CAMPAIGN/done/$2_seed$3"

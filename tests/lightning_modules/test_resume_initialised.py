@@ -59,3 +59,20 @@ def test_a_resumed_initialised_run_goes_on_from_its_own_weights(tmp_path, monkey
         assert a[part].keys() == b[part].keys()
         for key, value in a[part].items():
             assert torch.equal(value, b[part][key]), (part, key)
+
+
+def test_a_strategy_that_restores_after_setup_is_told_by_the_runner():
+    """Under FSDP2 or DeepSpeed Lightning restores the checkpoint after ``on_fit_start``, so ``trainer.ckpt_path`` is
+    still None there: the runner's ``resuming_from`` decides (the copy would be overwritten by the restore, but
+    reported and logged as an initialisation of a resumed run)."""
+    from types import SimpleNamespace
+
+    from lightning_modules.base import FlowLMModule
+
+    trainer = SimpleNamespace(ckpt_path=None)
+    module = SimpleNamespace(resuming_from=None, _trainer=trainer, trainer=trainer)
+    assert FlowLMModule.starts_fresh(module)
+    module.resuming_from = "runs/x/checkpoints/last.ckpt"
+    assert not FlowLMModule.starts_fresh(module)
+    module.resuming_from, trainer.ckpt_path = None, "runs/x/checkpoints/last.ckpt"  # one device, DDP
+    assert not FlowLMModule.starts_fresh(module)

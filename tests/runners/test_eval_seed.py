@@ -68,3 +68,21 @@ def test_an_explicit_seed_is_kept(runs_env):
         cfg = OmegaConf.create({"seed": given, "eval": {"seed": "${seed}"}})
         inherit_seed(cfg, {"config": {} if recorded is None else {"seed": recorded}})
         assert cfg.eval.seed == expected
+
+
+def test_an_optuna_sweep_of_flowlm_eval_seeds_its_sampler():
+    """`hydra.sweeper.sampler.seed: ${seed}` is resolved when Hydra builds the sweeper, before `inherit_seed`: with
+    `flowlm-eval`'s seed null the Optuna sampler went unseeded (its proposals not reproducible). It takes 0 then, and
+    a given seed otherwise."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from flowlm.project import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        for extra, expected in [([], 0), (["seed=5"], 5)]:
+            cfg = compose("eval", ["ckpt_path=x.ckpt", "hparams_search=pr_optuna", *extra], return_hydra_config=True)
+            assert OmegaConf.select(cfg, "hydra.sweeper.sampler.seed") == expected
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("train", ["hparams_search=pr_optuna", "seed=2"], return_hydra_config=True)
+        assert OmegaConf.select(cfg, "hydra.sweeper.sampler.seed") == 2

@@ -5,6 +5,7 @@ a stand-in that records what it was asked to train."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +49,8 @@ def campaign(
     python.chmod(0o755)
     code = tmp_path / "campaign" / "code"
     if not code.exists():
-        code.mkdir(parents=True)
+        (code / "scripts").mkdir(parents=True)  # the clone's evaluation script, which the campaign runs
+        shutil.copy(SCRIPT.with_name("mdm_fast_eval.sh"), code / "scripts")
         subprocess.run(["git", "init", "-q", str(code)], check=True)
         subprocess.run(
             ["git", "-C", str(code), "commit", "-q", "--allow-empty", "-m", "x"],
@@ -137,3 +139,34 @@ def test_redo_fresh_moves_a_damaged_run_aside_and_trains_it_from_the_start(tmp_p
     again, trained = campaign(tmp_path, "run", plan=plan)
     assert again.returncode == 0, again.stdout + again.stderr
     assert trained[2:] == ["experiment=sudoku_mdm_easy seed=7", FAST_EVAL.format(seed=7)]
+
+
+def test_the_fast_evaluation_repeats_the_runs_settings_null_included(tmp_path):
+    """scripts/mdm_fast_eval.sh passes the run's budgets, puzzles and seeds as overrides; a null setting (all
+    validation batches) as `null`, which Hydra reads as null, not Python's `None`, a string; a folder without a
+    finished run is refused before anything runs."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "run_config.yaml").write_text("seed: 2\neval:\n  nfe: [4, 18]\n  max_batches: null\n  seed: 2\n")
+    python = tmp_path / "python"  # runs the settings snippet, prints the evaluation's command line
+    python.write_text(f'#!/bin/bash\nif [[ "$1" == -c ]]; then exec {sys.executable} "$@"; fi\necho "$*"\n')
+    python.chmod(0o755)
+    script = [str(SCRIPT.with_name("mdm_fast_eval.sh")), str(run), str(tmp_path / "results"), "trainer=gpu"]
+    env = {**os.environ, "FLOWLM_PYTHON": str(python)}
+    refused = subprocess.run(["bash", *script], env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "holds no finished run" in refused.stderr  # no checkpoint yet
+    (run / "checkpoints" / "last.ckpt").touch()
+    done = subprocess.run(["bash", *script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [
+        "-m",
+        "runners.evaluate",
+        f"ckpt_path={run}/checkpoints/last.ckpt",
+        "eval=sudoku_mdm_fast",
+        "seed=2",
+        "eval.nfe=[4,18]",
+        "eval.max_batches=null",
+        "eval.seed=2",
+        f"results_csv={tmp_path / 'results'}",
+        "trainer=gpu",
+    ]
