@@ -9,8 +9,8 @@
 #
 # Order: phase 1 trains the four MDMs of every seed at once; phase 2 every run built from them (FMLM+ initialised
 # and distilled, MLFM) and the FMLM+ from scratch, --jobs at a time, after the finished MDMs' fast decoders
-# (scripts/mdm_fast_eval.sh, sampling only: <model>_seed<n>_eval.csv), as the CPU campaign evaluates them. A relaunch resumes every unfinished run (each has
-# a deterministic folder); a finished run is only re-evaluated. The results CSVs land in <out>/results/sudoku/<task>/:
+# (scripts/mdm_fast_eval.sh, sampling only: <model>_seed<n>_eval.csv), as the CPU campaign evaluates them. A relaunch
+# resumes every unfinished run (each has a deterministic folder); a finished run is only re-evaluated. The results CSVs land in <out>/results/sudoku/<task>/:
 # copy them into the repository's results/sudoku/ and run `flowlm-report --config-name report_sudoku`; each row
 # records its precision (bf16-mixed here) and device, and the report says when a table mixes machines.
 #
