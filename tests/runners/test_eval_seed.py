@@ -59,7 +59,7 @@ def test_flowlm_eval_draws_with_the_checkpoint_runs_seed(runs_env):
     assert "flowlm.resume_changed_params" not in evaluation.data.tags
 
 
-def test_an_explicit_seed_is_kept(runs_env):
+def test_an_explicit_seed_is_kept():
     from omegaconf import OmegaConf
 
     from runners.evaluate import inherit_seed
