@@ -56,6 +56,7 @@ FAMILY_METHOD = {"mdm": "mdm", "flow": "fmlm_plus", "mlfm": "mlfm"}
 # decoder instead (benchmarks/ar_kv_cache.py).
 NOT_MEASURED = {"ar": "n/a (KV cache: one position per call; see benchmarks/ar_kv_cache.py)"}
 FULL_DRAWS = "tests.samplers.oracles.FullDraw"  # the MDM samplers' earlier whole-tensor stream (test oracles)
+DENSE_STATS = "tests.samplers.oracles.Dense"  # the adaptive decoders' earlier dense float64 statistics
 # Variants beyond conf/sampler/*.yaml: (name, config, sampler overrides, denoiser options).
 VARIANTS = [
     ("pr_n2", "pr", {"flow_steps": 2}, {}),
@@ -79,6 +80,15 @@ VARIANTS = [
     ("mlfm_dense", "mlfm", {}, {"dense": True}),
     ("mlfm_ccfg_otp_dense", "mlfm", {"guidance": 2.0, "otp_eps": 0.05}, {"dense": True}),
     ("confidence_dense", "confidence", {}, {"dense_ranking": True}),
+    # the adaptive decoders over a float64 log_softmax of the whole (B, L, |V|) at every call (before the chunked
+    # summary: tests/samplers/oracles.py DenseStats), and all four at T = 1 (draws at the committing positions)
+    ("threshold_dense", "threshold", {"_target_": DENSE_STATS + "Threshold"}, {}),
+    ("eb_dense", "eb", {"_target_": DENSE_STATS + "EB"}, {}),
+    ("threshold_t1", "threshold", {"temperature": 1.0}, {}),
+    ("threshold_dense_t1", "threshold", {"_target_": DENSE_STATS + "Threshold", "temperature": 1.0}, {}),
+    ("eb_t1", "eb", {"temperature": 1.0}, {}),
+    ("eb_dense_t1", "eb", {"_target_": DENSE_STATS + "EB", "temperature": 1.0}, {}),
+    ("confidence_t1", "confidence", {"temperature": 1.0}, {}),
 ]
 
 

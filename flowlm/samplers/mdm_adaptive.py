@@ -3,13 +3,22 @@ sampler, ``mdm_threshold.py``; the EB-sampler, ``mdm_eb.py``), so a row spends a
 
 One call, per row:
 
-    p = softmax(logits)            at the masked positions (float64)
-    rank                           by ``score``: max_v p (max_prob), p₍₁₎ − p₍₂₎ (margin), −H(p) (entropy); best first
     eligible                       the masked positions of the row's current block (the first block, of ``block_length``
                                    positions from the row's first non-prompt position, that still holds [MASK]; all
                                    masked positions without blocks)
+    p = softmax(logits)            read at the eligible positions only: max_v p and its argmax, and the margin
+                                   p₍₁₎ − p₍₂₎ and entropy H(p) where the rank or the rule needs them
+    rank                           by ``score``: max_v p (max_prob), p₍₁₎ − p₍₂₎ (margin), −H(p) (entropy); best first
     n                              the rule's count (``select``), at least 1, and at least ⌈#masked / calls left⌉
     commit                         the n best eligible positions, each to argmax p (T = 0) or a draw from p^(1/T)
+
+The statistics come from ``flowlm.ops.summary.chunked_summary``: the logits read in vocabulary chunks in float32, no
+(B, L, |V|) tensor beyond the network's own logits (the dense float64 log_softmax stays as the tests' oracle,
+tests/samplers/oracles.py ``DenseStats``). No rank or rule reads the draw, so at T > 0 the draw is made at the
+committing positions only, by the two-level inverse CDF (``flowlm.ops.draws.draw_rows``): one uniform per position
+and call from per-row generators (before 2026-12-06: |V| Gumbel uniforms per position, a change of stream, the same
+law). Host reads per call: the eligible positions (before the network call; it also ends the loop once nothing is
+masked) and, at T > 0, the committing ones.
 
 The NFE budget is a cap: the lower bound ⌈#masked / calls left⌉ is the fixed-step confidence sampler's schedule, and
 the budget's last call commits every masked position (every block), as that sampler's last step does; no row ever
@@ -22,19 +31,21 @@ what follows (prefix) or its block alone (dual) over the keys kept from that pas
 commits beyond the block, is a full pass. Rows enter blocks at different calls; each keeps its own schedule. The
 calls, and so the NFE, are the same as without the cache; approximate unless ``refresh=1``.
 
-Per-row generators (``flowlm.ops.draws.Generators``): at T > 0 each call draws from each row's generator its |V|
-Gumbel uniforms per position, read where the row commits; a row's calls, rule and blocks are its own, so it decodes
-alike (tokens and ``row_nfe``) alone and inside any batch.
+Per-row generators (``flowlm.ops.draws.Generators``): at T > 0 each call draws from each row's generator one uniform
+per position, read where the row commits; a row's calls, rule and blocks are its own, so it decodes alike (tokens and
+``row_nfe``) alone and inside any batch.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from flowlm.ops.draws import check_generators, pick_tokens, row_uniforms
+from flowlm.ops.draws import check_generators, draw_rows, row_uniforms
+from flowlm.ops.summary import chunked_summary
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
 from flowlm.samplers.block_cache import BlockCachedReader, check_cache
 from flowlm.samplers.common import check_temperature, masked_start
@@ -51,19 +62,23 @@ def check_rank(score: str) -> str:
     return score
 
 
-def position_scores(log_p: Tensor, score: str) -> Tensor:
-    """The ranking score of every position (higher commits first) from its log-probabilities (…, |V|)."""
+class CallStats(NamedTuple):
+    """What one call's rank and rule read of p per position (B, L), meaningful at the eligible positions: max_v p
+    (``max_prob``), its argmax, and where asked for the margin p₍₁₎ − p₍₂₎ and the entropy H(p) in nats (else
+    None)."""
+
+    max_prob: Tensor
+    argmax: Tensor
+    margin: Tensor | None = None
+    entropy: Tensor | None = None
+
+
+def position_scores(stats: CallStats, score: str) -> Tensor:
+    """The ranking score of every position (higher commits first): max_v p, p₍₁₎ − p₍₂₎, or −H(p) (0 for a certain
+    position, −log |V| for a uniform one)."""
     if score == "max_prob":
-        return log_p.amax(-1).exp()
-    if score == "margin":
-        top2 = log_p.topk(2, dim=-1).values.exp()
-        return top2[..., 0] - top2[..., 1]
-    return -entropy(log_p)  # 0 for a certain position, −log |V| for a uniform one; a −inf logit (a [MASK] row) adds 0
-
-
-def entropy(log_p: Tensor) -> Tensor:
-    """H(p) = −Σ_v p_v log p_v per position, in nats (0·log 0 = 0)."""
-    return -(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum(-1)
+        return stats.max_prob
+    return stats.margin if score == "margin" else -stats.entropy
 
 
 class AdaptiveMDMSampler(PlannedSampler):
@@ -72,6 +87,7 @@ class AdaptiveMDMSampler(PlannedSampler):
     family = "mdm"
     confidence_kind = "a-priori"  # p_θ(token) when it is committed, before the masked rest is drawn
     row_generators = True  # ``generator`` may be one per row (flowlm.ops.draws.Generators)
+    rule_reads_entropy = False  # whether ``select`` reads ``CallStats.entropy`` (the EB rule)
 
     def __init__(
         self,
@@ -92,9 +108,34 @@ class AdaptiveMDMSampler(PlannedSampler):
             raise ValueError(f"cache={cache!r} (the block KV cache) needs semi-AR blocks: set block_length")
 
     @abstractmethod
-    def select(self, log_p: Tensor, ordered: Tensor, eligible: Tensor) -> Tensor:
-        """How many of each row's eligible positions the rule commits (B,), given log p (B, L, |V|) and the
+    def select(self, stats: CallStats, ordered: Tensor, eligible: Tensor) -> Tensor:
+        """How many of each row's eligible positions the rule commits (B,), given the call's ``stats`` and the
         positions ``ordered`` best first (B, L; the eligible ones lead)."""
+
+    def stats(self, logits: Tensor, at: Tensor) -> CallStats:
+        """``CallStats`` of the (B, L, |V|) ``logits`` at the flat positions ``at`` (of the (B·L,) view), from the
+        logits' vocabulary chunks (``chunked_summary``); every other position holds max_prob 0, margin 0 and
+        entropy +inf."""
+        b, length = logits.shape[:2]
+        flat = chunked_summary(
+            logits,
+            rows=at,
+            margin=self.score == "margin",
+            entropy=self.score == "entropy" or self.rule_reads_entropy,
+        )
+
+        def spread(values: Tensor | None, fill: float) -> Tensor | None:
+            if values is None:
+                return None
+            whole = torch.full((b * length,), fill, dtype=values.dtype, device=values.device)
+            return whole.index_copy_(0, at, values).view(b, length)
+
+        return CallStats(
+            spread(flat.log_max.exp(), 0.0),
+            spread(flat.argmax, 0),
+            spread(flat.margin, 0.0),
+            spread(flat.entropy, float("inf")),
+        )
 
     def sample(self, model: MaskedDenoiser, prompt: Tensor, prompt_mask: Tensor, nfe: int, generator) -> SampleOutput:
         """Decode with at most ``nfe`` network evaluations (fewer where the rule commits faster)."""
@@ -114,10 +155,12 @@ class AdaptiveMDMSampler(PlannedSampler):
         calls = 0
         while calls < nfe:
             masked = x == model.mask_id
-            left = masked.any(-1)
-            if not bool(left.any()):  # one host read per call: how many calls a batch needs is what is measured
-                break
             current = torch.where(masked, block, block.max() + 1).amin(-1, keepdim=True)
+            # the budget's last call commits the rest, as the fixed-step sampler's last step does
+            eligible = masked if calls + 1 == nfe else masked & (block == current)
+            at = eligible.view(-1).nonzero().squeeze(1)  # one host read per call: how many calls a batch needs
+            if at.numel() == 0:  # nothing masked: a row with [MASK] left has some in its current block
+                break
             if reader is not None:  # rows entering a block, or the last call (a full pass): refresh
                 lo = (first + current * self.block_length).clamp(max=length)[:, 0]
                 hi = (lo + self.block_length).clamp(max=length)
@@ -125,23 +168,25 @@ class AdaptiveMDMSampler(PlannedSampler):
                 entered = current[:, 0]
             logits = fn(x, masked.sum(-1) / n_free)
             calls += 1
-            row_nfe += left
-            log_p = torch.log_softmax(logits.double(), -1)
-            per_row = row_uniforms(generator, log_p.shape, x.device, self.temperature)
-            candidate = pick_tokens(log_p, self.temperature, generator, uniforms=per_row)
-            if calls == nfe:  # the budget's last call commits the rest, as the fixed-step sampler's last step does
-                eligible = masked
-            else:
-                eligible = masked & (block == current)
-            score = torch.where(eligible, position_scores(log_p, self.score), -torch.inf)
+            row_nfe += masked.any(-1)
+            stats = self.stats(logits, at)
+            score = torch.where(eligible, position_scores(stats, self.score), -torch.inf)
             ordered = score.argsort(dim=-1, descending=True)
             n_eligible = eligible.sum(-1)
             floor = torch.div(masked.sum(-1) + (nfe - calls), nfe - calls + 1, rounding_mode="floor")
-            n_commit = torch.maximum(self.select(log_p, ordered, eligible).clamp_min(1), floor)
+            n_commit = torch.maximum(self.select(stats, ordered, eligible).clamp_min(1), floor)
             n_commit = n_eligible if calls == nfe else torch.minimum(n_commit, n_eligible)
             rank = torch.empty_like(ordered).scatter_(-1, ordered, positions.expand_as(ordered))
             commit = eligible & (rank < n_commit[:, None])
-            p_candidate = log_p.gather(-1, candidate[..., None]).squeeze(-1).exp().float()
+            candidate, p_candidate = stats.argmax, stats.max_prob.float()
+            if self.temperature > 0:  # the draw at the committing positions only (no rank or rule reads it)
+                per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
+                rows = commit.view(-1).nonzero().squeeze(1)  # T > 0: the call's second host read
+                drawn, log_p = draw_rows(
+                    logits.reshape(-1, logits.shape[-1]), self.temperature, generator, rows=rows, uniforms=per_row
+                )
+                candidate = candidate.view(-1).index_copy(0, rows, drawn).view_as(x)
+                p_candidate = p_candidate.view(-1).index_copy(0, rows, log_p.exp().float()).view_as(x)
             x = torch.where(commit, candidate, x)
             confidence = torch.where(commit, p_candidate, confidence)
         return SampleOutput(tokens=x, confidence=confidence, nfe=calls, row_nfe=row_nfe)

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from flowlm.samplers.mdm_adaptive import AdaptiveMDMSampler, entropy, sorted_eligible
+from flowlm.samplers.mdm_adaptive import AdaptiveMDMSampler, CallStats, sorted_eligible
 
 
 class EBSampler(AdaptiveMDMSampler):
     """Commit the largest prefix of the ranked eligible positions with Σ H − max H ≤ ``gamma`` (γ ≥ 0). ``cache`` /
     ``refresh`` with ``block_length``: the block KV cache (``mdm_adaptive.py``)."""
+
+    rule_reads_entropy = True
 
     def __init__(self, *, gamma: float = 0.1, score: str = "entropy", **options) -> None:
         super().__init__(score=score, **options)  # block_length, temperature, cache, refresh: AdaptiveMDMSampler
@@ -20,7 +22,7 @@ class EBSampler(AdaptiveMDMSampler):
             raise ValueError(f"gamma must be ≥ 0, got {gamma}")
         self.gamma = float(gamma)
 
-    def select(self, log_p: Tensor, ordered: Tensor, eligible: Tensor) -> Tensor:  # noqa: D102
-        h = sorted_eligible(entropy(log_p), ordered, eligible, fill=float("inf"))
+    def select(self, stats: CallStats, ordered: Tensor, eligible: Tensor) -> Tensor:  # noqa: D102
+        h = sorted_eligible(stats.entropy, ordered, eligible, fill=float("inf"))
         spent = h.cumsum(-1) - h.cummax(-1).values  # non-decreasing along the prefix
         return (spent <= self.gamma).sum(-1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flowlm.samplers.mdm_adaptive import AdaptiveMDMSampler, sorted_eligible
+from flowlm.samplers.mdm_adaptive import AdaptiveMDMSampler, CallStats, sorted_eligible
 
 
 class ThresholdSampler(AdaptiveMDMSampler):
@@ -26,8 +26,8 @@ class ThresholdSampler(AdaptiveMDMSampler):
             raise ValueError(f"factor must be > 0 (or null: the threshold rule), got {factor}")
         self.threshold, self.factor = float(threshold), factor
 
-    def select(self, log_p: Tensor, ordered: Tensor, eligible: Tensor) -> Tensor:  # noqa: D102
-        confidence = log_p.amax(-1).exp()  # max_v p per position
+    def select(self, stats: CallStats, ordered: Tensor, eligible: Tensor) -> Tensor:  # noqa: D102
+        confidence = stats.max_prob  # max_v p per position
         if self.factor is None:
             return (eligible & (confidence > self.threshold)).sum(-1)
         c = sorted_eligible(confidence, ordered, eligible, fill=0.0)  # c₍₁₎ ≥ c₍₂₎ ≥ … with score=max_prob

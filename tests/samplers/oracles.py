@@ -8,7 +8,15 @@ from __future__ import annotations
 import torch
 
 from flowlm.ops.draws import pick_tokens
-from flowlm.samplers import AncestralSampler, ConfidenceSampler, SampleOutput, SemiARConfidenceSampler
+from flowlm.samplers import (
+    AncestralSampler,
+    ConfidenceSampler,
+    EBSampler,
+    SampleOutput,
+    SemiARConfidenceSampler,
+    ThresholdSampler,
+)
+from flowlm.samplers.mdm_adaptive import CallStats
 from flowlm.samplers.mdm_confidence import decode_steps, slots
 
 
@@ -136,3 +144,24 @@ class BatchPlannedSemiAR(SemiARConfidenceSampler):
                 )
                 most -= -(-most // left)
         return SampleOutput(tokens=x, confidence=confidence, nfe=calls)
+
+
+class DenseStats:
+    """The adaptive MDM decoders' statistics as they were read before the chunked summary (2026-12-06): a float64
+    log_softmax over the whole (B, L, |V|) at every call, max p, margin and entropy at every position. Mixed into
+    ``ThresholdSampler`` / ``EBSampler``: the same calls, ranks, rules and draws, from the dense statistics."""
+
+    def stats(self, logits: torch.Tensor, at: torch.Tensor) -> CallStats:  # noqa: D102
+        log_p = torch.log_softmax(logits.double(), -1)
+        top2 = log_p.topk(min(2, log_p.shape[-1]), dim=-1).values.exp()
+        margin = top2[..., 0] - (top2[..., 1] if top2.shape[-1] > 1 else 0.0)
+        h = -(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum(-1)  # 0·log 0 = 0 (a −inf [MASK] logit)
+        return CallStats(top2[..., 0], log_p.argmax(-1), margin, h)
+
+
+class DenseThreshold(DenseStats, ThresholdSampler):
+    """``ThresholdSampler`` over the dense float64 statistics."""
+
+
+class DenseEB(DenseStats, EBSampler):
+    """``EBSampler`` over the dense float64 statistics."""

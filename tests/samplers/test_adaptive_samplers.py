@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flowlm.samplers import EBSampler, MaskedDenoiser, ThresholdSampler
-from flowlm.samplers.mdm_adaptive import entropy, position_scores
+from flowlm.samplers.mdm_adaptive import CallStats, position_scores
 from tests.samplers.oracles import FullDrawConfidence
 
 V, L = 7, 12
@@ -90,41 +90,39 @@ def test_gamma_zero_commits_one_position_per_call():
     assert EBSampler(gamma=0.0)(model, prompt=prompt, prompt_mask=mask, nfe=free).nfe == free
 
 
+def stats_of(log_p: torch.Tensor, score: str = "max_prob") -> CallStats:
+    """A decoder's ``CallStats`` of every position of (1, L, |V|) log-probabilities, read as its calls read them."""
+    sampler = EBSampler(score=score)  # reads the entropy for its rule, the margin for score="margin"
+    return sampler.stats(log_p, torch.arange(log_p.shape[1]))
+
+
 def test_margin_and_entropy_ranks_on_a_hand_example():
     """Three positions over three tokens; each rank orders them differently:
     Z = (.60, .39, .01): max .60, margin .21, H .720;  Y = (.49, .255, .255): max .49, margin .235, H 1.046;
     X = (.47, .47, .06): max .47, margin 0, H .879."""
     p = torch.tensor([[0.60, 0.39, 0.01], [0.49, 0.255, 0.255], [0.47, 0.47, 0.06]], dtype=torch.float64)
-    log_p = p.log()
+    log_p = p.log()[None]
     h = [-sum(v * math.log(v) for v in row) for row in p.tolist()]
-    assert entropy(log_p).tolist() == pytest.approx(h) and h == pytest.approx([0.7198, 1.0465, 0.8785], abs=1e-4)
-    order = {s: position_scores(log_p, s).argsort(descending=True).tolist() for s in ("max_prob", "margin", "entropy")}
+    got = stats_of(log_p, "margin")
+    assert got.entropy[0].tolist() == pytest.approx(h, abs=1e-6)
+    assert h == pytest.approx([0.7198, 1.0465, 0.8785], abs=1e-4)
+    assert got.max_prob[0].tolist() == pytest.approx([0.60, 0.49, 0.47], abs=1e-6)
+    order = {s: position_scores(got, s)[0].argsort(descending=True).tolist() for s in ("max_prob", "margin", "entropy")}
     assert order == {"max_prob": [0, 1, 2], "margin": [1, 0, 2], "entropy": [0, 2, 1]}
-    assert position_scores(log_p, "margin").tolist() == pytest.approx([0.21, 0.235, 0.0])
+    assert position_scores(got, "margin")[0].tolist() == pytest.approx([0.21, 0.235, 0.0], abs=1e-6)
 
 
 def test_the_factor_and_entropy_rules_count_by_hand():
     """Factor f = 1 over confidences .99 ≥ .95 ≥ .70: n = 1: 2·.01 < 1, n = 2: 3·.05 < 1, n = 3: 4·.30 ≥ 1 → 2.
     EB γ = .25 over entropies .1, .2, .5 (best first): Σ − max = 0, .1, .3 → 2."""
-    p = torch.tensor([[0.99, 0.005, 0.005], [0.95, 0.04, 0.01], [0.70, 0.2, 0.1]], dtype=torch.float64)
-    log_p = p.log()[None]
+    confidence = torch.tensor([[0.99, 0.95, 0.70]], dtype=torch.float64)
+    stats = CallStats(confidence, torch.zeros(1, 3, dtype=torch.long), entropy=torch.tensor([[0.1, 0.2, 0.5]]))
     eligible = torch.ones(1, 3, dtype=torch.bool)
     ordered = torch.tensor([[0, 1, 2]])
-    assert ThresholdSampler(factor=1.0).select(log_p, ordered, eligible).tolist() == [2]
-    assert ThresholdSampler(threshold=0.9).select(log_p, ordered, eligible).tolist() == [2]
-    eb = EBSampler(gamma=0.25)
-    h = torch.tensor([[0.1, 0.2, 0.5]], dtype=torch.float64)
-    eb_log_p = log_p  # the entropies come from log p: replace them by the hand values through the module's function
-
-    import flowlm.samplers.mdm_eb as mdm_eb
-
-    original = mdm_eb.entropy
-    mdm_eb.entropy = lambda _: h
-    try:
-        assert eb.select(eb_log_p, ordered, eligible).tolist() == [2]
-        assert EBSampler(gamma=0.05).select(eb_log_p, ordered, eligible).tolist() == [1]
-    finally:
-        mdm_eb.entropy = original
+    assert ThresholdSampler(factor=1.0).select(stats, ordered, eligible).tolist() == [2]
+    assert ThresholdSampler(threshold=0.9).select(stats, ordered, eligible).tolist() == [2]
+    assert EBSampler(gamma=0.25).select(stats, ordered, eligible).tolist() == [2]
+    assert EBSampler(gamma=0.05).select(stats, ordered, eligible).tolist() == [1]
 
 
 @pytest.mark.parametrize(
@@ -178,8 +176,7 @@ def test_bad_settings_are_refused_before_any_call():
 def test_a_minus_infinite_logit_leaves_every_rank_finite():
     """LLaMA-family MDMs put the [MASK] logit at −inf: 0·(−inf) must not make the entropy rank NaN (it ordered every
     position by index)."""
-    logits = torch.tensor([[[2.0, 0.0, -torch.inf], [0.0, 0.0, -torch.inf]]], dtype=torch.float64)
-    log_p = torch.log_softmax(logits, -1)
+    logits = torch.tensor([[[2.0, 0.0, -torch.inf], [0.0, 0.0, -torch.inf]]])
     for score in ("max_prob", "margin", "entropy"):
-        got = position_scores(log_p, score)
+        got = position_scores(stats_of(logits, score), score)
         assert torch.isfinite(got).all() and got[0, 0] > got[0, 1], score

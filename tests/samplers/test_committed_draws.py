@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from flowlm.ops import draws
-from flowlm.samplers import AncestralSampler, ConfidenceSampler, MaskedDenoiser, SemiARConfidenceSampler
+from flowlm.samplers import (
+    AncestralSampler,
+    ConfidenceSampler,
+    EBSampler,
+    MaskedDenoiser,
+    SemiARConfidenceSampler,
+    ThresholdSampler,
+)
 from tests.samplers.oracles import FullDrawAncestral, FullDrawConfidence, FullDrawSemiAR
 
 V, MASK, N = 3, 3, 60_000
@@ -153,6 +160,25 @@ def test_every_committing_position_is_drawn(sampler):
     """nfe = 1 commits both positions in one step: each must be drawn (not left at its argmax), so the law is the
     product of the marginals at T."""
     tv = total_variation(empirical(sampler, seed=4, nfe=1), independent_law(0.7))
+    assert tv <= TOLERANCE, tv
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        lambda t: ThresholdSampler(threshold=1.01, temperature=t),
+        lambda t: EBSampler(gamma=0.0, score="max_prob", temperature=t),
+    ],
+    ids=["threshold", "eb"],
+)
+def test_adaptive_sampler_law(sampler, temperature):
+    """τ above every confidence, or γ = 0, commits one position per call (the best by max p), drawn at T at the
+    committing position only (flowlm/samplers/mdm_adaptive.py): the confidence sampler's law at nfe = 2; at nfe = 1
+    both positions commit, each drawn."""
+    tv = total_variation(empirical(sampler(temperature), seed=5), confidence_law(temperature))
+    assert tv <= TOLERANCE, tv
+    tv = total_variation(empirical(sampler(temperature), seed=6, nfe=1), independent_law(temperature))
     assert tv <= TOLERANCE, tv
 
 

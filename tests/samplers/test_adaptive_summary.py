@@ -1,0 +1,122 @@
+"""The adaptive MDM decoders read p through the chunked summary (flowlm/ops/summary.py ``chunked_summary``, issue 50):
+against the dense float64 log_softmax they replaced (tests/samplers/oracles.py ``DenseStats``), the same tokens, NFE
+and per-row NFE, and confidences to float32 rounding, for every rank and rule, with and without semi-AR blocks and
+the block KV cache, at T = 0 and T = 1, on a model whose vocabulary spans several chunks, on a tiny DiT and on a
+tiny LLaMA-family MDM; the summary itself equals the dense statistics within the stated tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flowlm.ops.summary as summary_module
+from flowlm.ops.summary import chunked_summary
+from flowlm.samplers import EBSampler, MaskedDenoiser, ThresholdSampler
+from tests.backbones.test_block_cache import random_mdm
+from tests.backbones.test_block_cache_llama import smdm_module
+from tests.samplers.oracles import DenseEB, DenseThreshold
+
+WIDE_V, WIDE_L = 300, 12
+
+# name → (options, dense class, chunked class)
+DECODERS = {
+    "tau": ({"threshold": 0.3}, DenseThreshold, ThresholdSampler),
+    "tau_margin": ({"threshold": 0.3, "score": "margin"}, DenseThreshold, ThresholdSampler),
+    "tau_entropy_blocks": ({"threshold": 0.2, "score": "entropy", "block_length": 4}, DenseThreshold, ThresholdSampler),
+    "factor": ({"factor": 1.5}, DenseThreshold, ThresholdSampler),
+    "eb": ({"gamma": 0.8}, DenseEB, EBSampler),
+    "eb_max_prob_blocks": ({"gamma": 1.5, "score": "max_prob", "block_length": 5}, DenseEB, EBSampler),
+    "eb_margin": ({"gamma": 1.0, "score": "margin"}, DenseEB, EBSampler),
+}
+
+
+def wide_model(seed: int = 0) -> MaskedDenoiser:
+    """logits[b, i] = 3·(A[x[b, i−1]] + B[x[b, i+1]]) over 300 tokens (several vocabulary chunks below), one −inf
+    logit (a LLaMA-family [MASK] inside the vocabulary)."""
+    g = torch.Generator().manual_seed(seed)
+    a, b = (torch.randn(WIDE_V + 1, WIDE_V, generator=g) for _ in range(2))
+
+    def fn(x, t):
+        left = torch.nn.functional.pad(x, (1, 0), value=WIDE_V)[:, :-1]
+        right = torch.nn.functional.pad(x, (0, 1), value=WIDE_V)[:, 1:]
+        logits = 3.0 * (a[left] + b[right])
+        return logits.index_fill(-1, torch.tensor([5]), -torch.inf)
+
+    return MaskedDenoiser(fn=fn, mask_id=WIDE_V)
+
+
+def agree(dense, chunked, model, prompt, mask, nfe: int, seed: int = 3) -> None:
+    """The two decoders' tokens, NFE and per-row NFE equal; confidences to float32 rounding."""
+    with torch.no_grad():
+        want = dense(model, prompt=prompt, prompt_mask=mask, nfe=nfe, generator=torch.Generator().manual_seed(seed))
+        got = chunked(model, prompt=prompt, prompt_mask=mask, nfe=nfe, generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(got.tokens, want.tokens)
+    assert got.nfe == want.nfe and torch.equal(got.row_nfe, want.row_nfe)
+    torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("name", DECODERS)
+def test_the_chunked_decoders_decode_as_the_dense_oracle_over_several_chunks(name, temperature, monkeypatch):
+    monkeypatch.setattr(summary_module, "CHUNK_BYTES", 4 * 64)  # chunks of 64 columns (MIN_CHUNK at its block)
+    monkeypatch.setattr(summary_module, "MIN_CHUNK", 64)
+    options, dense, chunked = DECODERS[name]
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, WIDE_V, (6, WIDE_L), generator=g)
+    mask = torch.zeros_like(prompt, dtype=torch.bool)
+    mask[:, :3] = True
+    mask[2, 3:7] = True  # ragged rows
+    for nfe in (2, 5, 12):
+        agree(
+            dense(temperature=temperature, **options),
+            chunked(temperature=temperature, **options),
+            wide_model(),
+            prompt,
+            mask,
+            nfe,
+        )
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("family", ["dit", "llama"])
+def test_the_chunked_decoders_decode_as_the_dense_oracle_on_both_backbones(family, cache):
+    model = (random_mdm() if family == "dit" else smdm_module()).denoiser()
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 7, (4, 24), generator=g)
+    mask = torch.zeros_like(prompt, dtype=torch.bool)
+    mask[:, :4] = True
+    blocks = {"block_length": 4, "cache": cache} if cache != "none" else {}
+    for temperature in (0.0, 1.0):
+        for dense, chunked, rule in [
+            (DenseThreshold, ThresholdSampler, {"threshold": 0.3}),
+            (DenseEB, EBSampler, {"gamma": 0.5}),
+        ]:
+            options = {**rule, **blocks, "temperature": temperature}
+            agree(dense(**options), chunked(**options), model, prompt, mask, nfe=12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_summary_is_the_dense_statistics(dtype):
+    """log max p, argmax, margin and entropy from the chunks against a float64 log_softmax at |V| = 50 258 (the
+    stated tolerances: 2e-5 relative for log max p, 1e-5 absolute for margin and H), with ties of the max across
+    chunks (margin 0), a −inf column, and rows read alone bit for bit as in the whole call."""
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(3, 9, 50258, generator=g) * 3).to(dtype)
+    logits[0, 0, [10, 40000]] = 30.0  # a tie of the max in two chunks: margin 0, the first index
+    logits[1, 2, 7] = 40.0  # one sure position: H ≈ 0
+    logits[..., 50257] = -torch.inf
+    log_p = torch.log_softmax(logits.double(), -1)
+    top2 = log_p.topk(2, dim=-1).values.exp()
+    h = -(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum(-1)
+    got = chunked_summary(logits, margin=True, entropy=True)
+    assert torch.equal(got.argmax, log_p.argmax(-1)) and int(got.argmax[0, 0]) == 10
+    torch.testing.assert_close(got.log_max.double(), top2[..., 0].log(), rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(got.margin.double(), top2[..., 0] - top2[..., 1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.entropy.double(), h, rtol=0, atol=1e-5)
+    assert float(got.margin[0, 0]) == 0.0 and float(got.entropy[1, 2]) < 1e-4
+    rows = torch.tensor([20, 0, 5, 13])
+    alone = chunked_summary(logits, rows=rows, margin=True, entropy=True)
+    for part, whole in zip(alone, got, strict=True):
+        assert torch.equal(part, whole.reshape(-1)[rows])
+    plain = chunked_summary(logits)
+    assert plain.margin is None and plain.entropy is None and torch.equal(plain.log_max, got.log_max)
