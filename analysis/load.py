@@ -21,7 +21,7 @@ EVAL_KEY = re.compile(r"^eval/(?P<sampler>[^/]+)/nfe(?P<nfe_budget>\d+)/(?P<metr
 PRIMARY_METRICS = ("accuracy", "valid_pct", "gen_ppl", "exact_match")
 # Bookkeeping metrics logged beside every task metric (callbacks/sampling_eval.py COST_KEYS; runs logged before the
 # NFE spread and TPF have only the first and the last).
-COST_METRICS = ("nfe", "nfe_std", "nfe_min", "nfe_p50", "nfe_p90", "nfe_max", "tpf", "sec_per_sample")
+COST_METRICS = ("nfe", "nfe_std", "nfe_min", "nfe_p50", "nfe_p90", "nfe_max", "tpf", "forced_share", "sec_per_sample")
 RUN_COLUMNS = ["experiment", "run_id", "name", "method", "seed", "sweep", "trial", "setting"]
 # Params that differ between runs of one setting: seeds (any key ending in `seed`), names, paths (the run folder
 # holds the seed, a source checkpoint's path too), and knobs that change neither the model nor its scores.

@@ -26,9 +26,16 @@ from flowlm.tasks.sudoku import SudokuLayout, clues_for
 # decode as before (their defaults: flowlm/samplers/mdm_adaptive.py AdaptiveMDMSampler): rows that name them at
 # these values and rows written before them are one sampler. Another value (a cache, blocks) is another sampler.
 ADDED_SAMPLER_OPTIONS = {"block_length": None, "cache": "none", "refresh": None}
+# Options added at a value that decodes as before at temperature 0 only (issue 48: the threshold sampler reads the
+# drawn token's p at T > 0, where it read max p; at T = 0 both are max p): merged with earlier rows at T = 0 only.
+ADDED_GREEDY_OPTIONS = {"confidence": "sampled"}
 # A table row's identity; with `seed` the identity of one measurement (the latest `date` wins on duplicates).
 KEY = ["board", "difficulty", "method", "variant", "sampler", "sampler_settings", "nfe_budget"]
-MEASURES = ["accuracy", "valid_pct", "distinct_valid", "train_copy_pct", "auroc", "wrong_pct", "nfe", "nfe_std", "tpf"]
+MEASURES = [
+    "accuracy", "valid_pct", "distinct_valid", "train_copy_pct", "auroc", "wrong_pct", "nfe", "nfe_std", "tpf",
+    "forced_share",
+]  # fmt: skip
+CAPPED = ", capped"  # a line whose NFE budget forced commits beyond its rule (forced_share > 0): not the rule alone
 TRAINING = ["steps", "budget_steps", "wall_s", "final_val_loss"]
 DIFFICULTIES = ("easy", "medium", "hard")
 UNCOND_NFE = (1, 3, 9, 27, 36)  # the paper's 1 / 3 / 9 / 27 / 81 on a 36-cell board
@@ -100,8 +107,8 @@ def read_results(folder: str | Path, *, skip: Iterable[str | Path] = ()) -> pd.D
 def current_settings(text: str) -> str:
     """Recorded sampler settings without the options that leave the sampler as it was: a removed option at its kept
     value (``REMOVED_SAMPLER_OPTIONS``) and an added one at the value that decodes as before it existed
-    (``ADDED_SAMPLER_OPTIONS``), so rows recorded on either side of the change are one sampler (their seeds
-    aggregate together)."""
+    (``ADDED_SAMPLER_OPTIONS``; ``ADDED_GREEDY_OPTIONS`` at temperature 0), so rows recorded on either side of the
+    change are one sampler (their seeds aggregate together)."""
     try:
         settings = json.loads(text)
     except ValueError:
@@ -109,6 +116,8 @@ def current_settings(text: str) -> str:
     if not isinstance(settings, dict):
         return text
     unchanged = {**REMOVED_SAMPLER_OPTIONS, **ADDED_SAMPLER_OPTIONS}
+    if settings.get("temperature") == 0:
+        unchanged.update(ADDED_GREEDY_OPTIONS)
     kept = {k: v for k, v in settings.items() if k not in unchanged or unchanged[k] != v}
     return text if len(kept) == len(settings) else json.dumps(kept, sort_keys=True)
 
@@ -535,13 +544,21 @@ def best_within_nfe(part: pd.DataFrame, metric: str, method: str, nfe: float) ->
 
 def _sampler_label(part: pd.DataFrame, line: pd.Series) -> str:
     """The line's sampler, with the settings that tell it apart where ``part`` holds it under several ('eb
-    gamma=0.3')."""
+    gamma=0.3'), and ', capped' where its budget forced commits beyond its rule ('threshold, capped')."""
     if "sampler_settings" not in part:
         return str(line["sampler"])
     same = part[(part["method"] == line["method"]) & (part["sampler"] == line["sampler"])]
     labels = settings_labels(list(dict.fromkeys(same["sampler_settings"].fillna("{}"))))
     label = labels.get(line.get("sampler_settings") or "{}", "")
-    return f"{line['sampler']} {label}" if label else str(line["sampler"])
+    name = f"{line['sampler']} {label}" if label else str(line["sampler"])
+    return name + (CAPPED if capped(line) else "")
+
+
+def capped(line: pd.Series) -> bool:
+    """Whether the line's NFE budget forced commits beyond its decoding rule on some seed's rows (a positive mean
+    ``forced_share``; rows written before the column say nothing and are not marked)."""
+    share = line.get("forced_share_mean")
+    return share is not None and not pd.isna(share) and share > 0
 
 
 def settings_labels(settings: list[str]) -> dict[str, str]:

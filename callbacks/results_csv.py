@@ -26,8 +26,9 @@ from flowlm.metrics.calibration import auroc
 from flowlm.project import git_commit
 
 METRICS = ("accuracy", "exact_match", "valid_pct", "distinct_valid", "train_copy_pct")
-# The NFE's spread over the rows and tokens per forward (callbacks/sampling_eval.py COST_KEYS); blank in older CSVs.
-SPREAD = ("nfe_std", "nfe_min", "nfe_p50", "nfe_p90", "nfe_max", "tpf")
+# The NFE's spread over the rows, tokens per forward and the budget's forced share (callbacks/sampling_eval.py
+# COST_KEYS); blank in older CSVs.
+SPREAD = ("nfe_std", "nfe_min", "nfe_p50", "nfe_p90", "nfe_max", "tpf", "forced_share")
 
 
 def method_label(module: object) -> str:

@@ -54,8 +54,11 @@ class SamplingEvaluation(Callback):
 
     Cost keys beside the task metric (``COST_KEYS``): ``nfe``, the NFE spent per row, averaged (an adaptive sampler
     spends its own per row, ``SampleOutput.row_nfe``; the budget is its cap); its spread over the rows, ``nfe_std``
-    (ddof 0), ``nfe_min``, ``nfe_p50``, ``nfe_p90``, ``nfe_max``; ``tpf``, tokens per forward, the mean over rows of
-    (positions generated) / (NFE the row spent), rows with nothing to generate left out; ``sec_per_sample``. The NFE
+    (ddof 0), ``nfe_min``, ``nfe_p50``, ``nfe_p90``, ``nfe_max``; ``tpf``, tokens per forward, the positions generated
+    over the NFE spent, both summed over the rows (= generated positions per row / mean NFE; the mean of the rows'
+    ratios, logged before 2026-12-06, read 2–6 % high); ``forced_share``, the share of an adaptive sampler's commits
+    that its NFE budget forced beyond its rule (``SampleOutput.forced``; NaN for other samplers: a line with a
+    positive share is its rule capped by the budget, not the published rule alone); ``sec_per_sample``. The NFE
     histogram of every sampler × budget (rows per NFE value) is logged as ``eval/step<step>/nfe_histogram.json``.
 
     ``every_n_steps``: during fit, sample only at validations whose step is a multiple of it (the validation loss is
@@ -175,7 +178,8 @@ class SamplingEvaluation(Callback):
                 "metric": self.metric_factory(datamodule=self._datamodule).to(pl_module.device),
                 "nfe": MeanMetric().to(pl_module.device),
                 "row_nfe": CatMetric().to(pl_module.device),  # every row's NFE, gathered over ranks: the spread
-                "tpf": MeanMetric(nan_strategy="ignore").to(pl_module.device),
+                "tpf": MeanMetric(nan_strategy="ignore").to(pl_module.device),  # weighted by each row's NFE
+                "forced": MeanMetric(nan_strategy="ignore").to(pl_module.device),  # weighted by its commits
                 "seconds": MeanMetric().to(pl_module.device),
                 "samples": [],
                 "calibration": CalibrationBuffer(self.calibration_tokens),
@@ -207,7 +211,10 @@ class SamplingEvaluation(Callback):
             state["nfe"].update(out.mean_nfe(), weight=tokens.shape[0])  # per row (adaptive samplers: each its own)
             row_nfe, tpf = row_costs(out, prompt_mask)
             state["row_nfe"].update(row_nfe)
-            state["tpf"].update(tpf)
+            state["tpf"].update(tpf, weight=row_nfe)  # Σ generated / Σ NFE
+            if out.forced is not None:
+                generated = (~prompt_mask).sum(-1).double()
+                state["forced"].update(out.forced.double() / generated.clamp_min(1), weight=generated)
             state["seconds"].update(seconds / tokens.shape[0], weight=tokens.shape[0])
             room = self.num_logged_samples - len(state["samples"])
             if room > 0:
@@ -246,6 +253,7 @@ class SamplingEvaluation(Callback):
                 "nfe": float(state["nfe"].compute()),
                 **nfe_spread(state["spent"]),
                 "tpf": float(state["tpf"].compute()),
+                "forced_share": _mean_or_nan(state["forced"]),
                 "sec_per_sample": float(state["seconds"].compute()),
                 **values,
                 "step": trainer.global_step,
@@ -299,7 +307,7 @@ class SamplingEvaluation(Callback):
                     lg.experiment.log_text(lg.run_id, text, path)
 
 
-COST_KEYS = ("nfe", "nfe_std", "nfe_min", "nfe_p50", "nfe_p90", "nfe_max", "tpf", "sec_per_sample")
+COST_KEYS = ("nfe", "nfe_std", "nfe_min", "nfe_p50", "nfe_p90", "nfe_max", "tpf", "forced_share", "sec_per_sample")
 
 
 def row_costs(out: SampleOutput, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,6 +338,13 @@ def nfe_histogram(row_nfe: np.ndarray) -> dict[str, int]:
     values, counts = np.unique(row_nfe, return_counts=True)
     label = lambda v: str(int(v)) if float(v).is_integer() else f"{v:g}"
     return {label(v): int(c) for v, c in zip(values, counts, strict=True)}
+
+
+def _mean_or_nan(metric: MeanMetric) -> float:
+    """A MeanMetric's value (synced over ranks), NaN before any update (a sampler that reports no such count)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torchmetrics warns that compute() runs before update()
+        return float(metric.compute())
 
 
 def _values(metric: CatMetric) -> np.ndarray:

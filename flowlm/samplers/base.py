@@ -19,12 +19,14 @@ from flowlm.samplers.interrupt import with_interruptible_view
 @dataclass
 class SampleOutput:
     """Tokens (B, L), per-token confidence (B, L) of the committed token, and the NFE really spent; ``row_nfe`` (B,):
-    the calls each row needed, where an adaptive sampler finishes rows at different calls (None: every row ``nfe``)."""
+    the calls each row needed, where an adaptive sampler finishes rows at different calls (None: every row ``nfe``);
+    ``forced`` (B,): the commits an adaptive sampler's NFE budget forced beyond its rule's count (None elsewhere)."""
 
     tokens: Tensor
     confidence: Tensor
     nfe: int
     row_nfe: Tensor | None = None
+    forced: Tensor | None = None  # (B,): an adaptive sampler's commits that its budget forced beyond its rule
 
     def mean_nfe(self) -> float:
         """The NFE per row, averaged over the batch: where adaptive samplers meet fixed-step ones on one axis."""

@@ -63,22 +63,37 @@ def check_rank(score: str) -> str:
 
 
 class CallStats(NamedTuple):
-    """What one call's rank and rule read of p per position (B, L), meaningful at the eligible positions: max_v p
-    (``max_prob``), its argmax, and where asked for the margin p₍₁₎ − p₍₂₎ and the entropy H(p) in nats (else
-    None)."""
+    """What one call's rank and rule read per position (B, L), meaningful at the eligible positions: the
+    ``confidence`` of the position's ``token`` (max_v p and its argmax; at T > 0 under a rule that reads the draw, the
+    drawn token and its p), and where asked for the margin p₍₁₎ − p₍₂₎ and the entropy H(p) in nats (else None)."""
 
-    max_prob: Tensor
-    argmax: Tensor
+    confidence: Tensor
+    token: Tensor
     margin: Tensor | None = None
     entropy: Tensor | None = None
 
 
 def position_scores(stats: CallStats, score: str) -> Tensor:
-    """The ranking score of every position (higher commits first): max_v p, p₍₁₎ − p₍₂₎, or −H(p) (0 for a certain
-    position, −log |V| for a uniform one)."""
+    """The ranking score of every position (higher commits first): the confidence (max_v p, or the drawn token's p
+    under a rule that reads the draw), p₍₁₎ − p₍₂₎, or −H(p) (0 for a certain position, −log |V| for a uniform
+    one)."""
     if score == "max_prob":
-        return stats.max_prob
+        return stats.confidence
     return stats.margin if score == "margin" else -stats.entropy
+
+
+def spread(values: Tensor | None, at: Tensor, shape: tuple[int, int], fill: float) -> Tensor | None:
+    """``values`` (n,) at the flat positions ``at`` of a (B, L) tensor of ``shape`` holding ``fill`` elsewhere."""
+    if values is None:
+        return None
+    whole = torch.full((shape[0] * shape[1],), fill, dtype=values.dtype, device=values.device)
+    return whole.index_copy_(0, at, values).view(shape)
+
+
+def blocks_left(masked: Tensor, block: Tensor, n_blocks: int) -> Tensor:
+    """Per row (B,): how many of its blocks still hold [MASK] (at least 1)."""
+    holding = torch.zeros(masked.shape[0], n_blocks, dtype=torch.long, device=masked.device)
+    return (holding.scatter_add_(1, block, masked.long()) > 0).sum(-1).clamp_min(1)
 
 
 class AdaptiveMDMSampler(PlannedSampler):
@@ -88,6 +103,7 @@ class AdaptiveMDMSampler(PlannedSampler):
     confidence_kind = "a-priori"  # p_θ(token) when it is committed, before the masked rest is drawn
     row_generators = True  # ``generator`` may be one per row (flowlm.ops.draws.Generators)
     rule_reads_entropy = False  # whether ``select`` reads ``CallStats.entropy`` (the EB rule)
+    rule_reads_draw = False  # whether, at T > 0, the rule and the max_prob rank read the drawn token's p (Fast-dLLM)
 
     def __init__(
         self,
@@ -114,27 +130,20 @@ class AdaptiveMDMSampler(PlannedSampler):
 
     def stats(self, logits: Tensor, at: Tensor) -> CallStats:
         """``CallStats`` of the (B, L, |V|) ``logits`` at the flat positions ``at`` (of the (B·L,) view), from the
-        logits' vocabulary chunks (``chunked_summary``); every other position holds max_prob 0, margin 0 and
-        entropy +inf."""
-        b, length = logits.shape[:2]
+        logits' vocabulary chunks (``chunked_summary``): max_v p and its argmax; every other position holds
+        confidence 0, margin 0 and entropy +inf."""
+        shape = logits.shape[:2]
         flat = chunked_summary(
             logits,
             rows=at,
             margin=self.score == "margin",
             entropy=self.score == "entropy" or self.rule_reads_entropy,
         )
-
-        def spread(values: Tensor | None, fill: float) -> Tensor | None:
-            if values is None:
-                return None
-            whole = torch.full((b * length,), fill, dtype=values.dtype, device=values.device)
-            return whole.index_copy_(0, at, values).view(b, length)
-
         return CallStats(
-            spread(flat.log_max.exp(), 0.0),
-            spread(flat.argmax, 0),
-            spread(flat.margin, 0.0),
-            spread(flat.entropy, float("inf")),
+            spread(flat.log_max.exp(), at, shape, 0.0),
+            spread(flat.argmax, at, shape, 0),
+            spread(flat.margin, at, shape, 0.0),
+            spread(flat.entropy, at, shape, float("inf")),
         )
 
     def sample(self, model: MaskedDenoiser, prompt: Tensor, prompt_mask: Tensor, nfe: int, generator) -> SampleOutput:
@@ -149,7 +158,9 @@ class AdaptiveMDMSampler(PlannedSampler):
         else:
             first = torch.where(prompt_mask, length, positions).amin(-1, keepdim=True)  # first non-prompt position
             block = (positions - first).clamp_min(0) // self.block_length
+        n_blocks = 1 if self.block_length is None else -(-length // self.block_length)
         row_nfe = torch.zeros(b, dtype=torch.long, device=x.device)
+        forced = torch.zeros(b, dtype=torch.long, device=x.device)  # commits beyond the rule's count
         reader = None if self.cache == "none" else BlockCachedReader(model, self.cache, self.refresh, length)
         fn, entered = (model.fn, None) if reader is None else (reader, torch.full_like(n_free, -1))
         calls = 0
@@ -170,26 +181,35 @@ class AdaptiveMDMSampler(PlannedSampler):
             calls += 1
             row_nfe += masked.any(-1)
             stats = self.stats(logits, at)
+            by_row = logits.reshape(-1, logits.shape[-1])
+            per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
+            drawn_first = self.temperature > 0 and self.rule_reads_draw
+            if drawn_first:  # the rule reads the drawn token's p: the draw at every eligible position first
+                drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=at, uniforms=per_row)
+                stats = stats._replace(
+                    confidence=spread(log_p.exp(), at, x.shape, 0.0), token=spread(drawn, at, x.shape, 0)
+                )
             score = torch.where(eligible, position_scores(stats, self.score), -torch.inf)
             ordered = score.argsort(dim=-1, descending=True)
             n_eligible = eligible.sum(-1)
-            floor = torch.div(masked.sum(-1) + (nfe - calls), nfe - calls + 1, rounding_mode="floor")
-            n_commit = torch.maximum(self.select(stats, ordered, eligible).clamp_min(1), floor)
-            n_commit = n_eligible if calls == nfe else torch.minimum(n_commit, n_eligible)
+            # the budget's floor: the current block's share of the calls left, split evenly over the row's blocks
+            # that still hold [MASK] (without blocks: ⌈#masked / calls left⌉, the confidence sampler's schedule)
+            share = torch.div(nfe - calls + 1, blocks_left(masked, block, n_blocks), rounding_mode="floor")
+            floor = torch.div(n_eligible + share.clamp_min(1) - 1, share.clamp_min(1), rounding_mode="floor")
+            n_rule = torch.minimum(self.select(stats, ordered, eligible).clamp_min(1), n_eligible)
+            n_commit = n_eligible if calls == nfe else torch.maximum(n_rule, torch.minimum(floor, n_eligible))
+            forced += n_commit - n_rule
             rank = torch.empty_like(ordered).scatter_(-1, ordered, positions.expand_as(ordered))
             commit = eligible & (rank < n_commit[:, None])
-            candidate, p_candidate = stats.argmax, stats.max_prob.float()
-            if self.temperature > 0:  # the draw at the committing positions only (no rank or rule reads it)
-                per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
+            candidate, p_candidate = stats.token, stats.confidence.float()
+            if self.temperature > 0 and not drawn_first:  # the draw at the committing positions only
                 rows = commit.view(-1).nonzero().squeeze(1)  # T > 0: the call's second host read
-                drawn, log_p = draw_rows(
-                    logits.reshape(-1, logits.shape[-1]), self.temperature, generator, rows=rows, uniforms=per_row
-                )
+                drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=rows, uniforms=per_row)
                 candidate = candidate.view(-1).index_copy(0, rows, drawn).view_as(x)
                 p_candidate = p_candidate.view(-1).index_copy(0, rows, log_p.exp().float()).view_as(x)
             x = torch.where(commit, candidate, x)
             confidence = torch.where(commit, p_candidate, confidence)
-        return SampleOutput(tokens=x, confidence=confidence, nfe=calls, row_nfe=row_nfe)
+        return SampleOutput(tokens=x, confidence=confidence, nfe=calls, row_nfe=row_nfe, forced=forced)
 
 
 def sorted_eligible(values: Tensor, ordered: Tensor, eligible: Tensor, fill: float) -> Tensor:

@@ -3,6 +3,7 @@
 output never read back, bad CSVs named and skipped, mixed machines named, each verdict's scope."""
 
 import csv
+import json
 import re
 import shutil
 import warnings
@@ -484,3 +485,35 @@ def test_within_a_budget_means_on_every_seed(tmp_path):
     cells = aggregate(read_results(tmp_path))
     label, got = best_within_nfe(cells, "accuracy", "MDM", 4)
     assert label.startswith("MDM eb@18 (3.7 NFE)") and round(got.mean, 1) == 75.7
+
+
+def test_the_threshold_samplers_drawn_token_rule_merges_with_earlier_rows_at_temperature_0_only(tmp_path):
+    """Rows written before the threshold sampler's ``confidence`` option read max p; at T = 0 the drawn token is the
+    argmax, so a row naming confidence=sampled is the same sampler; at T = 1 it is another rule (issue 48)."""
+    from analysis.sudoku_tables import ADDED_GREEDY_OPTIONS
+    from flowlm.samplers import ThresholdSampler
+
+    assert ThresholdSampler().confidence == ADDED_GREEDY_OPTIONS["confidence"]
+    for temperature, cells in [(0.0, [2]), (1.0, [1, 1])]:
+        old = json.dumps({"score": "max_prob", "temperature": temperature, "threshold": 0.9})
+        new = json.dumps({"confidence": "sampled", "score": "max_prob", "temperature": temperature, "threshold": 0.9})
+        folder = tmp_path / str(temperature)
+        for seed, settings in enumerate([old, new]):
+            write_rows(
+                folder / f"s{seed}" / f"mdm_seed{seed}_eval.csv",
+                [row("MDM", "scratch", "threshold", 4, seed, 50.0 + seed, sampler_settings=settings)],
+            )
+        assert sorted(aggregate(read_results(folder))["n"].tolist()) == cells, temperature
+
+
+def test_a_line_whose_budget_forced_commits_is_named_capped(tmp_path):
+    """issue 48: the threshold rule at 4 NFE on 20 cells commits ≥ 5 a call whatever τ says: its line is
+    'threshold, capped' where the rows' forced_share is positive, 'threshold' where it is 0."""
+    from analysis.sudoku_tables import best_within_nfe
+
+    for share, name in [(0.35, "MDM threshold, capped@4 (3.5 NFE)"), (0.0, "MDM threshold@4 (3.5 NFE)")]:
+        folder = tmp_path / str(share)
+        line = row("MDM", "scratch", "threshold", 4, 0, 60.0, forced_share=share)
+        write_rows(folder / "mdm_seed0_eval.csv", [{**line, "nfe": 3.5}])
+        label, _ = best_within_nfe(aggregate(read_results(folder)), "accuracy", "MDM", 4)
+        assert label == name

@@ -68,7 +68,10 @@ class Scripted(Sampler):
 
     def __call__(self, model, *, prompt, prompt_mask, nfe, generator) -> SampleOutput:  # noqa: D102
         row_nfe = torch.tensor(next(self.spent))
-        return SampleOutput(tokens=prompt, confidence=torch.ones(prompt.shape), nfe=int(row_nfe.max()), row_nfe=row_nfe)
+        forced = row_nfe - 2  # a row's commits its budget forced: scripted as its calls past the second
+        return SampleOutput(
+            tokens=prompt, confidence=torch.ones(prompt.shape), nfe=int(row_nfe.max()), row_nfe=row_nfe, forced=forced
+        )
 
 
 class Module(torch.nn.Module):
@@ -103,7 +106,8 @@ def test_an_adaptive_decode_logs_its_mean_nfe_spread_and_tpf_into_the_results_ro
     assert row["nfe"] == 3.5 and row["nfe_budget"] == 16  # the mean over rows, not the cap
     assert (row["nfe_min"], row["nfe_p50"], row["nfe_max"]) == (2.0, 3.0, 6.0)
     assert row["nfe_std"] == pytest.approx(np.std([2, 3, 3, 6]))
-    assert row["tpf"] == pytest.approx(np.mean([6 / 2, 6 / 3, 6 / 3, 6 / 6]))  # the mean of the rows' ratios
+    assert row["tpf"] == pytest.approx(24 / 14)  # generated positions over NFE, both summed: 6 / mean NFE 3.5
+    assert row["forced_share"] == pytest.approx((1 + 0 + 2 + 3) / 24)  # the commits the budget forced
     assert row["accuracy"] == 100.0
     assert {f"eval/eb/nfe16/{k}" for k in COST_KEYS} <= set(module.logged)
     assert module.logged["eval/eb/nfe16/tpf"] == row["tpf"]
@@ -111,3 +115,20 @@ def test_an_adaptive_decode_logs_its_mean_nfe_spread_and_tpf_into_the_results_ro
     (csv_row,) = ResultsCSV.rows(module.run_config, "MDM", evaluation, None)
     assert set(csv_row) <= set(COLUMNS)
     assert (csv_row["nfe"], csv_row["tpf"], csv_row["nfe_max"]) == (3.5, row["tpf"], 6.0)
+
+
+def test_tpf_and_the_forced_share_are_ratios_of_sums_over_ragged_rows():
+    """Rows generating 6 and 2 positions in 3 and 4 calls, forced 1 and 2 commits: TPF = 8 / 7 (not the mean of 6/3
+    and 2/4, 1.25) and the forced share 3 / 8 (not the mean of 1/6 and 2/2)."""
+    evaluation = SamplingEvaluation(samplers={"eb": Scripted([[3, 4]])}, nfe=[16], metric=Matched)
+    trainer = validating_trainer(global_step=7, loggers=[])
+    module = Module()
+    evaluation._datamodule = None
+    evaluation.on_validation_epoch_start(trainer, module)
+    prompt_mask = torch.arange(8).expand(2, 8) < torch.tensor([[2], [6]])
+    evaluation.on_validation_batch_end(
+        trainer, module, None, {"tokens": torch.arange(16).view(2, 8), "prompt_mask": prompt_mask}, 0
+    )
+    evaluation.on_validation_epoch_end(trainer, module)
+    (row,) = evaluation.results
+    assert row["tpf"] == pytest.approx(8 / 7) and row["forced_share"] == pytest.approx(3 / 8)

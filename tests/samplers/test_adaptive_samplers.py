@@ -106,23 +106,33 @@ def test_margin_and_entropy_ranks_on_a_hand_example():
     got = stats_of(log_p, "margin")
     assert got.entropy[0].tolist() == pytest.approx(h, abs=1e-6)
     assert h == pytest.approx([0.7198, 1.0465, 0.8785], abs=1e-4)
-    assert got.max_prob[0].tolist() == pytest.approx([0.60, 0.49, 0.47], abs=1e-6)
+    assert got.confidence[0].tolist() == pytest.approx([0.60, 0.49, 0.47], abs=1e-6)
     order = {s: position_scores(got, s)[0].argsort(descending=True).tolist() for s in ("max_prob", "margin", "entropy")}
     assert order == {"max_prob": [0, 1, 2], "margin": [1, 0, 2], "entropy": [0, 2, 1]}
     assert position_scores(got, "margin")[0].tolist() == pytest.approx([0.21, 0.235, 0.0], abs=1e-6)
 
 
-def test_the_factor_and_entropy_rules_count_by_hand():
-    """Factor f = 1 over confidences .99 ≥ .95 ≥ .70: n = 1: 2·.01 < 1, n = 2: 3·.05 < 1, n = 3: 4·.30 ≥ 1 → 2.
-    EB γ = .25 over entropies .1, .2, .5 (best first): Σ − max = 0, .1, .3 → 2."""
-    confidence = torch.tensor([[0.99, 0.95, 0.70]], dtype=torch.float64)
-    stats = CallStats(confidence, torch.zeros(1, 3, dtype=torch.long), entropy=torch.tensor([[0.1, 0.2, 0.5]]))
-    eligible = torch.ones(1, 3, dtype=torch.bool)
-    ordered = torch.tensor([[0, 1, 2]])
-    assert ThresholdSampler(factor=1.0).select(stats, ordered, eligible).tolist() == [2]
-    assert ThresholdSampler(threshold=0.9).select(stats, ordered, eligible).tolist() == [2]
-    assert EBSampler(gamma=0.25).select(stats, ordered, eligible).tolist() == [2]
-    assert EBSampler(gamma=0.05).select(stats, ordered, eligible).tolist() == [1]
+def test_the_factor_threshold_and_entropy_rules_count_by_hand():
+    """NVlabs' factor rule, f = 1, thresholds 1 − f/(n + 1) = −, .667, .75, .8 for n = 1 … 4: over .99 ≥ .95 ≥ .70 only
+    the last fails, so all three commit (its "commit the last one too"); with a fourth at .50 the prefix stops at 2;
+    the first position always holds.
+    Fast-dLLM's threshold keeps c ≥ τ: τ = .95 commits .99 and .95. EB γ = .25 over entropies .1, .2, .5 (best
+    first): Σ − max = 0, .1, .3 → 2."""
+    confidence = torch.tensor([[0.99, 0.95, 0.70, 0.50]], dtype=torch.float64)
+    token = torch.zeros(1, 4, dtype=torch.long)
+    stats = CallStats(confidence, token, entropy=torch.tensor([[0.1, 0.2, 0.5, 0.9]]))
+    ordered = torch.tensor([[0, 1, 2, 3]])
+    three = torch.tensor([[True, True, True, False]])
+    four = torch.ones(1, 4, dtype=torch.bool)
+    assert ThresholdSampler(factor=1.0).select(stats, ordered, three).tolist() == [3]
+    assert ThresholdSampler(factor=1.0).select(stats, ordered, four).tolist() == [2]
+    assert ThresholdSampler(factor=1.0).select(stats, ordered, torch.tensor([[False, False, True, True]])) == 2
+    assert ThresholdSampler(threshold=0.95).select(stats, ordered, four).tolist() == [2]
+    # the first always holds (NVlabs' −1): over .30 ≥ .20 only the last fails, so both commit
+    low = CallStats(torch.tensor([[0.3, 0.2]], dtype=torch.float64), token[:, :2])
+    assert ThresholdSampler(factor=1.0).select(low, ordered[:, :2], four[:, :2]).tolist() == [2]
+    assert EBSampler(gamma=0.25).select(stats, ordered, three).tolist() == [2]
+    assert EBSampler(gamma=0.05).select(stats, ordered, three).tolist() == [1]
 
 
 @pytest.mark.parametrize(
@@ -180,3 +190,50 @@ def test_a_minus_infinite_logit_leaves_every_rank_finite():
     for score in ("max_prob", "margin", "entropy"):
         got = position_scores(stats_of(logits, score), score)
         assert torch.isfinite(got).all() and got[0, 0] > got[0, 1], score
+
+
+def commits_per_call(sampler, prompt, mask, nfe: int) -> list[list[int]]:
+    """Per call, each row's commits (its [MASK] count before the call minus after it)."""
+    model = neighbour_model(scale=0.5)
+    seen = []
+
+    def fn(x, t):
+        seen.append((x == V).sum(-1).tolist())
+        return model.fn(x, t)
+
+    out = sampler(MaskedDenoiser(fn=fn, mask_id=V), prompt=prompt, prompt_mask=mask, nfe=nfe)
+    seen.append((out.tokens == V).sum(-1).tolist())
+    return [[a - b for a, b in zip(seen[i], seen[i + 1], strict=True)] for i in range(len(seen) - 1)]
+
+
+def test_a_binding_budget_splits_its_calls_over_the_blocks_left():
+    """41 positions in blocks of 7 (six blocks, the last of 6), budget 8, a rule that commits one per call (τ above
+    every confidence): each call commits the current block's share of the calls left, split over the blocks still
+    holding [MASK]: 7, 7, 7, 7 (one call per block while 8 ≥ 6, 7 ≥ 5, …), then 4 + 3 (two calls for five), then
+    3 + 3 (the last call commits the rest). The whole-row floor gave 6, 1, 6, 1, 7, 7, 7, 6 (issue 48)."""
+    prompt = torch.zeros(2, 41, dtype=torch.long)
+    mask = torch.zeros_like(prompt, dtype=torch.bool)
+    got = commits_per_call(ThresholdSampler(threshold=1.01, block_length=7), prompt, mask, nfe=8)
+    assert [row[0] for row in got] == [7, 7, 7, 7, 4, 3, 3, 3]
+    out = ThresholdSampler(threshold=1.01, block_length=7)(
+        neighbour_model(scale=0.5), prompt=prompt, prompt_mask=mask, nfe=8
+    )
+    assert out.forced.tolist() == [41 - 8, 41 - 8]  # every commit beyond one per call was the budget's
+    # without blocks the floor is ⌈#masked / calls left⌉ (the confidence sampler's schedule): 6, 5, 5, 5, 5, 5, 5, 5
+    assert [row[0] for row in commits_per_call(ThresholdSampler(threshold=1.01), prompt, mask, nfe=8)] == [
+        6,
+        5,
+        5,
+        5,
+        5,
+        5,
+        5,
+        5,
+    ]
+
+
+def test_a_rule_that_needs_no_help_is_never_forced():
+    """τ ≤ 0 commits every eligible position by its own rule: nothing is forced, whatever the budget."""
+    prompt, mask = prompts(3)
+    out = ThresholdSampler(threshold=0.0)(neighbour_model(), prompt=prompt, prompt_mask=mask, nfe=2)
+    assert out.nfe == 1 and out.forced.tolist() == [0, 0, 0]

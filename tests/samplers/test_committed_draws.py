@@ -165,18 +165,20 @@ def test_every_committing_position_is_drawn(sampler):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize(
-    "sampler",
+    ("sampler", "ranking"),
     [
-        lambda t: ThresholdSampler(threshold=1.01, temperature=t),
-        lambda t: EBSampler(gamma=0.0, score="max_prob", temperature=t),
+        (lambda t: ThresholdSampler(threshold=1.01, temperature=t), "sampled"),
+        (lambda t: ThresholdSampler(threshold=1.01, confidence="max_prob", temperature=t), "max_prob"),
+        (lambda t: EBSampler(gamma=0.0, score="max_prob", temperature=t), "max_prob"),
     ],
-    ids=["threshold", "eb"],
+    ids=["threshold", "threshold_max_prob", "eb"],
 )
-def test_adaptive_sampler_law(sampler, temperature):
-    """τ above every confidence, or γ = 0, commits one position per call (the best by max p), drawn at T at the
-    committing position only (flowlm/samplers/mdm_adaptive.py): the confidence sampler's law at nfe = 2; at nfe = 1
-    both positions commit, each drawn."""
-    tv = total_variation(empirical(sampler(temperature), seed=5), confidence_law(temperature))
+def test_adaptive_sampler_law(sampler, ranking, temperature):
+    """τ above every confidence, or γ = 0, commits one position per call (flowlm/samplers/mdm_adaptive.py): the
+    threshold sampler ranks by the drawn token's p (Fast-dLLM; drawn at every position first: the "sampled" law of
+    one semi-AR block), with ``confidence="max_prob"`` and the EB-sampler by max p, drawn at the committing position
+    only (the confidence sampler's law) at nfe = 2; at nfe = 1 both positions commit, each drawn."""
+    tv = total_variation(empirical(sampler(temperature), seed=5), semi_ar_law(temperature, ranking))
     assert tv <= TOLERANCE, tv
     tv = total_variation(empirical(sampler(temperature), seed=6, nfe=1), independent_law(temperature))
     assert tv <= TOLERANCE, tv
