@@ -9,24 +9,31 @@ flowlm/metrics/mt_bench.py's).
   template or Vicuna's; written as FastChat's ``model_answer`` JSONL (``question_id``, ``answer_id``, ``model_id``,
   ``choices: [{index, turns}]``, ``tstamp``), each choice with the NFE its turns spent (``nfe``).
 - ``judge``: single-answer grading by a judge model at an OpenAI-compatible ``/chat/completions`` endpoint
-  (``JudgeClient``: transient failures retried with exponential backoff), judgments written as FastChat's
-  ``model_judgment`` JSONL, scores per turn and per category printed and logged to MLflow.
+  (``JudgeClient``: transient failures retried with exponential backoff, one request at a time while the judge fails;
+  the key never in a repr, a log line or an error, never sent across a redirect to another host, nor over plain HTTP
+  to another machine without ``judge.allow_insecure_http``), judgments appended to FastChat's ``model_judgment``
+  JSONL as they come (``JudgmentFile``: a relaunch judges only the missing ones), scores per turn and per category
+  printed and logged to MLflow.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import http.client
+import ipaddress
 import json
 import logging
 import os
 import re
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -174,26 +181,158 @@ def read_answers(path: Path, questions: Sequence[Question]) -> dict[str, dict]:
 
 
 # ------------------------------------------------------------------------------------------------ the judge
+OPENAI_HOST = "api.openai.com"
+OPENAI_KEY_ENV = "OPENAI_API_KEY"  # the key variable only OpenAI's own endpoint gets without being named
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether ``host`` (a URL's host name) is this machine: ``localhost`` or a loopback address."""
+    if not host:
+        return False
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or {"http": 80, "https": 443}.get(scheme)
+
+
+class JudgeStopped(JudgeError):
+    """A request not sent because the judging stopped (another request failed for good)."""
+
+
+class _Transient(Exception):
+    """A failure worth retrying (the reason, and the wait the server asked for)."""
+
+    def __init__(self, reason: str, wait: float | None) -> None:
+        super().__init__(reason)
+        self.reason, self.wait = reason, wait
+
+
+class _SameOriginRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only for a GET and only to the same scheme, host and port. urllib re-sends every header,
+    ``Authorization`` included, to wherever ``Location`` points, and turns a redirected POST into a GET without its
+    body: the judge's key reached another host and the completions were re-sent as GETs."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: D102 - urllib's hook
+        method = req.get_method()
+        if method != "GET" or _origin(newurl) != _origin(req.full_url):
+            fp.close()
+            why = "a POST is not re-sent" if method != "GET" else "another scheme, host or port"
+            raise JudgeError(
+                f"{req.full_url} redirected ({code}) to {newurl}: not followed ({why}; the key was not sent there). "
+                "Set judge.base_url to the endpoint's own URL"
+            )
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_OPENER = urllib.request.build_opener(_SameOriginRedirects)
+
+
+class _Pace:
+    """The retry state all requests of one client share. After a transient failure one request (the prober) waits
+    the backoff and retries while the others wait for its answer; a success lets them all go again, and a failure
+    beyond ``retries`` in a row, or any other error, stops every request not yet sent. Each job retrying on its own
+    multiplied the requests to a failing judge by the jobs in flight (18 requests for 6 judgments)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._failures = 0  # transient failures in a row, over all requests
+        self._prober: int | None = None  # the thread that retries next
+        self._retry_at = 0.0
+        self.stopped: BaseException | None = None  # the error that stopped the judging
+
+    def enter(self) -> None:
+        """Wait until this thread may send: at once while the judge answers, after the backoff for the prober,
+        after the prober's answer for the others; JudgeStopped once stopped."""
+        me = threading.get_ident()
+        with self._cond:
+            while True:
+                if self.stopped is not None:
+                    raise JudgeStopped(f"not sent: the judging stopped ({self.stopped})")
+                if self._prober is None:
+                    return
+                if self._prober == me:
+                    left = self._retry_at - time.monotonic()
+                    if left <= 0:
+                        return
+                    self._cond.wait(left)
+                else:
+                    self._cond.wait()
+
+    def succeeded(self) -> None:
+        """The judge answered: every waiting request may go."""
+        with self._cond:
+            self._failures, self._prober = 0, None
+            self._cond.notify_all()
+
+    def failed(self, failure: _Transient, url: str, retries: int, backoff_s: float) -> None:
+        """A transient failure: this thread retries after the backoff (unless another already does: then it waits
+        for that one's answer), or, past ``retries`` failures in a row, the judging stops (JudgeError)."""
+        me = threading.get_ident()
+        with self._cond:
+            if self._prober not in (None, me):  # sent before the judge began failing: the prober's answer decides
+                return
+            self._failures += 1
+            if self._failures > retries:
+                error = JudgeError(f"{url} failed {self._failures} times; the last: {failure.reason}")
+                self.stop(error)
+                raise error
+            failures, wait = self._failures, failure.wait
+            delay = min(MAX_WAIT_S, wait if wait is not None else backoff_s * 2 ** (failures - 1))
+            self._prober, self._retry_at = me, time.monotonic() + delay
+        log.warning("mt_bench: judge %s: %s; retry %d/%d in %.1f s", url, failure.reason, failures, retries, delay)
+
+    def stop(self, error: BaseException) -> None:
+        """Stop every request not yet sent (the first error is kept)."""
+        with self._cond:
+            if self.stopped is None:
+                self.stopped = error
+            self._cond.notify_all()
+
+
 @dataclass(frozen=True)
 class JudgeClient:
-    """A judge model behind an OpenAI-compatible API (OpenAI, vLLM, SGLang, llama.cpp's server, ...)."""
+    """A judge model behind an OpenAI-compatible API (OpenAI, vLLM, SGLang, llama.cpp's server, ...); its key is
+    never shown (repr, logs, errors)."""
 
     base_url: str
     model: str
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
     temperature: float = 0.0
     max_tokens: int = 2048
     retries: int = 5
     backoff_s: float = 2.0
     timeout_s: float = 300.0
+    _pace: _Pace = field(default_factory=_Pace, init=False, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, judge: DictConfig) -> JudgeClient:
-        """The client of conf/mt_bench.yaml's ``judge`` section, its settings checked; the key read from the
-        environment variable ``api_key_env``."""
-        if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", str(judge.base_url or "")):
+        """The client of conf/mt_bench.yaml's ``judge`` section, its settings checked (no plain HTTP to another
+        machine without ``allow_insecure_http``); the key read from the variable ``api_key_env``."""
+        url = str(judge.base_url or "")
+        if not re.fullmatch(r"https?://[^/\s]+(/\S*)?", url):
+            raise ValueError(f"judge.base_url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {url!r}")
+        parts = urllib.parse.urlsplit(url)
+        if parts.username is not None or parts.password is not None:  # would be logged with the URL
             raise ValueError(
-                f"judge.base_url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {judge.base_url!r}"
+                "judge.base_url must not hold a user or password (user:pass@host): put the key in an environment "
+                "variable and name it with judge.api_key_env"
+            )
+        insecure = judge.get("allow_insecure_http", False)
+        if not isinstance(insecure, bool):
+            raise ValueError(f"judge.allow_insecure_http must be true or false, got {insecure!r}")
+        if parts.scheme == "http" and not is_loopback(parts.hostname) and not insecure:
+            raise ValueError(
+                f"judge.base_url={url} is plain HTTP to another machine: the prompts, judgments and any key would "
+                "cross the network unencrypted. Use https://, or set judge.allow_insecure_http=true on a network "
+                "you trust"
             )
         if not isinstance(judge.model, str) or not judge.model:
             raise ValueError("judging needs judge.model=NAME (the judge's model name at judge.base_url)")
@@ -203,18 +342,15 @@ class JudgeClient:
         for key in ("backoff_s", "timeout_s", "temperature"):
             if isinstance(judge[key], bool) or not isinstance(judge[key], int | float) or judge[key] < 0:
                 raise ValueError(f"judge.{key} must be a number ≥ 0, got {judge[key]!r}")
-        key = os.environ.get(judge.api_key_env) if judge.api_key_env else None
-        if key is None:
-            log.warning("mt_bench: $%s is not set: the judge is called without an API key", judge.api_key_env)
         return cls(
-            str(judge.base_url).rstrip("/"),
+            url.rstrip("/"),
             judge.model,
-            key or None,
-            float(judge.temperature),
-            judge.max_tokens,
-            judge.retries,
-            float(judge.backoff_s),
-            float(judge.timeout_s),
+            api_key=judge_key(judge.get("api_key_env"), url),
+            temperature=float(judge.temperature),
+            max_tokens=judge.max_tokens,
+            retries=judge.retries,
+            backoff_s=float(judge.backoff_s),
+            timeout_s=float(judge.timeout_s),
         )
 
     def complete(self, messages: list[dict]) -> str:
@@ -224,9 +360,8 @@ class JudgeClient:
         try:
             return str(payload["choices"][0]["message"]["content"])
         except (KeyError, IndexError, TypeError):
-            raise JudgeError(
-                f"{self.base_url}/chat/completions answered no chat completion: {payload!r:.300}"
-            ) from None
+            shown = self._redact(f"{payload!r:.300}")
+            raise JudgeError(f"{self.base_url}/chat/completions answered no chat completion: {shown}") from None
 
     def check(self) -> None:
         """Before any compute: the endpoint answers ``/models`` and, where it lists them, serves ``model``."""
@@ -234,35 +369,81 @@ class JudgeClient:
         if listed and self.model not in listed:
             raise JudgeError(f"{self.base_url} does not serve judge.model={self.model!r}; it serves {listed}")
 
+    def stop(self, error: BaseException) -> None:
+        """Send nothing more: every request not yet sent raises JudgeStopped."""
+        self._pace.stop(error)
+
+    @property
+    def stopped(self) -> BaseException | None:
+        """The error that stopped the requests (None: not stopped)."""
+        return self._pace.stopped
+
     def _request(self, route: str, body: dict | None = None) -> Any:
-        """``route`` under the base URL (POST ``body`` as JSON, else GET), transient failures retried after
-        backoff_s · 2^k seconds (or the server's Retry-After), at most MAX_WAIT_S each."""
+        """``route`` under the base URL (POST ``body`` as JSON, else GET); transient failures retried after
+        backoff_s · 2^k seconds (or the server's Retry-After, at most MAX_WAIT_S), one request at a time while the
+        judge fails (``_Pace``)."""
         url = f"{self.base_url}/{route}"
+        data = None if body is None else json.dumps(body).encode()
+        while True:
+            self._pace.enter()
+            try:
+                payload = self._send(url, data)
+            except _Transient as failure:
+                self._pace.failed(failure, url, self.retries, self.backoff_s)
+                continue
+            except BaseException as err:
+                self._pace.stop(err)
+                raise
+            self._pace.succeeded()
+            return payload
+
+    def _send(self, url: str, data: bytes | None) -> Any:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        data = None if body is None else json.dumps(body).encode()
-        for attempt in range(self.retries + 1):
-            request = urllib.request.Request(url, data=data, headers=headers, method="GET" if data is None else "POST")
-            wait = None
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    return json.loads(response.read())
-            except urllib.error.HTTPError as err:
-                detail = err.read()[:300].decode(errors="replace")
-                if err.code not in TRANSIENT_STATUS:
-                    raise JudgeError(f"{url} answered HTTP {err.code}: {detail}") from None
-                reason, wait = f"HTTP {err.code}", _retry_after(err.headers.get("Retry-After"))
-            except (urllib.error.URLError, ConnectionError, TimeoutError, http.client.IncompleteRead) as err:
-                reason = f"{type(err).__name__}: {getattr(err, 'reason', err)}"
-            except json.JSONDecodeError as err:
-                raise JudgeError(f"{url} answered something that is not JSON ({err})") from None
-            if attempt == self.retries:
-                raise JudgeError(f"{url} failed {attempt + 1} times; the last: {reason}")
-            delay = min(MAX_WAIT_S, wait if wait is not None else self.backoff_s * 2**attempt)
-            log.warning("mt_bench: judge %s: %s; retry %d/%d in %.1f s", url, reason, attempt + 1, self.retries, delay)
-            time.sleep(delay)
-        raise AssertionError("unreachable")
+        request = urllib.request.Request(url, data=data, headers=headers, method="GET" if data is None else "POST")
+        try:
+            with _OPENER.open(request, timeout=self.timeout_s) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as err:
+            detail = self._redact(err.read()[:300].decode(errors="replace"))
+            if err.code in TRANSIENT_STATUS:
+                raise _Transient(f"HTTP {err.code}", _retry_after(err.headers.get("Retry-After"))) from None
+            hint = " (no key was sent: name its variable with judge.api_key_env)" if err.code in (401, 403) else ""
+            raise JudgeError(f"{url} answered HTTP {err.code}: {detail}{'' if self.api_key else hint}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, http.client.IncompleteRead) as err:
+            raise _Transient(f"{type(err).__name__}: {getattr(err, 'reason', err)}", None) from None
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise JudgeError(f"{url} answered something that is not JSON ({err})") from None
+
+    def _redact(self, text: str) -> str:
+        """``text`` without the key (a server may echo it in an error)."""
+        return text.replace(self.api_key, "[judge key]") if self.api_key else text
+
+
+def judge_key(api_key_env: str | None, base_url: str) -> str | None:
+    """The judge's key: the value of the variable ``api_key_env``; unnamed, $OPENAI_API_KEY for OpenAI's endpoint
+    only (another endpoint gets no key unless its variable is named). A named variable that is unset is an error."""
+    name = api_key_env
+    if name is None:
+        if urllib.parse.urlsplit(base_url).hostname != OPENAI_HOST:
+            state = f"${OPENAI_KEY_ENV} is set but not sent" if os.environ.get(OPENAI_KEY_ENV) else "no key sent"
+            log.warning(
+                "mt_bench: judge %s is not OpenAI's: %s; set judge.api_key_env=VARIABLE to send a key", base_url, state
+            )
+            return None
+        name = OPENAI_KEY_ENV
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_]\w*", name):
+        raise ValueError(f"judge.api_key_env must name an environment variable (or be null), got {name!r}")
+    key = os.environ.get(name)
+    if not key:
+        raise ValueError(
+            f"judge.api_key_env={name}, but ${name} is not set: export {name}=<key>, or judge.api_key_env=null to "
+            "call a judge that needs no key"
+        )
+    return key
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -272,36 +453,184 @@ def _retry_after(value: str | None) -> float | None:
         return None
 
 
-def judge_answers(
-    client: JudgeClient, questions: Sequence[Question], answers: dict[str, dict], model_id: str, parallel: int
-) -> list[dict]:
-    """FastChat ``model_judgment`` records (single-answer grading), one per question and turn, in question order."""
-    jobs = [(q, answers[str(q.question_id)]["choices"][0]["turns"], turn) for q in questions for turn in (1, 2)]
+# ------------------------------------------------------------------------------------------------ the judgments
+JudgmentKey = tuple[str, int, str, tuple[str, ...]]  # (question_id, turn, model, judge: [judge model, prompt name])
 
-    def grade(job: tuple[Question, list[str], int]) -> dict:
-        question, turns, turn = job
-        prompt_name, messages = judge_messages(question, turns, turn)
-        judgment = client.complete(messages)
-        return {
-            "question_id": question.question_id,
+
+@dataclass(frozen=True)
+class JudgmentJob:
+    """One judgment to make: its key, the question and turn, and the messages the judge reads."""
+
+    key: JudgmentKey
+    question: Question
+    turn: int
+    prompt_name: str
+    messages: list[dict]
+
+
+def judgment_jobs(
+    client: JudgeClient, questions: Sequence[Question], answers: dict[str, dict], model_id: str
+) -> list[JudgmentJob]:
+    """The judgments of ``answers`` (one per question and turn, in question order) and the prompts they send."""
+    jobs = []
+    for question in questions:
+        turns = answers[str(question.question_id)]["choices"][0]["turns"]
+        for turn in range(1, TURNS + 1):
+            prompt_name, messages = judge_messages(question, turns, turn)
+            key = (str(question.question_id), turn, model_id, (client.model, prompt_name))
+            jobs.append(JudgmentJob(key, question, turn, prompt_name, messages))
+    return jobs
+
+
+def judgment_key(record: dict) -> JudgmentKey:
+    """The key of a FastChat ``model_judgment`` record: what it judged (question, turn, model) and how (judge)."""
+    judge = record["judge"]
+    if not isinstance(judge, list) or not all(isinstance(j, str) for j in judge):
+        raise TypeError(f"judge must be a list of names, got {judge!r}")
+    return str(record["question_id"]), int(record["turn"]), str(record["model"]), tuple(judge)
+
+
+class JudgmentFile:
+    """A judgment file kept open for appending, under an exclusive lock: each judgment is written as one line and
+    flushed to disk as it comes, so a judge that dies, a kill or an interrupted run loses none already paid for, and
+    a relaunch (``read``) judges only the missing ones. At the end the file is rewritten in question order."""
+
+    def __init__(self, path: Path, fresh: bool) -> None:
+        self.path, self.fresh = path, fresh
+        self._lock = threading.Lock()
+        self._file = None
+
+    def __enter__(self) -> JudgmentFile:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a+b")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise JudgeError(f"another process is judging into {self.path}: wait for it to end") from None
+        if self.fresh:  # overwrite=true: the old judgments go once judging starts
+            self._file.truncate(0)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file.close()  # and the lock with it
+
+    def read(self, jobs: Sequence[JudgmentJob]) -> dict[JudgmentKey, dict]:
+        """The judgments already written, by key; a line cut by a kill is removed (it is judged again)."""
+        self._file.seek(0)
+        raw = self._file.read()
+        records, end = parse_judgments(raw, self.path)
+        if end < len(raw):
+            log.warning("mt_bench: %s: its last line was cut (a killed run); it is judged again", self.path)
+            self._file.truncate(end)
+        elif raw and not raw.endswith(b"\n"):
+            self._file.write(b"\n")
+        check_judgments(records, jobs, self.path)
+        return records
+
+    def append(self, record: dict) -> None:
+        """``record`` as one line at the end, flushed to disk before this returns."""
+        line = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def rewrite(self, records: Sequence[dict]) -> None:
+        """The file replaced, at once, by ``records`` (every judgment is in it: none is lost)."""
+        with self._lock:
+            write_jsonl(self.path, records)
+
+
+def parse_judgments(raw: bytes, path: Path) -> tuple[dict[JudgmentKey, dict], int]:
+    """(the judgment records of a judgment file's bytes by key, the length of its whole lines): a last line without
+    its newline that is not JSON was cut by a kill and is left out; any other line that is not a judgment is an
+    error naming it."""
+    records: dict[JudgmentKey, dict] = {}
+    end, lines = len(raw), raw.split(b"\n")
+    for num, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise TypeError(f"a JSON {type(record).__name__}")
+            missing = [k for k in ("user_prompt", "score") if k not in record]
+            if missing:
+                raise KeyError(f"no {', '.join(missing)}")
+            records[judgment_key(record)] = record
+        except (ValueError, TypeError, KeyError) as err:
+            if num == len(lines) and isinstance(err, json.JSONDecodeError):  # cut: no newline after it
+                end = len(raw) - len(line)
+                break
+            raise ValueError(
+                f"{path}: line {num} is not a judgment ({type(err).__name__}: {err}): repair or delete it, or give "
+                "overwrite=true to judge every answer anew"
+            ) from None
+    return records, end
+
+
+def check_judgments(records: dict[JudgmentKey, dict], jobs: Sequence[JudgmentJob], path: Path) -> None:
+    """Refuse a judgment file that holds judgments of other answers, questions or judge prompts (resuming would mix
+    them into the scores)."""
+    prompts = {job.key: job.messages[-1]["content"] for job in jobs}
+    for key, record in records.items():
+        if prompts.get(key) != record["user_prompt"]:
+            question_id, turn, model, judge = key
+            raise ValueError(
+                f"{path} holds a judgment of other answers or another judge setup (question {question_id}, turn "
+                f"{turn}, model {model}, judge {list(judge)}): give overwrite=true to judge every answer anew, or "
+                "another out_dir"
+            )
+
+
+def judge_answers(
+    client: JudgeClient,
+    questions: Sequence[Question],
+    answers: dict[str, dict],
+    model_id: str,
+    parallel: int,
+    path: Path,
+    overwrite: bool = False,
+) -> list[dict]:
+    """FastChat ``model_judgment`` records (single-answer grading), one per question and turn, in question order;
+    each appended to ``path`` as it comes, those already there kept and not sent again (``overwrite``: all anew)."""
+    jobs = judgment_jobs(client, questions, answers, model_id)
+
+    def grade(job: JudgmentJob) -> None:
+        judgment = client.complete(job.messages)
+        record = {
+            "question_id": job.question.question_id,
             "model": model_id,
-            "judge": [client.model, prompt_name],
-            "user_prompt": messages[-1]["content"],
+            "judge": list(job.key[3]),
+            "user_prompt": job.messages[-1]["content"],
             "judgment": judgment,
             "score": parse_rating(judgment),
-            "turn": turn,
-            "category": question.category,
+            "turn": job.turn,
+            "category": job.question.category,
             "tstamp": time.time(),
         }
+        file.append(record)
+        done[job.key] = record
 
-    with ThreadPoolExecutor(max_workers=parallel) as pool:
-        futures = [pool.submit(grade, job) for job in jobs]
-        try:
-            return [f.result() for f in futures]
-        except BaseException:  # a judge that refuses or keeps failing: send nothing more
-            for f in futures:
-                f.cancel()
-            raise
+    with JudgmentFile(path, fresh=overwrite) as file:
+        done = file.read(jobs)
+        todo = [job for job in jobs if job.key not in done]
+        if done:
+            log.info("mt_bench: %d of %d judgments already in %s: judging %d", len(done), len(jobs), path, len(todo))
+        with ThreadPoolExecutor(max_workers=parallel) as pool:
+            futures = [pool.submit(grade, job) for job in todo]
+            try:
+                for future in as_completed(futures):
+                    future.result()
+            except BaseException as err:  # a judge that refuses or keeps failing: send nothing more
+                client.stop(err)
+                for f in futures:
+                    f.cancel()
+                raise (client.stopped if isinstance(err, JudgeStopped) else err) from None
+        records = [done[job.key] for job in jobs]
+        file.rewrite(records)
+    return records
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -358,13 +687,18 @@ def run(cfg: DictConfig) -> dict:
     if judge is not None:
         judge.check()
     model_id, answer_path, judgment_path = outputs(cfg)
+    # step=judge resumes the judgment file; the other steps make new answers, which its judgments are not of
     written = [
-        p for p, used in ((answer_path, cfg.step != "judge"), (judgment_path, judge is not None)) if used and p.exists()
+        p for p, used in ((answer_path, cfg.step != "judge"), (judgment_path, cfg.step == "all")) if used and p.exists()
     ]
     if written and not cfg.overwrite:
-        raise FileExistsError(f"{', '.join(map(str, written))} exist: give overwrite=true to replace them")
+        resume = " (or step=judge to judge the answers written, keeping the judgments made)" * (cfg.step == "all")
+        raise FileExistsError(f"{', '.join(map(str, written))} exist: give overwrite=true to replace them{resume}")
     if cfg.step == "judge":
-        read_answers(answer_path, questions)  # every question answered, before the run is tracked
+        answers = read_answers(answer_path, questions)  # every question answered, before the run is tracked
+        if judgment_path.exists() and cfg.overwrite is not True:  # judgments of these answers, or refused now
+            records, _ = parse_judgments(judgment_path.read_bytes(), judgment_path)
+            check_judgments(records, judgment_jobs(judge, questions, answers, model_id), judgment_path)
     with open_dict(cfg):
         cfg.model_id = model_id
         if cfg.get("logger") and cfg.logger.get("run_name") == f"{cfg.name}/{cfg.run_name}":
@@ -389,8 +723,8 @@ def _run_steps(cfg, questions, model_id, answer_path, judgment_path, judge) -> d
 
         result["nfe"] = nfe_summary(spent)
     if judge is not None:
-        judgments = judge_answers(judge, questions, answers, model_id, cfg.judge.parallel)
-        write_jsonl(judgment_path, judgments)
+        overwrite = cfg.overwrite is True
+        judgments = judge_answers(judge, questions, answers, model_id, cfg.judge.parallel, judgment_path, overwrite)
         result |= {"judgments": str(judgment_path), "scores": aggregate(judgments)}
         print(f"\nMT-Bench, {model_id}, judged by {judge.model}\n{summary_table(result['scores'])}", flush=True)
         print(f"judgments written to {judgment_path}", flush=True)

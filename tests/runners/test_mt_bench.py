@@ -66,10 +66,12 @@ def config(tmp_path: Path, *overrides: str):
 class JudgeServer:
     """An OpenAI-compatible judge on 127.0.0.1: ``/v1/models`` lists JUDGE; ``/v1/chat/completions`` answers the
     first ``failures`` requests with ``status``, then rates turn 1 [[7]] and turn 2 [[4]], and a conversation that
-    holds "UNRATED" without a rating. Every request is kept (path, headers, body)."""
+    holds "UNRATED" without a rating; after ``rated_until`` ratings (None: never) it answers ``status`` to all.
+    Every request is kept (path, headers, body, and what ``watch()`` returned as it arrived)."""
 
-    def __init__(self, failures: int = 1, status: int = 503) -> None:
+    def __init__(self, failures: int = 1, status: int = 503, rated_until: int | None = None, watch=None) -> None:
         self.failures, self.status, self.requests = failures, status, []
+        self.rated_until, self.rated, self.watch = rated_until, 0, watch
         self.lock = threading.Lock()
         server = self
 
@@ -91,9 +93,15 @@ class JudgeServer:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with server.lock:
-                    server.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
+                    seen = server.watch() if server.watch else None
+                    server.requests.append(
+                        {"path": self.path, "headers": dict(self.headers), "body": body, "seen": seen}
+                    )
                     fail = server.failures > 0
                     server.failures -= fail
+                    dead = server.rated_until is not None and server.rated >= server.rated_until
+                    server.rated += not (fail or dead)
+                    fail = fail or dead
                 if fail:
                     self._reply(server.status, "busy")
                     return
