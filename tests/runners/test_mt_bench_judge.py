@@ -257,7 +257,8 @@ def test_plain_http_to_another_machine_needs_allow_insecure_http(tmp_path, monke
         mt_bench.JudgeClient.from_config(cfg.judge)
 
 
-def test_an_insecure_url_is_refused_by_the_command_before_anything_is_read(tmp_path, questions):
+def test_an_insecure_url_is_refused_by_the_command_before_anything_is_read(tmp_path, questions, monkeypatch):
+    monkeypatch.setattr(mt_bench._OPENER, "open", lambda *a, **k: pytest.fail("a request was sent"))
     cfg = config(tmp_path, "ckpt_path=/nonexistent/last.ckpt", f"questions={questions}", "logger=none",
                  f"judge.model={JUDGE}", "judge.base_url=http://judge.example:8000/v1")  # fmt: skip
     with pytest.raises(ValueError, match="judge.allow_insecure_http=true"):
