@@ -459,12 +459,12 @@ JudgmentKey = tuple[str, int, str, tuple[str, ...]]  # (question_id, turn, model
 
 @dataclass(frozen=True)
 class JudgmentJob:
-    """One judgment to make: its key, the question and turn, and the messages the judge reads."""
+    """One judgment to make: its key (the judge prompt's name in it), the question and turn, and the messages the
+    judge reads."""
 
     key: JudgmentKey
     question: Question
     turn: int
-    prompt_name: str
     messages: list[dict]
 
 
@@ -478,7 +478,7 @@ def judgment_jobs(
         for turn in range(1, TURNS + 1):
             prompt_name, messages = judge_messages(question, turns, turn)
             key = (str(question.question_id), turn, model_id, (client.model, prompt_name))
-            jobs.append(JudgmentJob(key, question, turn, prompt_name, messages))
+            jobs.append(JudgmentJob(key, question, turn, messages))
     return jobs
 
 
