@@ -48,10 +48,12 @@ from tqdm import tqdm
 from datamodules.sources import load_tokenizer
 from flowlm.metrics.likelihood import (
     ESTIMATORS,
+    ROW_LAYOUTS,
     causal_log_likelihood,
     check_estimator,
-    mdm_elbo_samples,
+    mdm_elbo_estimate,
     mdm_greedy,
+    row_layout,
 )
 from flowlm.metrics.mt_bench import chat_renderer, template_kind
 from flowlm.project import CONF_DIR
@@ -171,7 +173,8 @@ class FlowLM(LM):
         gen_length: int | None = None,
         max_length: int | None = None,
         mc_samples: int = 128,
-        estimator: str = "time",
+        estimator: str = "auto",
+        rows: str = "auto",
         seed: int = 0,
         tokenizer: str | None = None,
         add_bos: bool | None = None,
@@ -190,8 +193,8 @@ class FlowLM(LM):
         if unknown:
             raise TypeError(
                 f"flowlm: unknown model_args {', '.join(unknown)} (known: checkpoint, sampler, sampler.<key>, nfe, "
-                "gen_length, max_length, mc_samples, estimator, seed, tokenizer, add_bos, template, system, dtype, "
-                "trust_pickle)"
+                "gen_length, max_length, mc_samples, estimator, rows, seed, tokenizer, add_bos, template, system, "
+                "dtype, trust_pickle)"
             )
         self.checkpoint = str(checkpoint)
         self.batch_size = _positive_int("batch_size", batch_size)
@@ -204,7 +207,9 @@ class FlowLM(LM):
 
         if estimator not in ESTIMATORS:
             raise ValueError(f"flowlm: estimator must be one of {ESTIMATORS}, got {estimator!r}")
-        self.estimator = estimator
+        if rows not in ROW_LAYOUTS:
+            raise ValueError(f"flowlm: rows must be one of {ROW_LAYOUTS}, got {rows!r}")
+        self.estimator, self.rows = estimator, rows
 
         # everything model_args decide is checked from the checkpoint's record before its weights are read
         meta = read_checkpoint_meta(self.checkpoint, trust_pickle=trust_pickle)
@@ -265,7 +270,8 @@ class FlowLM(LM):
         )
         check_data_tokens(data_tokens, self.module)
         if self.family == "mdm":
-            check_estimator(estimator, self.module.denoiser())
+            self.estimator = check_estimator(estimator, self.module.denoiser())  # auto: count or time
+            self.rows = row_layout(rows, self.module.net)  # auto: the item or max_length rows
         self._nfe: list[int] = []  # NFE spent per generated request
         self._stderr: list[float] = []  # Monte-Carlo standard error per ELBO scored (i.i.d. formula: an upper bound)
         self._warned: set[str] = set()
@@ -325,7 +331,7 @@ class FlowLM(LM):
         if self._nfe:
             info |= nfe_summary(self._nfe) | {"nfe_per_request": list(self._nfe)}
         if self.family == "mdm":
-            info |= {"estimator": self.estimator, "mc_samples": self.mc_samples}
+            info |= {"estimator": self.estimator, "mc_samples": self.mc_samples, "rows": self.rows}
         if self._stderr:
             info |= {"scored": len(self._stderr), "mean_mc_stderr": sum(self._stderr) / len(self._stderr)}
         return info
@@ -502,32 +508,42 @@ class FlowLM(LM):
         return tokens.to(self.device), pinned.to(self.device), scored.to(self.device)
 
     def _score_mdm(self, pairs) -> list[tuple[float, bool]]:
-        """The ELBO's Monte-Carlo mean over ``mc_samples`` terms (rows of ``max_length``, the text after the
-        continuation masked), seeded per request; greedy: one call with the continuation masked."""
-        tokens, pinned, scored = self._rows(pairs, self.max_length)
-        generators = [torch.Generator().manual_seed(request_seed(self.seed, *pair)) for pair in pairs]
+        """Each pair's ELBO (``mdm_elbo_estimate``: exact where the continuation is short enough to enumerate within
+        ``mc_samples`` rows, else the Monte-Carlo mean), on rows of the item alone or of ``max_length`` with the text
+        after the continuation masked (``rows``; item rows batched by length). Draws seeded by the context alone: the
+        choices of one question share them (common random draws). Greedy: one call with the continuation masked."""
+        groups: dict[int, list[int]] = {}
+        for i, (prefix, continuation) in enumerate(pairs):
+            length = len(prefix) + len(continuation) if self.rows == "item" else self.max_length
+            groups.setdefault(length, []).append(i)
+        out: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
         denoiser = self.module.denoiser()
-        with torch.no_grad(), self._precision():
-            terms = mdm_elbo_samples(
-                denoiser,
-                tokens,
-                pinned,
-                scored,
-                samples=self.mc_samples,
-                generators=generators,
-                estimator=self.estimator,
-                batch_size=self.batch_size,
-            )
-            greedy = torch.cat(
-                [
-                    mdm_greedy(denoiser, *(t[i : i + self.batch_size] for t in (tokens, pinned, scored)))
-                    for i in range(0, len(pairs), self.batch_size)
-                ]
-            )
-        means = terms.mean(1)
-        if self.mc_samples > 1:
-            self._stderr += (terms.std(1) / math.sqrt(self.mc_samples)).tolist()
-        return [(float(m), bool(g)) for m, g in zip(means.tolist(), greedy.tolist(), strict=True)]
+        for length, members in groups.items():
+            part = [pairs[i] for i in members]
+            tokens, pinned, scored = self._rows(part, length)
+            generators = [torch.Generator().manual_seed(request_seed(self.seed, prefix)) for prefix, _ in part]
+            with torch.no_grad(), self._precision():
+                means, stderr = mdm_elbo_estimate(
+                    denoiser,
+                    tokens,
+                    pinned,
+                    scored,
+                    samples=self.mc_samples,
+                    generators=generators,
+                    estimator=self.estimator,
+                    batch_size=self.batch_size,
+                )
+                greedy = torch.cat(
+                    [
+                        mdm_greedy(denoiser, *(t[i : i + self.batch_size] for t in (tokens, pinned, scored)))
+                        for i in range(0, len(part), self.batch_size)
+                    ]
+                )
+            if self.mc_samples > 1:
+                self._stderr += stderr.tolist()
+            for i, m, g in zip(members, means.tolist(), greedy.tolist(), strict=True):
+                out[i] = (float(m), bool(g))
+        return out
 
     def _score_ar(self, pairs) -> list[tuple[float, bool]]:
         """The exact chain rule over the continuation (rows as long as the longest pair; causal: PAD after is

@@ -204,13 +204,17 @@ def test_one_scored_token_is_exact_with_the_count_estimator():
 
 
 def test_the_draws_are_stratified_and_mask_only_scored_positions():
-    """time: one t per stratum ((j, j+1]/S), t ∈ (0, 1], weight 1/t; count: k_j = ⌊(j + u)·n/S⌋ + 1 masked of the n
-    scored positions, weight n/k; nothing outside ``scored`` is ever masked."""
+    """time: one t per stratum of [ε, 1] (ε + (1 − ε)(j, j+1]/S, the training's floor ε = 10⁻³), weight (1 − ε)/t
+    (at most 1 000); count: k_j = ⌊(j + u)·n/S⌋ + 1 masked of the n scored positions, weight n/k; nothing outside
+    ``scored`` is ever masked."""
     scored = torch.tensor([False, True, True, False, True, False])
     masked, times, weights = elbo_draws(scored, 8, torch.Generator().manual_seed(0), "time")
-    strata = torch.arange(8, dtype=torch.float64)
-    assert ((times > strata / 8) & (times <= (strata + 1) / 8)).all()
-    assert torch.allclose(weights, 1 / times) and not masked[:, ~scored].any()
+    strata, eps = torch.arange(8, dtype=torch.float64), 1e-3
+    assert ((times > eps + (1 - eps) * strata / 8) & (times <= eps + (1 - eps) * (strata + 1) / 8)).all()
+    assert torch.allclose(weights, (1 - eps) / times) and not masked[:, ~scored].any()
+    assert float(weights.max()) < 1 / eps
+    _, floorless, _ = elbo_draws(scored, 8, torch.Generator().manual_seed(0), "time", eps=0.0)
+    assert ((floorless > strata / 8) & (floorless <= (strata + 1) / 8)).all()
     masked, times, weights = elbo_draws(scored, 6, torch.Generator().manual_seed(0), "count")
     k = masked.sum(-1)
     assert k.tolist() == [1, 1, 2, 2, 3, 3] and not masked[:, ~scored].any()
@@ -366,14 +370,64 @@ def test_an_adaptive_sampler_s_nfe_is_recorded_per_request(checkpoints):
 def test_a_likelihood_does_not_depend_on_the_other_requests(checkpoints):
     """Each request draws from its own seed: scored alone, after another request or in another batch size, the
     same value; another seed, another value (the time estimator)."""
-    lm = lm_harness.FlowLM(checkpoint=str(checkpoints["mdm"]), mc_samples=8, batch_size=16, device="cpu")
+    lm = lm_harness.FlowLM(  # 2 terms: no enumeration (2² − 1 = 3 rows), so the seed shows
+        checkpoint=str(checkpoints["mdm"]), mc_samples=2, batch_size=4, device="cpu", estimator="time"
+    )
     a, b = ("The dog ran to the", " park"), ("Once upon a time", " there was")
     both = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate([a, b])])
-    lm.batch_size = 8
+    lm.batch_size = 2
     alone = lm.loglikelihood([Instance("loglikelihood", {}, b, 0)])
     assert alone[0][0] == pytest.approx(both[1][0], abs=1e-5)
     lm.seed = 1
     assert lm.loglikelihood([Instance("loglikelihood", {}, b, 0)])[0][0] != pytest.approx(alone[0][0], abs=1e-3)
+
+
+def test_the_choices_of_a_question_share_their_draws_and_short_ones_are_exact(checkpoints, monkeypatch):
+    """issue 48: estimator auto is count for the suite's time-agnostic MDM; a continuation of n tokens with
+    2ⁿ − 1 ≤ mc_samples is enumerated (the exact ELBO, no Monte-Carlo error); the draws are seeded by the context
+    alone, so the choices of one question share them (common random draws); rows are max_length long for a DiT."""
+    lm = lm_harness.FlowLM(checkpoint=str(checkpoints["mdm"]), mc_samples=8, batch_size=16, device="cpu")
+    assert (lm.estimator, lm.rows) == ("count", "max_length")
+    seen = []
+    real = lm_harness.mdm_elbo_estimate
+
+    def spy(model, tokens, pinned, scored, *, generators, **kwargs):
+        seen.append(([g.initial_seed() for g in generators], tokens.shape[1]))
+        return real(model, tokens, pinned, scored, generators=generators, **kwargs)
+
+    monkeypatch.setattr(lm_harness, "mdm_elbo_estimate", spy)
+    context = "Once upon a time"
+    (short,) = lm.loglikelihood([Instance("loglikelihood", {}, (context, " there"), 0)])
+    tokens, pinned, scored = lm._rows([lm._encode_pair(context, " there")], lm.max_length)
+    assert int(scored.sum()) <= 3  # 2ⁿ − 1 ≤ 8
+    exact = mdm_elbo_exact(lm.module.denoiser(), tokens, pinned, scored)
+    assert short[0] == pytest.approx(float(exact[0]), abs=1e-6) and lm._stderr[-1] == 0.0
+    seen.clear()
+    choices = [(context, " there was a dog who ran"), (context, " there was a cat who sat")]
+    lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(choices)])
+    ((seeds, length),) = seen
+    assert seeds[0] == seeds[1] and length == lm.max_length
+
+
+def test_item_rows_are_as_long_as_the_item(checkpoints, monkeypatch):
+    """rows=item (LLaDA's and Dream's harnesses; the default for the LLaMA family): each row is its context and
+    continuation, rows of one length batched together."""
+    lm = lm_harness.FlowLM(checkpoint=str(checkpoints["mdm"]), mc_samples=4, batch_size=16, device="cpu", rows="item")
+    lengths = []
+    real = lm_harness.mdm_elbo_estimate
+
+    def spy(model, tokens, pinned, scored, **kwargs):
+        lengths.append(tuple(tokens.shape))
+        assert bool((pinned | scored).all())  # nothing after the continuation
+        return real(model, tokens, pinned, scored, **kwargs)
+
+    monkeypatch.setattr(lm_harness, "mdm_elbo_estimate", spy)
+    pairs = [("The dog ran", " to the park"), ("Once upon a", " time"), ("The cat sat", " on the mat")]
+    lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
+    want = sorted({sum(map(len, lm._encode_pair(c, x))) for c, x in pairs})
+    assert sorted(length for _, length in lengths) == want and sum(b for b, _ in lengths) == 3
+    with pytest.raises(ValueError, match="rows must be one of"):
+        lm_harness.FlowLM(checkpoint=str(checkpoints["mdm"]), device="cpu", rows="tail")
 
 
 def test_stop_sequences_cut_the_decoded_answer(checkpoints, local_tasks):
