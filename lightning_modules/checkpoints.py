@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from flowlm.backbones.dit import RELEASED_OPTIONS, legacy_backbone_options
+from flowlm.options import as_bool
 from flowlm.pretrained.export import is_export, read_export
 from flowlm.pretrained.formats import PretrainedMDM, detect_format, insert_pad_row, known_formats
 from flowlm.pretrained.hub import resolve_source
@@ -73,13 +74,20 @@ def is_trusted(path: str | os.PathLike) -> bool:
     return False
 
 
+def trusts(path: str | os.PathLike, trust_pickle: object) -> bool:
+    """Whether ``path`` is unpickled in full: ``trust_pickle`` as a real boolean (``as_bool``: the string "no" is
+    truthy, and ``trust_pickle=no`` unpickled a crafted file; an unclear value is refused) or the path named in
+    ``FLOWLM_TRUST_PICKLE``."""
+    return as_bool("trust_pickle", trust_pickle) or is_trusted(path)
+
+
 def load_torch_file(path: str | os.PathLike, *, trust_pickle: bool = False, mmap: bool = True):
     """``torch.load`` of a checkpoint file on the CPU with ``weights_only=True`` and ``allowed_globals``; a file
     that needs more (a pickled object whose loading could run code) is an ``UntrustedCheckpointError`` naming the
     file and its refused globals, raised before anything of it runs. ``trust_pickle`` (or ``path`` in
     ``FLOWLM_TRUST_PICKLE``) unpickles it in full (``weights_only=False``). Other failures propagate as torch's."""
     path = Path(path)
-    if trust_pickle or is_trusted(path):
+    if trusts(path, trust_pickle):
         return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     with torch.serialization.safe_globals(allowed_globals()):
         try:
@@ -276,7 +284,7 @@ def consolidate_checkpoint(path: str | os.PathLike, *, optimizer: bool = False, 
         _load_state_dict(
             state,
             storage_reader=shard_reader(path, trust_pickle=trust_pickle),
-            planner=(_EmptyStateDictLoadPlanner if trust_pickle or is_trusted(path) else _SafeBytesPlanner)(
+            planner=(_EmptyStateDictLoadPlanner if trusts(path, trust_pickle) else _SafeBytesPlanner)(
                 keys=None if optimizer else {weights_key}
             ),
             no_dist=True,
@@ -354,7 +362,7 @@ def load_module(
     ckpt = read_checkpoint(path, data_vocab_size=data_vocab_size, trust_pickle=trust_pickle)
     cls = import_class(ckpt["flowlm"]["class_path"])
     if path.is_file() and "source" not in ckpt["flowlm"]:
-        trusted = trust_pickle or is_trusted(path)
+        trusted = trusts(path, trust_pickle)
         with torch.serialization.safe_globals(allowed_globals()):
             return cls.load_from_checkpoint(
                 path, map_location=map_location, weights_only=not trusted, **_backbone_kwargs(ckpt)
@@ -492,7 +500,7 @@ def shard_reader(path: str | os.PathLike, *, trust_pickle: bool = False):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    if trust_pickle or is_trusted(path):
+    if trusts(path, trust_pickle):
         return FileSystemReader(path)
 
     class IndexReader(FileSystemReader):

@@ -17,8 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
+from flowlm.options import as_bool
 from runners.resolvers import check_run_parts
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,16 @@ def check_budgets(eval_cfg: DictConfig) -> None:
                 f"eval.nfe holds {budget!r}, which is not an NFE budget: each must be an integer ≥ 1 (network "
                 "evaluations per sample)"
             )
+
+
+def check_switches(cfg: DictConfig, keys: tuple[str, ...]) -> None:
+    """Set each switch ``keys`` names (dotted) to a real boolean, before anything is read or written: Hydra keeps
+    ``trust_pickle=no`` or ``overwrite=no`` a string, which is truthy; an unclear value (``maybe``) is a ValueError
+    naming the option (``flowlm.options.as_bool``)."""
+    for key in keys:
+        value = as_bool(key, OmegaConf.select(cfg, key))
+        with open_dict(cfg):
+            OmegaConf.update(cfg, key, value, merge=False)
 
 
 SIGTERM_STATUS = 128 + signal.SIGTERM  # the shell's status of a process ended by SIGTERM (143)

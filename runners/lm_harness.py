@@ -56,6 +56,7 @@ from flowlm.metrics.likelihood import (
     row_layout,
 )
 from flowlm.metrics.mt_bench import chat_renderer, template_kind
+from flowlm.options import as_bool, as_int
 from flowlm.project import CONF_DIR
 from lightning_modules.checkpoints import import_class, load_module, read_checkpoint_meta
 from lightning_modules.vocabulary import check_data_tokens
@@ -197,9 +198,11 @@ class FlowLM(LM):
                 "dtype, trust_pickle)"
             )
         self.checkpoint = str(checkpoint)
+        trust_pickle = as_bool("trust_pickle", trust_pickle)  # lm-eval keeps "no" a (truthy) string
+        add_bos = None if add_bos is None else as_bool("add_bos", add_bos)
         self.batch_size = _positive_int("batch_size", batch_size)
         self.mc_samples = _positive_int("mc_samples", mc_samples)
-        self.seed = int(seed)
+        self.seed = as_int("seed", seed)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
         self.dtype = dtype
@@ -688,8 +691,8 @@ def tracked(simple_evaluate: Callable, tracking_uri: str | None = None, experime
             raise TypeError("flowlm: model_args need checkpoint=PATH")
         cfg = tracking_config(
             str(model_args["checkpoint"]),
-            seed=model_args.get("seed", 0),
-            trust_pickle=bool(model_args.get("trust_pickle", False)),
+            seed=as_int("seed", model_args.get("seed", 0)),
+            trust_pickle=as_bool("trust_pickle", model_args.get("trust_pickle", False)),
             tracking_uri=tracking_uri,
             experiment=experiment,
         )

@@ -54,7 +54,7 @@ from flowlm.metrics.mt_bench import (
 )
 from flowlm.project import CONF_DIR
 from flowlm.tasks.files import json_records, project_path
-from runners.common import resolve_paths
+from runners.common import check_switches, resolve_paths
 from runners.console import console_script
 
 log = logging.getLogger(__name__)
@@ -682,6 +682,7 @@ def run(cfg: DictConfig) -> dict:
     from runners.mlflow_run import tracked_run
 
     resolve_paths(cfg)
+    check_switches(cfg, ("generate.trust_pickle", "overwrite"))  # "no" is a truthy string
     judge = check_config(cfg)
     questions = load_questions(str(cfg.questions), str(cfg.split))
     if judge is not None:
