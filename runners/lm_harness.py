@@ -601,7 +601,7 @@ def tracking_config(
     untracked). A checkpoint of a run of the suite: the run's experiment (its task), named ``lm_eval/<run>/<time>``
     as flowlm-eval names ``eval/<run>``; an export or a pretrained source: the experiment ``lm_eval``, named
     ``lm_eval/<checkpoint>/<time>``. ``experiment`` names the experiment in both cases."""
-    if tracking_uri == "none":
+    if tracking_uri is not None and tracking_uri.strip().lower() == "none":  # None: the suite's store
         return None
     meta = read_checkpoint_meta(checkpoint, trust_pickle=trust_pickle)
     recorded = meta.get("config") or {}

@@ -202,10 +202,14 @@ def record_error(logger: MLFlowLogger, err: BaseException | None) -> None:
 
 
 @contextmanager
-def tracked_run(cfg: DictConfig) -> Iterator[MLFlowLogger | None]:
+def tracked_run(cfg: DictConfig | None) -> Iterator[MLFlowLogger | None]:
     """The MLflow run of a command without a run folder (runners/lm_harness.py, runners/mt_bench.py): the store
-    checked and the run made and announced on entry (None with ``logger=none``), ended FINISHED when the block ends,
-    FAILED (KILLED for an interrupt) with its error when it raises (``record_error``), announced again at the end."""
+    checked and the run made and announced on entry (None with ``logger=none``, or no config at all: lm-eval's
+    ``--mlflow_tracking_uri none``), ended FINISHED when the block ends, FAILED (KILLED for an interrupt) with its
+    error when it raises (``record_error``), announced again at the end."""
+    if cfg is None:  # untracked
+        yield None
+        return
     check_tracking(cfg)
     logger = make_logger(cfg, None)
     announce(None, logger)

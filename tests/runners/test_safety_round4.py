@@ -3,7 +3,11 @@
 are keyed by what made them, secrets in tracking URIs are never written, numbers are checked for what they are
 (docs/reliability.md)."""
 
+# ruff: noqa: F811 - the fixtures imported from the modules that define them are test arguments here
 from __future__ import annotations
+
+import json
+import sys
 
 import pytest
 
@@ -12,6 +16,8 @@ from lightning_modules.checkpoints import UntrustedCheckpointError, load_module,
 from runners import lm_harness, mt_bench
 from runners.lm_harness import FlowLM
 from tests.pretrained.test_safe_loading import crafted
+from tests.runners.test_lm_harness import TASKS, local_tasks  # noqa: F401 - a fixture
+from tests.runners.test_lm_harness import checkpoints as lm_checkpoints  # noqa: F401 - a fixture
 from tests.runners.test_mt_bench import SMALL, checkpoints, config, questions, write_answers  # noqa: F401 - fixtures
 
 
@@ -72,7 +78,7 @@ def test_lm_eval_model_args_trust_pickle_no_is_refused_and_the_payload_never_run
 
 def test_mt_bench_generate_trust_pickle_no_is_refused_and_the_payload_never_runs(
     crafted_checkpoint, questions, tmp_path
-):  # noqa: F811, E501
+):
     path, marker = crafted_checkpoint
     common = [f"ckpt_path={path}", f"questions={questions}", "step=generate", "logger=none"]
     with pytest.raises(UntrustedCheckpointError):
@@ -83,7 +89,7 @@ def test_mt_bench_generate_trust_pickle_no_is_refused_and_the_payload_never_runs
     assert "\n" not in str(refused.value) and not marker.exists()
 
 
-def test_mt_bench_overwrite_no_does_not_replace_written_answers(checkpoints, questions, tmp_path):  # noqa: F811
+def test_mt_bench_overwrite_no_does_not_replace_written_answers(checkpoints, questions, tmp_path):
     answers = write_answers(tmp_path, "tiny_mdm")
     before = answers.read_text()
     common = [f"ckpt_path={checkpoints['mdm']}", f"questions={questions}", "step=generate", *SMALL]
@@ -106,3 +112,21 @@ def test_integer_seeds_and_their_strings_pass():
     assert as_int("seed", 7) == 7 and as_int("seed", "7") == 7 and as_int("seed", "-3") == -3
     with pytest.raises(ValueError, match="≥ 0"):
         as_int("seed", -3, minimum=0)
+
+
+# ------------------------------------------------------------------------------------------------ untracked
+@pytest.mark.parametrize("none", ["none", "None"])
+def test_lm_eval_mlflow_tracking_uri_none_evaluates_untracked(
+    lm_checkpoints, local_tasks, runs_env, tmp_path, monkeypatch, none
+):
+    """`flowlm-lm-eval --mlflow_tracking_uri none` (documented: untracked) crashed with "'NoneType' object has no
+    attribute 'get'"; it evaluates, writes lm-eval's results and makes no MLflow store."""
+    out = tmp_path / "out"
+    argv = ["flowlm-lm-eval", "--model", "flowlm", "--tasks", "flowlm_choice", "--include_path", str(TASKS)]
+    argv += ["--model_args", f"checkpoint={lm_checkpoints['run']},mc_samples=2", "--limit", "2"]
+    argv += ["--device", "cpu", "--batch_size", "16", "--output_path", str(out), "--mlflow_tracking_uri", none]
+    monkeypatch.setattr(sys, "argv", argv)
+    lm_harness.main()
+    (written,) = out.rglob("results_*.json")
+    assert "flowlm_choice" in json.loads(written.read_text())["results"]
+    assert not list(runs_env.rglob("mlflow.db")) and not list(runs_env.rglob("mlruns"))
