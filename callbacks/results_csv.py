@@ -38,9 +38,9 @@ def method_label(module: object) -> str:
 
 COLUMNS = [
     "task", "board", "difficulty", "conditional", "method", "variant", "name", "sampler", "confidence_kind",
-    "sampler_settings", "nfe_budget", "nfe", *SPREAD, "seed", *METRICS, "auroc", "wrong_pct", "calibration_tokens",
-    "sec_per_sample", "eval_step", "steps", "budget_steps", "wall_s", "final_val_loss", "converged",
-    "precision", "device", "git_commit", "date",
+    "sampler_settings", "nfe_budget", "nfe", *SPREAD, "seed", "eval_seed", *METRICS, "auroc", "wrong_pct",
+    "calibration_tokens", "sec_per_sample", "eval_step", "steps", "budget_steps", "wall_s", "final_val_loss",
+    "converged", "precision", "device", "git_commit", "date",
 ]  # fmt: skip
 
 
@@ -115,6 +115,7 @@ class ResultsCSV(Callback):
                 "sampler_settings": json.dumps(settings, sort_keys=True),
                 "nfe_budget": budget,
                 "nfe": result["nfe"],
+                "eval_seed": getattr(evaluation, "seed", ""),  # the draws' seed; ``seed`` is the model's
                 **{k: result.get(k, "") for k in SPREAD},
                 **{m: result.get(m, "") for m in METRICS},
                 **calibration_columns(conf, correct),

@@ -19,7 +19,7 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from flowlm.options import as_bool
+from flowlm.options import as_bool, as_int
 from runners.resolvers import check_run_parts
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,19 @@ def check_switches(cfg: DictConfig, keys: tuple[str, ...]) -> None:
     naming the option (``flowlm.options.as_bool``)."""
     for key in keys:
         value = as_bool(key, OmegaConf.select(cfg, key))
+        with open_dict(cfg):
+            OmegaConf.update(cfg, key, value, merge=False)
+
+
+def check_seeds(cfg: DictConfig) -> None:
+    """Refuse, before anything is built, a ``seed`` or ``eval.seed`` that is not an integer (``seed=1.5`` failed
+    inside sampling with torch's message, ``seed=abc`` without naming ``seed``); a string of one becomes the int."""
+    for key in ("seed", "eval.seed"):
+        node, _, leaf = key.rpartition(".")
+        parent = OmegaConf.select(cfg, node) if node else cfg
+        if parent is None or parent.get(leaf) is None or OmegaConf.is_interpolation(parent, leaf):
+            continue  # unset (flowlm-eval: the checkpoint's), or ${seed}: checked as seed
+        value = as_int(key, parent[leaf])
         with open_dict(cfg):
             OmegaConf.update(cfg, key, value, merge=False)
 

@@ -17,6 +17,7 @@ from runners.common import (
     check_arguments,
     check_budgets,
     check_run_name,
+    check_seeds,
     exit_on_sigterm,
     pivot_table,
     resolve_paths,
@@ -50,6 +51,7 @@ def evaluate(cfg: DictConfig) -> dict:
     meta = read_checkpoint_meta(cfg.ckpt_path)
     inherit_temperature(cfg, meta)  # before the config is resolved: the samplers' temperatures interpolate it
     inherit_seed(cfg, meta)  # and eval.seed interpolates the seed
+    check_seeds(cfg)
     resolve_paths(cfg)
     check_budgets(cfg.eval)
     check_tracking(cfg)  # a full disk under the MLflow store: refused before anything is written
@@ -197,16 +199,25 @@ def write_results_csv(cfg: DictConfig, meta: dict, module, evaluation: SamplingE
     return path
 
 
+def row_key(row: dict) -> tuple[str, ...]:
+    """What made a row of a run's ``_eval.csv`` (the file is the run's: its name and model seed): the checkpoint's
+    step, the sampler's name, settings and budget, and the evaluation's seed. A row written before rows named their
+    evaluation seed (``eval_seed`` blank) was drawn with the default, the model's seed."""
+    text = lambda key: "" if row.get(key) is None else str(row[key])  # noqa: E731 - 0 is a seed, not a blank
+    eval_seed = text("eval_seed") or text("seed")
+    return text("eval_step"), str(row["sampler"]), str(row["sampler_settings"]), str(row["nfe_budget"]), eval_seed
+
+
 def earlier_rows(path: Path, rows: list[dict]) -> list[dict]:
-    """The rows already in ``path`` that ``rows`` do not replace (same sampler name, settings and budget): the trials
-    of a sampling-only sweep (``hparams_search=eb_grid``) each add theirs to the checkpoint's one file, where each trial
-    had overwritten the file; evaluating a setting again replaces its rows."""
+    """The rows already in ``path`` that ``rows`` do not replace (``row_key``: the same checkpoint step, sampler
+    settings, budget and evaluation seed): the trials of a sampling-only sweep (``hparams_search=eb_grid``) and the
+    evaluations at other seeds each add theirs to the checkpoint's one file; evaluating a setting again replaces its
+    rows. ``flowlm-eval seed=7`` replaced the seed-0 rows with seed 7's values, labelled seed 0."""
     if not path.is_file():
         return []
-    key = lambda row: (str(row["sampler"]), str(row["sampler_settings"]), str(row["nfe_budget"]))  # noqa: E731
-    new = {key(row) for row in rows}
+    new = {row_key(row) for row in rows}
     with path.open(newline="") as f:
-        return [row for row in csv.DictReader(f) if key(row) not in new]
+        return [row for row in csv.DictReader(f) if row_key(row) not in new]
 
 
 def checkpoint_step(path: str) -> int:

@@ -15,6 +15,7 @@ from runners.common import (
     check_budgets,
     check_run_dir,
     check_run_name,
+    check_seeds,
     exit_on_sigterm,
     is_rank_zero,
     pivot_table,
@@ -46,6 +47,7 @@ def train(cfg: DictConfig) -> dict:
     from runners.objectives import check_objectives
 
     log_lightning_once()
+    check_seeds(cfg)
     resolve_paths(cfg)
     check_run_name(cfg)
     check_budgets(cfg.eval)

@@ -6,8 +6,10 @@ are keyed by what made them, secrets in tracking URIs are never written, numbers
 # ruff: noqa: F811 - the fixtures imported from the modules that define them are test arguments here
 from __future__ import annotations
 
+import csv
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +17,7 @@ from flowlm.options import as_bool, as_int
 from lightning_modules.checkpoints import UntrustedCheckpointError, load_module, read_checkpoint, read_checkpoint_meta
 from runners import lm_harness, mt_bench
 from runners.lm_harness import FlowLM
+from tests.conftest import FAST, compose_config
 from tests.pretrained.test_safe_loading import crafted
 from tests.runners.test_lm_harness import TASKS, local_tasks  # noqa: F401 - a fixture
 from tests.runners.test_lm_harness import checkpoints as lm_checkpoints  # noqa: F401 - a fixture
@@ -130,3 +133,69 @@ def test_lm_eval_mlflow_tracking_uri_none_evaluates_untracked(
     (written,) = out.rglob("results_*.json")
     assert "flowlm_choice" in json.loads(written.read_text())["results"]
     assert not list(runs_env.rglob("mlflow.db")) and not list(runs_env.rglob("mlruns"))
+
+
+# ------------------------------------------------------------------------------------------------ results rows
+def _eval_rows(path: Path) -> list[dict]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_an_evaluation_at_another_seed_adds_its_rows_and_names_their_seed(runs_env, monkeypatch):
+    """`flowlm-eval seed=7` into the results folder of a seed-0 run replaced the seed-0 rows with seed 7's values,
+    labelled seed 0; now its rows are added, ``seed`` the model's and ``eval_seed`` 7, and a rerun at seed 7 replaces
+    only its own. A seed that is not an integer is refused naming ``seed`` before the weights are read."""
+    import lightning_modules.checkpoints as checkpoints_module
+    from runners.evaluate import evaluate
+    from runners.train import train
+
+    results = runs_env / "results"
+    eval_args = ["eval.nfe=[1,4]", "eval.max_batches=1", f"results_csv={results}", "logger=none"]
+    run = train(compose_config(overrides=["experiment=sudoku_mdm_easy", "scale=cpu", *FAST, "eval.max_batches=1"]))
+    ckpt = f"ckpt_path={Path(run['run_dir']) / 'checkpoints' / 'last.ckpt'}"
+    evaluate(compose_config("eval", [ckpt, *eval_args]))
+    (path,) = results.rglob("sudoku_mdm_easy_seed0_eval.csv")
+    first = _eval_rows(path)
+    assert {(r["seed"], r["eval_seed"]) for r in first} == {("0", "0")}
+    evaluate(compose_config("eval", [ckpt, *eval_args, "seed=7"]))
+    both = _eval_rows(path)
+    assert [r for r in both if r["eval_seed"] == "0"] == first  # the seed-0 rows untouched
+    sevens = [r for r in both if r["eval_seed"] == "7"]
+    assert len(sevens) == len(first) and {r["seed"] for r in sevens} == {"0"}
+    # the ancestral sampler draws at temperature 1: seed 7's grids are not seed 0's
+    assert [(r["auroc"], r["wrong_pct"]) for r in sevens] != [(r["auroc"], r["wrong_pct"]) for r in first]
+    evaluate(compose_config("eval", [ckpt, *eval_args, "seed=7"]))
+    again = _eval_rows(path)
+    assert len(again) == len(both) and [r for r in again if r["eval_seed"] == "0"] == first
+    before = path.read_text()
+    monkeypatch.setattr(checkpoints_module, "load_module", lambda *a, **k: pytest.fail("the weights were read"))
+    for bad in ("seed=1.5", "seed=abc", "eval.seed=2.5"):
+        with pytest.raises(ValueError, match=r"^(eval\.)?seed must be an integer") as refused:
+            evaluate(compose_config("eval", [ckpt, *eval_args, bad]))
+        assert "\n" not in str(refused.value)
+    assert path.read_text() == before
+
+
+def test_a_row_written_before_rows_named_their_seed_is_replaced_by_the_default_seeds_row(tmp_path):
+    """Rows of the committed results (no ``eval_seed`` column) were drawn with the model's seed: an evaluation at that
+    seed replaces them, one at another seed keeps them."""
+    from callbacks.results_csv import COLUMNS
+    from runners.evaluate import earlier_rows
+
+    committed = next(Path(__file__).parents[2].glob("results/sudoku/*/*_seed0_eval.csv"))
+    old = _eval_rows(committed)
+    assert old and "eval_seed" not in old[0]
+    path = tmp_path / committed.name
+    path.write_text(committed.read_text())
+    row = {c: old[0].get(c, "") for c in COLUMNS}
+    assert len(earlier_rows(path, [{**row, "eval_seed": 0}])) == len(old) - 1
+    assert len(earlier_rows(path, [{**row, "eval_seed": 7}])) == len(old)
+
+
+@pytest.mark.parametrize("bad", ["seed=1.5", "seed=abc"])
+def test_flowlm_train_refuses_a_seed_that_is_not_an_integer_before_anything_is_written(runs_env, bad):
+    from runners.train import train
+
+    with pytest.raises(ValueError, match=r"^seed must be an integer") as refused:
+        train(compose_config(overrides=["experiment=sudoku_mdm_easy", "scale=cpu", *FAST, bad]))
+    assert "\n" not in str(refused.value) and not (runs_env / "runs" / "sudoku_mdm_easy").exists()
