@@ -20,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from flowlm.options import as_bool, as_int
+from flowlm.redaction import redact, redact_uri
 from runners.resolvers import check_run_parts
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,25 @@ def check_seeds(cfg: DictConfig) -> None:
             OmegaConf.update(cfg, key, value, merge=False)
 
 
+def redact_hydra_output() -> None:
+    """Take URI passwords (``logger.tracking_uri=postgresql://user:secret@host/db``) out of the files Hydra wrote into
+    its output folder before the task ran (``.hydra/config.yaml``, ``overrides.yaml``, ``hydra.yaml``: the command
+    line's overrides as given); none when the task runs outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    hydra_cfg = HydraConfig.get()
+    if not hydra_cfg.output_subdir:
+        return
+    for path in (Path(hydra_cfg.runtime.output_dir) / hydra_cfg.output_subdir).glob("*.yaml"):
+        text = path.read_text()
+        if redact_uri(text) != text:
+            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+            tmp.write_text(redact_uri(text))
+            os.replace(tmp, path)
+
+
 SIGTERM_STATUS = 128 + signal.SIGTERM  # the shell's status of a process ended by SIGTERM (143)
 
 
@@ -135,7 +155,7 @@ def resolve_paths(cfg: DictConfig) -> None:
 
 
 def _identity(cfg: DictConfig | dict) -> dict:
-    data = OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)
+    data = redact(OmegaConf.to_container(OmegaConf.create(cfg), resolve=True))  # as run_config.yaml holds it
     out = {k: data.get(k) for k in IDENTITY_SECTIONS}
     if isinstance(out.get("data"), dict):
         out["data"] = {k: v for k, v in out["data"].items() if k not in VOLATILE_DATA_KEYS}
@@ -162,7 +182,7 @@ _held: dict[Path, int] = {}
 
 
 def _holder_info() -> dict:
-    command = " ".join(sys.argv)[:2000]
+    command = redact_uri(" ".join(sys.argv))[:2000]  # run.lock is a file: no URI's password
     return {"pid": os.getpid(), "host": socket.gethostname(), "started": _STARTED, "command": command}
 
 
@@ -333,7 +353,7 @@ def write_run_config(cfg: DictConfig) -> None:
         if recorded.exists():  # kill left it RUNNING, is ended by make_logger (SUPERSEDED names it)
             os.replace(recorded, run_dir / SUPERSEDED)
     tmp = saved.with_name(f".{saved.name}.tmp{os.getpid()}")
-    OmegaConf.save(cfg, tmp, resolve=True)
+    OmegaConf.save(OmegaConf.create(redact(OmegaConf.to_container(cfg, resolve=True))), tmp)  # no password
     os.replace(tmp, saved)
 
 

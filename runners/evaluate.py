@@ -20,6 +20,7 @@ from runners.common import (
     check_seeds,
     exit_on_sigterm,
     pivot_table,
+    redact_hydra_output,
     resolve_paths,
     sampling_stops_on_sigterm,
 )
@@ -52,6 +53,7 @@ def evaluate(cfg: DictConfig) -> dict:
     inherit_temperature(cfg, meta)  # before the config is resolved: the samplers' temperatures interpolate it
     inherit_seed(cfg, meta)  # and eval.seed interpolates the seed
     check_seeds(cfg)
+    redact_hydra_output()
     resolve_paths(cfg)
     check_budgets(cfg.eval)
     check_tracking(cfg)  # a full disk under the MLflow store: refused before anything is written

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 from flowlm.project import git_commit
+from flowlm.redaction import redact
 
 # Families whose DiT has a [MASK] row (at id = data_vocab_size); a LLaMA-family network records its own [MASK].
 MASKED_FAMILIES = ("mdm", "mlfm")
@@ -159,12 +160,18 @@ def export(
         raise ValueError(f"{source} is already a flowlm export: copy the folder instead")
     if "state_dict" not in ckpt or "hyper_parameters" not in ckpt:
         raise ValueError(f"{path} holds no weights or hyper-parameters: not a trained module's checkpoint")
+    if merge_mlfm and meta.get("family") != "mlfm":  # it was silently ignored
+        raise ValueError(
+            f"--merge-mlfm folds an MLFM's LoRA into its base, but {source} is a '{meta.get('family')}' checkpoint: "
+            "leave --merge-mlfm out"
+        )
     out = Path(out_dir)
     fmt.check_target(out)
     hparams = dict(ckpt["hyper_parameters"])
     if "backbone" in hparams:
         hparams["backbone"] = checkpoint_backbone(ckpt)  # every DiT option spelled out
     state = ckpt["state_dict"]
+    meta = redact(meta)  # a recorded URI's password (a tracking store's) stays out of config.json and the card
     run_config = meta.get("config") or {}
     tokenizer = _tokenizer(run_config, meta)
     records = run_records(path, ckpt, run_config)
@@ -212,6 +219,7 @@ def export(
         for write in writers:
             write(folder)
 
+    config = redact(config)
     fmt.write_export(out, state=state, config=config, card=model_card(config, run_config), files=files)
     return out
 

@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from flowlm.experiment_kind import mark_model_training
 from flowlm.project import git_commit
+from flowlm.redaction import redact, redact_uri
 from runners.common import SUPERSEDED, is_rank_zero
 from runners.objectives import objective_keys
 from runners.tracking import ResilientMLFlowLogger, TrackingUnavailable, check_store_space
@@ -70,18 +71,19 @@ def make_logger(cfg: DictConfig, run_dir: Path | None) -> MLFlowLogger | None:
         if old:  # the store lost the run (a deleted or replaced mlflow.db): the resumed training gets a new one
             client.set_tag(rid, "flowlm.previous_mlflow_run_id", old)
             warnings.warn(
-                f"resuming {run_dir}: the MLflow store {logger._tracking_uri} has no run {old} (the id recorded in "
-                f"{run_id_file}): the store was deleted or replaced since this run was tracked. The resumed training "
-                f"is tracked in a new MLflow run {rid}, tagged flowlm.previous_mlflow_run_id; what the old run "
-                "logged is not in this store. If the run was tracked in another store, stop this launch, write "
-                f"{old} back into {run_id_file.name} and resume with logger.tracking_uri=<that store>.",
+                f"resuming {run_dir}: the MLflow store {redact_uri(logger._tracking_uri)} has no run {old} (the id "
+                f"recorded in {run_id_file}): the store was deleted or replaced since this run was tracked. The "
+                f"resumed training is tracked in a new MLflow run {rid}, tagged flowlm.previous_mlflow_run_id; what "
+                "the old run logged is not in this store. If the run was tracked in another store, stop this launch, "
+                f"write {old} back into {run_id_file.name} and resume with logger.tracking_uri=<that store>.",
                 RuntimeWarning,
                 stacklevel=2,
             )
         mark_model_training(client, logger.experiment_id)  # a model-training experiment for MLflow's UI
         for key, value in run_tags(cfg, run_dir).items():
             client.set_tag(rid, key, value)
-        client.log_text(rid, OmegaConf.to_yaml(cfg, resolve=True), "config/resolved.yaml")
+        resolved = OmegaConf.create(redact(OmegaConf.to_container(cfg, resolve=True)))  # no URI's password
+        client.log_text(rid, OmegaConf.to_yaml(resolved), "config/resolved.yaml")
         logger.log_hyperparams(run_params(cfg))
     return logger
 
@@ -101,7 +103,7 @@ def announce(run_dir: Path | str | None, logger: MLFlowLogger | None) -> None:
         return
     lines = [f"run folder: {run_dir}"] if run_dir else []
     if logger is not None and logger.run_id:
-        lines.append(f"MLflow run: {logger.run_id} ({logger._tracking_uri})")
+        lines.append(f"MLflow run: {logger.run_id} ({redact_uri(logger._tracking_uri)})")
     if lines:
         print("\n".join(lines), flush=True)
 
@@ -126,8 +128,9 @@ def run_tags(cfg: DictConfig, run_dir: Path | None = None) -> dict[str, str]:
 
 
 def run_params(cfg: DictConfig) -> dict:
-    """MLflow params of a run: its sections (nested; the logger flattens them) and a sweep trial's overrides."""
-    return {**_flat_params(cfg), **trial_params(cfg)}
+    """MLflow params of a run: its sections (nested; the logger flattens them) and a sweep trial's overrides, URIs
+    without their passwords."""
+    return redact({**_flat_params(cfg), **trial_params(cfg)})
 
 
 def _flat_params(cfg: DictConfig) -> dict:
@@ -146,7 +149,7 @@ def trial_tags(cfg: DictConfig) -> dict[str, str]:
         "flowlm.trial_id": str(sweep.trial_id),
         "flowlm.sweeper": str(sweep.sweeper),
         "flowlm.sweep_dir": str(sweep.dir),
-        "flowlm.overrides": " ".join(sweep.overrides)[:MAX_VALUE],
+        "flowlm.overrides": redact_uri(" ".join(sweep.overrides))[:MAX_VALUE],
         "flowlm.attempt": str(sweep.attempt),
     }
     if sweep.get("study"):

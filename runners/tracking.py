@@ -20,6 +20,8 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from mlflow.exceptions import MlflowException
 
+from flowlm.redaction import redact_uri
+
 PARAM_LIMIT = 250  # Lightning's MLFlowLogger truncates parameter values to this many characters
 
 
@@ -80,7 +82,7 @@ def _full_disk_message(uri: str, err: BaseException) -> str:
     free = ""
     if folder is not None and folder.exists():
         free = f" ({shutil.disk_usage(folder).free} bytes free in {folder})"
-    return (
+    return redact_uri(
         f"the MLflow store {uri!r} is on a full disk{free}: {type(err).__name__}: {str(err).splitlines()[0]}. Free "
         "space there, or track elsewhere with logger.tracking_uri=sqlite:///<other path>/mlflow.db (or logger=none)."
     )
@@ -233,9 +235,11 @@ class ResilientMLFlowLogger(MLFlowLogger):
             if disk_full(err):  # reached, but it cannot write
                 raise TrackingUnavailable(_full_disk_message(self._tracking_uri, err)) from err
             raise TrackingUnavailable(
-                f"MLflow tracking store {self._tracking_uri!r} is not reachable ({type(err).__name__}: {err}). "
-                "Start the server, or track locally with logger.tracking_uri=sqlite:///<path>/mlflow.db, or run "
-                "without tracking with logger=none."
+                redact_uri(
+                    f"MLflow tracking store {self._tracking_uri!r} is not reachable ({type(err).__name__}: {err}). "
+                    "Start the server, or track locally with logger.tracking_uri=sqlite:///<path>/mlflow.db, or run "
+                    "without tracking with logger=none."
+                )
             ) from err
         finally:
             for key, value in saved.items():
@@ -283,8 +287,8 @@ class ResilientMLFlowLogger(MLFlowLogger):
         if not lost.keys() <= self._reported:  # fit and a final validate both finalize: warn once per kind of loss
             self._reported |= lost.keys()
             warnings.warn(
-                f"MLflow run {self._run_id} in {self._tracking_uri} is incomplete: {'; '.join(lost.values())}. The "
-                "run folder (checkpoints, run_config.yaml) is complete.",
+                f"MLflow run {self._run_id} in {redact_uri(self._tracking_uri)} is incomplete: "
+                f"{'; '.join(lost.values())}. The run folder (checkpoints, run_config.yaml) is complete.",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -318,8 +322,10 @@ class ResilientMLFlowLogger(MLFlowLogger):
         self.failed_calls[what] += 1
         if self.failures <= 3 or self.failures % 100 == 0:
             warnings.warn(
-                f"MLflow call {what} to {self._tracking_uri} failed ({type(err).__name__}: {err}); training goes on "
-                f"({self.failures} tracking failure(s) so far)",
+                redact_uri(
+                    f"MLflow call {what} to {self._tracking_uri} failed ({type(err).__name__}: {err}); training goes "
+                    f"on ({self.failures} tracking failure(s) so far)"
+                ),
                 RuntimeWarning,
                 stacklevel=3,
             )

@@ -9,6 +9,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from flowlm.project import CONF_DIR
+from flowlm.redaction import redact
 from runners.common import (
     build,
     check_arguments,
@@ -19,6 +20,7 @@ from runners.common import (
     exit_on_sigterm,
     is_rank_zero,
     pivot_table,
+    redact_hydra_output,
     resolve_paths,
     sampling_stops_on_sigterm,
     write_run_config,
@@ -48,6 +50,7 @@ def train(cfg: DictConfig) -> dict:
 
     log_lightning_once()
     check_seeds(cfg)
+    redact_hydra_output()
     resolve_paths(cfg)
     check_run_name(cfg)
     check_budgets(cfg.eval)
@@ -61,7 +64,7 @@ def train(cfg: DictConfig) -> dict:
     with tensors_from_rank_zero(weights_from_rank_zero(cfg.trainer)):  # FSDP2: one read of a pretrained source
         module = build(cfg.method, data_vocab_size=datamodule.vocab_size, seq_len=datamodule.seq_len)
     check_data_tokens(datamodule, module)
-    module.run_config = OmegaConf.to_container(cfg, resolve=True)
+    module.run_config = redact(OmegaConf.to_container(cfg, resolve=True))  # the checkpoint's record: no password
     module.validate_inputs()
     evaluation: SamplingEvaluation = build(cfg.eval)
     evaluation.check_model(module)

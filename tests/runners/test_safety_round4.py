@@ -199,3 +199,103 @@ def test_flowlm_train_refuses_a_seed_that_is_not_an_integer_before_anything_is_w
     with pytest.raises(ValueError, match=r"^seed must be an integer") as refused:
         train(compose_config(overrides=["experiment=sudoku_mdm_easy", "scale=cpu", *FAST, bad]))
     assert "\n" not in str(refused.value) and not (runs_env / "runs" / "sudoku_mdm_easy").exists()
+
+
+# ------------------------------------------------------------------------------------------------ secrets
+SECRET = "S3CRETPW"
+SECRET_URI = f"postgresql://flowlm:{SECRET}@db.example:5432/mlflow"
+
+
+@pytest.fixture
+def postgres_as_sqlite(runs_env, monkeypatch):
+    """MLflow opens ``postgresql://`` URIs as a SQLite store under the test's folder, so the suite tracks into a
+    store whose URI holds a password and records that URI as given."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+    from mlflow.tracking._tracking_service import utils
+    from mlflow.tracking._tracking_service.registry import TrackingStoreRegistry
+
+    db, artifacts = runs_env / "tracked.db", runs_env / "artifacts"
+
+    def store(store_uri, artifact_uri=None):
+        return SqlAlchemyStore(f"sqlite:///{db}", artifact_uri or str(artifacts))
+
+    caches = (TrackingStoreRegistry._get_store_with_resolved_uri, utils._get_tracking_scheme_with_resolved_uri)
+    for cache in caches:
+        cache.cache_clear()
+    monkeypatch.setitem(utils._tracking_store_registry._registry, "postgresql", store)
+    yield db
+    for cache in caches:
+        cache.cache_clear()
+
+
+def _holding(folder: Path, secret: str) -> list[str]:
+    return sorted(
+        str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()
+    )
+
+
+def test_a_tracking_uris_password_is_in_no_written_file(postgres_as_sqlite, runs_env, monkeypatch, capsys):
+    """A run tracked in a database whose URI holds a password (given on the command line: Hydra writes it into
+    .hydra/ before the run starts), then evaluated and exported: the password is in no file under the test's folder
+    (run folder, checkpoints, run_config.yaml, Hydra's files, MLflow's store and artifacts, the results CSVs, the
+    export's config.json and card) and in nothing printed; the tracking still works."""
+    from hydra.core.global_hydra import GlobalHydra
+    from mlflow import MlflowClient
+
+    from runners import train as train_module
+    from runners.evaluate import evaluate
+    from runners.export import export
+
+    results = runs_env / "results"
+    argv = ["flowlm-train", "experiment=sudoku_mdm_easy", "scale=cpu", *FAST, "eval.max_batches=1"]
+    argv += [f"logger.tracking_uri={SECRET_URI}", f"callbacks.results_csv.dir={results}"]
+    monkeypatch.setattr(sys, "argv", argv)
+    try:
+        train_module.main()
+    finally:
+        GlobalHydra.instance().clear()
+    (ckpt,) = (runs_env / "runs").rglob("last.ckpt")
+    run_dir = ckpt.parent.parent
+    assert (run_dir / ".hydra" / "overrides.yaml").is_file()
+    evaluate(
+        compose_config(
+            "eval",
+            [f"ckpt_path={ckpt}", "eval.nfe=[1]", "eval.max_batches=1", f"results_csv={results}"]
+            + [f"logger.tracking_uri={SECRET_URI}"],
+        )
+    )
+    export(ckpt, runs_env / "export")
+    printed = capsys.readouterr()
+    assert SECRET not in printed.out + printed.err
+    assert _holding(runs_env, SECRET) == []
+    redacted = SECRET_URI.replace(SECRET, "***")
+    assert redacted in (run_dir / "run_config.yaml").read_text()
+    assert redacted in (runs_env / "export" / "config.json").read_text()
+    client = MlflowClient(SECRET_URI)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 2 and all(r.data.params for r in runs)  # the training and the evaluation were tracked
+
+
+def test_merge_mlfm_on_another_family_is_refused_before_anything_is_written(tmp_path):
+    from runners.export import export
+    from tests.pretrained.test_export import write_run_checkpoint
+
+    path = tmp_path / "mdm.ckpt"
+    write_run_checkpoint(path)
+    with pytest.raises(ValueError, match="--merge-mlfm .* is a 'mdm' checkpoint: leave --merge-mlfm out") as refused:
+        export(path, tmp_path / "out", merge_mlfm=True)
+    assert "\n" not in str(refused.value) and not (tmp_path / "out").exists()
+
+
+def test_an_export_of_a_checkpoint_that_recorded_a_password_leaves_it_out(tmp_path):
+    """A checkpoint written before run configs were redacted holds the URI as given: config.json and the card of its
+    export do not."""
+    from runners.export import export
+    from tests.pretrained.test_export import write_run_checkpoint
+
+    path = tmp_path / "old.ckpt"
+    write_run_checkpoint(path, config={"logger": {"tracking_uri": SECRET_URI}})
+    assert SECRET.encode() in path.read_bytes()
+    export(path, tmp_path / "out")
+    assert _holding(tmp_path / "out", SECRET) == []
+    assert SECRET_URI.replace(SECRET, "***") in (tmp_path / "out" / "config.json").read_text()
