@@ -3,6 +3,8 @@ blocks of the semi-autoregressive samplers, and times as per-sequence tensors.""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -24,8 +26,16 @@ def check_budget(owner: str, nfe: int, free_positions: int | None = None) -> Non
         )
 
 
+def check_finite(name: str, value: float) -> float:
+    """A number option: a real, finite number (NaN fails every comparison, so ``gamma=nan`` passed ``gamma ≥ 0``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
 def check_temperature(temperature: float) -> float:
     """A sampling temperature: 0 means argmax, > 0 scales the logits."""
+    check_finite("temperature", temperature)
     if temperature < 0:
         raise ValueError(f"temperature must be ≥ 0, got {temperature}")
     return temperature

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from flowlm.samplers.common import check_finite
 from flowlm.samplers.mdm_adaptive import AdaptiveMDMSampler, CallStats, sorted_eligible
 
 
@@ -18,7 +19,7 @@ class EBSampler(AdaptiveMDMSampler):
 
     def __init__(self, *, gamma: float = 0.1, score: str = "entropy", **options) -> None:
         super().__init__(score=score, **options)  # block_length, temperature, cache, refresh: AdaptiveMDMSampler
-        if gamma < 0:
+        if check_finite("gamma", gamma) < 0:
             raise ValueError(f"gamma must be ≥ 0, got {gamma}")
         self.gamma = float(gamma)
 

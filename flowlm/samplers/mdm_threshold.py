@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flowlm.samplers.common import check_finite
 from flowlm.samplers.mdm_adaptive import AdaptiveMDMSampler, CallStats
 
 CONFIDENCES = ("sampled", "max_prob")
@@ -34,11 +35,11 @@ class ThresholdSampler(AdaptiveMDMSampler):
         **options,
     ) -> None:
         super().__init__(score=score, **options)  # block_length, temperature, cache, refresh: AdaptiveMDMSampler
-        if factor is not None and factor <= 0:
+        if factor is not None and check_finite("factor", factor) <= 0:
             raise ValueError(f"factor must be > 0 (or null: the threshold rule), got {factor}")
         if confidence not in CONFIDENCES:
             raise ValueError(f"confidence must be one of {CONFIDENCES}, got {confidence!r}")
-        self.threshold, self.factor, self.confidence = float(threshold), factor, confidence
+        self.threshold, self.factor, self.confidence = check_finite("threshold", threshold), factor, confidence
         self.rule_reads_draw = confidence == "sampled"
 
     def select(self, stats: CallStats, ordered: Tensor, eligible: Tensor) -> Tensor:  # noqa: D102
