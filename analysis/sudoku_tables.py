@@ -56,7 +56,7 @@ class ResultsCSVWarning(UserWarning):
 
 
 REQUIRED = [*KEY, "seed", "date"]  # a results CSV's header holds these (callbacks/results_csv.py COLUMNS)
-NUMERIC = ["nfe_budget", "seed", *MEASURES, *TRAINING]  # blank or a number in every row
+NUMERIC = ["nfe_budget", "seed", "eval_seed", *MEASURES, *TRAINING]  # blank or a number in every row
 DATE_FORMAT = "%Y-%m-%dT%H:%M:%SZ"  # callbacks/results_csv.py's `date`
 ROWS_CSV = "rows.csv"  # the report's merged rows: the results schema, so never read back (report_folders)
 
@@ -69,10 +69,11 @@ def report_folders(folder: Path) -> set[Path]:
 
 def read_results(folder: str | Path, *, skip: Iterable[str | Path] = ()) -> pd.DataFrame:
     """Every results CSV under ``folder`` (any depth), one frame; the same (row, seed) measured twice keeps its latest
-    row (by ``date``). Not read: the folders in ``skip`` (the report's own ``out``), any folder holding a report
-    (report_folders), and, each named in a ResultsCSVWarning, a file that is empty, not UTF-8 or whose header is not
-    the results schema, and the rows of a file with a wrong field count (a cut line), a non-number in a numeric
-    column (a decimal comma) or a date not in DATE_FORMAT. ``attrs["skipped"]``: 'path (why)' of each."""
+    row (by ``date``) drawn with the model's own seed (``eval_seed``), another seed's only where there is none. Not
+    read: the folders in ``skip`` (the report's own ``out``), any folder holding a report (report_folders), and, each
+    named in a ResultsCSVWarning, a file that is empty, not UTF-8 or whose header is not the results schema, and the
+    rows of a file with a wrong field count (a cut line), a non-number in a numeric column (a decimal comma) or a
+    date not in DATE_FORMAT. ``attrs["skipped"]``: 'path (why)' of each."""
     folder = Path(folder)
     skip = [Path(s).resolve() for s in skip]
     reports = report_folders(folder) if folder.is_dir() else set()
@@ -98,8 +99,11 @@ def read_results(folder: str | Path, *, skip: Iterable[str | Path] = ()) -> pd.D
     rows = pd.concat(frames, ignore_index=True)
     rows["sampler_settings"] = rows["sampler_settings"].fillna("{}").map(current_settings)
     rows["converged"] = rows["converged"].astype(str).str.lower().eq("true")
-    rows = rows.sort_values("date", kind="stable").drop_duplicates([*KEY, "seed"], keep="last")
-    rows = rows.reset_index(drop=True)
+    # one row per model seed: the model's own draws (eval_seed blank, in older CSVs, or the seed) over an evaluation
+    # at another seed (flowlm-eval seed=N, whose rows name it), then the latest
+    own = rows["eval_seed"].isna() | (rows["eval_seed"] == rows["seed"]) if "eval_seed" in rows else True
+    rows = rows.assign(_own=own).sort_values(["_own", "date"], kind="stable")
+    rows = rows.drop_duplicates([*KEY, "seed"], keep="last").drop(columns="_own").reset_index(drop=True)
     rows.attrs["skipped"] = skipped
     return rows
 

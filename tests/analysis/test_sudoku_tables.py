@@ -517,3 +517,17 @@ def test_a_line_whose_budget_forced_commits_is_named_capped(tmp_path):
         write_rows(folder / "mdm_seed0_eval.csv", [{**line, "nfe": 3.5}])
         label, _ = best_within_nfe(aggregate(read_results(folder)), "accuracy", "MDM", 4)
         assert label == name
+
+
+def test_a_later_evaluation_at_another_seed_does_not_stand_in_for_the_models_own_draws(results):
+    """`flowlm-eval seed=7` of the seed-0 model adds rows that name their evaluation seed: the tables keep the model's
+    own draws (eval_seed blank, as in older CSVs, or the seed); another seed's rows count only where there are none."""
+    other = row("FMLM+", "init", "pr", 4, 0, 1.0, date="2026-12-31T10:00:00Z", eval_seed=7)
+    only = row("FMLM+", "init", "pr", 16, 0, 2.0, date="2026-12-31T10:00:00Z", eval_seed=7)
+    own = row("FMLM+", "init", "pr", 4, 1, 96.5, date="2026-12-30T10:00:00Z", eval_seed=1)
+    write_rows(results / "eval" / "FMLM+_init_seed0_eval.csv", [other, only, own])
+    rows = read_results(results)
+    pr = rows[(rows["variant"] == "init") & (rows["sampler"] == "pr")]
+    at4 = pr[pr["nfe_budget"] == 4].set_index("seed")["accuracy"]
+    assert at4.to_dict() == {0: 95.0, 1: 96.5, 2: 97.0}  # seed 0's own row kept; seed 1's newer own row taken
+    assert pr[pr["nfe_budget"] == 16]["accuracy"].tolist() == [2.0]  # no own row: the other seed's
