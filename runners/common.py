@@ -100,15 +100,21 @@ def check_seeds(cfg: DictConfig) -> None:
 def redact_hydra_output() -> None:
     """Take URI passwords (``logger.tracking_uri=postgresql://user:secret@host/db``) out of the files Hydra wrote into
     its output folder before the task ran (``.hydra/config.yaml``, ``overrides.yaml``, ``hydra.yaml``: the command
-    line's overrides as given); none when the task runs outside Hydra."""
+    line's overrides as given; a multirun's ``multirun.yaml``); none when the task runs outside Hydra."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     if not HydraConfig.initialized():
         return
     hydra_cfg = HydraConfig.get()
-    if not hydra_cfg.output_subdir:
-        return
-    for path in (Path(hydra_cfg.runtime.output_dir) / hydra_cfg.output_subdir).glob("*.yaml"):
+    files = []
+    if hydra_cfg.output_subdir:
+        files += (Path(hydra_cfg.runtime.output_dir) / hydra_cfg.output_subdir).glob("*.yaml")
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        files.append(Path(hydra_cfg.sweep.dir) / "multirun.yaml")
+    for path in files:
+        if not path.is_file():
+            continue
         text = path.read_text()
         if redact_uri(text) != text:
             tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")

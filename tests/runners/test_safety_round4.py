@@ -299,3 +299,31 @@ def test_an_export_of_a_checkpoint_that_recorded_a_password_leaves_it_out(tmp_pa
     export(path, tmp_path / "out")
     assert _holding(tmp_path / "out", SECRET) == []
     assert SECRET_URI.replace(SECRET, "***") in (tmp_path / "out" / "config.json").read_text()
+
+
+def test_a_sweeps_hydra_files_lose_the_password_too(tmp_path):
+    """A multirun's trial: its own .hydra/ files and the sweep's multirun.yaml (the command line as given)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import open_dict
+
+    from flowlm.project import CONF_DIR
+    from runners.common import redact_hydra_output
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("train", [f"logger.tracking_uri={SECRET_URI}"], return_hydra_config=True)
+    trial = tmp_path / "sweep" / "3"
+    with open_dict(cfg):
+        cfg.hydra.mode, cfg.hydra.sweep.dir = RunMode.MULTIRUN, str(tmp_path / "sweep")
+        cfg.hydra.runtime.output_dir, cfg.hydra.output_subdir = str(trial), ".hydra"
+    (trial / ".hydra").mkdir(parents=True)
+    for path in (trial / ".hydra" / "overrides.yaml", tmp_path / "sweep" / "multirun.yaml"):
+        path.write_text(f"- logger.tracking_uri={SECRET_URI}\n")
+    HydraConfig.instance().set_config(cfg)
+    try:
+        redact_hydra_output()
+    finally:
+        HydraConfig.instance().cfg = None
+    assert _holding(tmp_path, SECRET) == []
+    assert SECRET_URI.replace(SECRET, "***") in (tmp_path / "sweep" / "multirun.yaml").read_text()
