@@ -14,6 +14,7 @@ from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
 from analysis.heatmaps import IGNORED_LEAVES, varying_params
+from flowlm.redaction import redact_uri
 
 # eval/<sampler>/nfe<budget>/<metric>, as callbacks.sampling_eval logs them.
 EVAL_KEY = re.compile(r"^eval/(?P<sampler>[^/]+)/nfe(?P<nfe_budget>\d+)/(?P<metric>.+)$")
@@ -62,7 +63,8 @@ def load_runs(
         unknown = [name for name in experiments if name not in known]
         if unknown:
             raise NoRunsError(
-                f"unknown MLflow experiment(s) {unknown} in {tracking_uri}; it holds: {sorted(known) or 'none'}"
+                f"unknown MLflow experiment(s) {unknown} in {redact_uri(tracking_uri)}; it holds: "
+                f"{sorted(known) or 'none'}"
             )
         chosen = [known[name] for name in experiments]
     else:
@@ -88,7 +90,9 @@ def load_runs(
             break
     if not rows:
         what = f"experiments {[e.name for e in chosen]}" if chosen else "any experiment"
-        raise NoRunsError(f"no runs in {what} of {tracking_uri} match tags={dict(tags or {})} filter={filter_string!r}")
+        raise NoRunsError(
+            f"no runs in {what} of {redact_uri(tracking_uri)} match tags={dict(tags or {})} filter={filter_string!r}"
+        )
     runs = pd.DataFrame(rows)
     runs["name"] = _column(runs, "tags.flowlm.name").fillna(runs["run_name"])
     runs["method"] = _column(runs, "params.method/_target_").map(_short, na_action="ignore").fillna("")

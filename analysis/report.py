@@ -31,6 +31,7 @@ from analysis.tables import (
     to_markdown,
 )
 from flowlm.experiment_kind import mark_model_training
+from flowlm.redaction import redact_uri
 
 REPORT_MD, REPORT_HTML = "report.md", "report.html"
 AUP_TEXT = (
@@ -113,7 +114,7 @@ def build_report(
     sections = [
         Section(
             title,
-            f"Generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC from `{tracking_uri}`: {len(runs)} runs in "
+            f"Generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC from `{redact_uri(tracking_uri)}`: {len(runs)} runs in "
             f"{long['experiment'].nunique()} experiment(s)"
             + (f", tags {dict(tags)}" if tags else "")
             + (f", filter `{filter_string}`" if filter_string else "")

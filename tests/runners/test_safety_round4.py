@@ -327,3 +327,12 @@ def test_a_sweeps_hydra_files_lose_the_password_too(tmp_path):
         HydraConfig.instance().cfg = None
     assert _holding(tmp_path, SECRET) == []
     assert SECRET_URI.replace(SECRET, "***") in (tmp_path / "sweep" / "multirun.yaml").read_text()
+
+
+def test_the_reports_messages_name_the_store_without_its_password(postgres_as_sqlite):
+    from analysis.load import NoRunsError, load_runs
+
+    for experiments in (["nope"], None):
+        with pytest.raises(NoRunsError) as refused:
+            load_runs(SECRET_URI, experiments=experiments)
+        assert SECRET not in str(refused.value) and SECRET_URI.replace(SECRET, "***") in str(refused.value)
