@@ -10,7 +10,8 @@
 #   scripts/tables_campaign.sh status     # each model: done / running (its last step and val loss) / waiting
 #   scripts/tables_campaign.sh collect    # copy finished CSVs into results/sudoku/, regenerate the report
 #   scripts/tables_campaign.sh update     # the campaign's clone takes this checkout's new commits (next model on)
-#   scripts/tables_campaign.sh stop       # end the background campaign (a relaunch resumes the model it was on)
+#   scripts/tables_campaign.sh stop       # end the background campaign, every process it started (a relaunch
+#                                         # resumes the model it was on); `status` says "stopping" until they end
 #   scripts/tables_campaign.sh redo EXP SEED   # train EXP at SEED again when its turn comes (resumed from its last
 #                                         # checkpoint here: a protocol change, e.g. a later stop), though committed
 #   scripts/tables_campaign.sh redo EXP SEED --fresh   # the same from the start (a damaged run): with the campaign
@@ -19,13 +20,17 @@
 # Its folders live outside the work tree (which may be laid anew): $FLOWLM_CAMPAIGN, default ../flowlm_campaign
 # beside the checkout: code/ (the clone it trains from, so editing the checkout never changes a running campaign),
 # runs/, data/, results/, done/ (one marker per finished model), campaign.log and one log per model in logs/.
+# One campaign at a time: `start` takes campaign.lock (an exclusive flock, as runners/common.py takes a run folder's
+# run.lock) and hands it to its runner, whose every process inherits it; a second `start` is refused, naming the
+# running one, until the last of them has ended. `status` only reads.
 # If the machine was replaced (the folders are gone), `start` begins again with the first unfinished model; the
 # committed CSVs are what lasts. A model whose rows are already committed under results/sudoku/ is skipped, unless a
 # later unfinished model of the plan is built from it (its `source:`), whose checkpoint must then exist here.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-CAMPAIGN="$(mkdir -p "${FLOWLM_CAMPAIGN:-$ROOT/../flowlm_campaign}" && cd "${FLOWLM_CAMPAIGN:-$ROOT/../flowlm_campaign}" && pwd)"
+CAMPAIGN="$(realpath -m "${FLOWLM_CAMPAIGN:-$ROOT/../flowlm_campaign}")"  # made by the commands that write in it
+LOCK="$CAMPAIGN/campaign.lock"
 PYTHON="${FLOWLM_PYTHON:-$ROOT/.venv/bin/python}"
 THREADS="${FLOWLM_THREADS:-$(nproc)}"
 
@@ -131,32 +136,93 @@ run_plan() {
     echo "$(date -u +%FT%TZ) the plan is finished"
 }
 
-running_pid() {
+# The lock lives on descriptor 9 of the runner and of every process it starts (inherited: bash keeps fd 9 open across
+# exec), so the kernel drops it only when the last of them has ended, the trainer saving its checkpoint after `stop`
+# included, in any way (SIGKILL too): it cannot go stale. On NFS and Lustre, see runners/common.py's LOCK_FILE.
+lock_held() {  # whether a process holds the campaign's lock (a shared probe: it writes nothing, creates no file)
+    local rc=0
+    [[ -e "$LOCK" ]] || return 1
+    flock -n -s -E 99 "$LOCK" true 2>/dev/null || rc=$?
+    [[ "$rc" == 99 ]]
+}
+
+holder() {  # the campaign that holds the lock, as its holder recorded itself
+    local info
+    info="$(head -c 1000 "$LOCK" 2>/dev/null || true)"
+    echo "${info:-a campaign that has not recorded itself yet (it is starting)}"
+}
+
+running_pid() {  # the campaign's runner (campaign.pid), while it lives and holds the lock
     local pid
     pid="$(cat "$CAMPAIGN/campaign.pid" 2>/dev/null || true)"
-    if [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; then echo "$pid"; fi
+    [[ "$pid" =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null || return 0
+    # a live pid without the lock is another process that took a stale pid's number (or a campaign started before
+    # the lock existed, which made no lock file)
+    if [[ ! -e "$LOCK" ]] || lock_held; then echo "$pid"; fi
+}
+
+group_members() {  # the live processes of the runner's group ($1: its pid, its group's id: `start` runs it in setsid)
+    pgrep -g "$1" 2>/dev/null | paste -sd, - || true
+}
+
+state() {  # the campaign's state in words: running, stopping or not running
+    local pid members
+    pid="$(running_pid)"
+    if [[ -n "$pid" ]]; then
+        echo "running, pid $pid"
+    elif lock_held; then
+        pid="$(cat "$CAMPAIGN/campaign.pid" 2>/dev/null || true)"
+        members="$([[ "$pid" =~ ^[0-9]+$ ]] && group_members "$pid" || true)"
+        echo "stopping: the runner has ended; its trainer still ends, saving its checkpoint${members:+ (pid $members)}"
+    else
+        echo "not running"
+    fi
+}
+
+take_lock() {  # the campaign's lock on fd 9 for this process: inherited from `start`, or taken now; else refuse
+    command -v flock >/dev/null || { echo "refused: no flock command (util-linux): install it to run the campaign" >&2; exit 2; }
+    if [[ "$(readlink /dev/fd/9 2>/dev/null)" == "$LOCK" ]] && flock -n 9; then return 0; fi  # `start` handed it over
+    mkdir -p "$CAMPAIGN"
+    exec 9>>"$LOCK"
+    # a second's wait: a `status` may be probing the lock at this instant; a running campaign holds it for good
+    if [[ -n "$(running_pid)" ]] || ! flock -w 1 9; then
+        echo "refused: a campaign already runs in $CAMPAIGN ($(state); $(holder)); 'stop' ends it, 'status' shows it" >&2
+        exit 2
+    fi
 }
 
 case "${1:-status}" in
 start)
-    if [[ -n "$(running_pid)" ]]; then echo "already running (pid $(running_pid)); log: $CAMPAIGN/campaign.log"; exit 0; fi
     [[ -x "$PYTHON" ]] || { echo "no $PYTHON: run 'make venv' first (or set FLOWLM_PYTHON)" >&2; exit 2; }
+    take_lock  # before the clone: two starts at once clone, spawn and record nothing twice
     if [[ ! -d "$CAMPAIGN/code/.git" ]]; then git clone -q "$ROOT" "$CAMPAIGN/code"; fi
-    setsid nohup bash "$0" run >>"$CAMPAIGN/campaign.log" 2>&1 </dev/null &
-    echo $! >"$CAMPAIGN/campaign.pid"
-    echo "started (pid $!, code at $(git -C "$CAMPAIGN/code" rev-parse --short HEAD)); log: $CAMPAIGN/campaign.log"
+    setsid nohup bash "$0" run >>"$CAMPAIGN/campaign.log" 2>&1 </dev/null &  # fd 9, the lock, goes with it
+    pid=$! code="$(git -C "$CAMPAIGN/code" rev-parse --short HEAD)"
+    echo "$pid" >"$CAMPAIGN/campaign.pid"
+    echo "runner pid $pid on $(hostname), started $(date -u +%FT%TZ), code at $code" >"$LOCK"
+    echo "started (pid $pid, code at $code); log: $CAMPAIGN/campaign.log"
     ;;
-run) run_plan ;;
+run)
+    take_lock
+    run_plan
+    ;;
 update)
     git -C "$CAMPAIGN/code" pull -q --ff-only "$ROOT" HEAD
     echo "the campaign's clone is at $(git -C "$CAMPAIGN/code" rev-parse --short HEAD): the next model trains from it"
     ;;
 redo)
-    [[ ($# -eq 3 || ($# -eq 4 && "$4" == --fresh)) && -f "$ROOT/conf/experiment/$2.yaml" && "$3" =~ ^[0-9]+$ ]] \
-        || { echo "usage: $0 redo EXPERIMENT SEED [--fresh] (an experiment of conf/experiment/)" >&2; exit 2; }
+    [[ ($# -eq 3 || ($# -eq 4 && "$4" == --fresh)) && "$3" =~ ^[0-9]+$ ]] \
+        || { echo "usage: $0 redo EXPERIMENT SEED [--fresh] (a model of the campaign's plan)" >&2; exit 2; }
+    if [[ " $PLAN " != *[[:space:]]"$2:$3"[[:space:]]* ]]; then  # the plan alone is trained: a redo elsewhere did nothing
+        planned="$(for item in $PLAN; do echo "${item%%:*}"; done | awk '!seen[$0]++' | paste -sd' ' -)"
+        seeds="$(for item in $PLAN; do if [[ "${item%%:*}" == "$2" ]]; then echo "${item##*:}"; fi; done | paste -sd' ' -)"
+        if [[ -n "$seeds" ]]; then echo "redo: $2 seed $3 is not in the campaign's plan; its seeds there: $seeds" >&2
+        else echo "redo: no experiment '$2' in the campaign's plan; one of: $planned" >&2; fi
+        exit 2
+    fi
     if [[ "${4:-}" == --fresh ]]; then  # from the start: what the damaged run left is moved aside, not deleted
-        if [[ -n "$(running_pid)" ]]; then
-            echo "the campaign is running: stop it first ('start' resumes it), then redo --fresh" >&2
+        if [[ -n "$(running_pid)" ]] || lock_held; then
+            echo "the campaign is $(state): stop it first ('start' resumes it), then redo --fresh" >&2
             exit 2
         fi
         aside="$CAMPAIGN/discarded/$2_seed$3-$(date -u +%Y%m%dT%H%M%SZ)"
@@ -179,11 +245,16 @@ redo)
     ;;
 stop)
     pid="$(running_pid)"
-    if [[ -z "$pid" ]]; then echo "not running"; exit 0; fi
-    kill -- "-$pid" && echo "stopped (pid $pid); 'start' resumes"
+    if [[ -z "$pid" ]]; then echo "$(state)"; exit 0; fi
+    # the runner leads its process group (setsid): SIGTERM to the group reaches the trainer and whatever it started
+    members="$(group_members "$pid")"
+    kill -TERM -- "-$pid"
+    echo "$(date -u +%FT%TZ) stop: SIGTERM to the runner (pid $pid) and its group (pid ${members:-$pid}); 'start' resumes" \
+        >>"$CAMPAIGN/campaign.log"
+    echo "stopping (pid ${members:-$pid}): the trainer saves its checkpoint; 'status' says when it has ended, 'start' resumes"
     ;;
 status)
-    echo "campaign: $CAMPAIGN ($([[ -n "$(running_pid)" ]] && echo "running, pid $(running_pid)" || echo "not running"))"
+    if [[ -d "$CAMPAIGN" ]]; then echo "campaign: $CAMPAIGN ($(state))"; else echo "campaign: $CAMPAIGN (not started)"; fi
     for item in $PLAN; do
         exp="${item%%:*}" seed="${item##*:}"
         record="$CAMPAIGN/runs/$exp/cpu/seed$seed/convergence.json"

@@ -4,10 +4,13 @@ a stand-in that records what it was asked to train."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from flowlm.project import PROJECT_DIR
@@ -37,13 +40,16 @@ echo "experiment=$exp seed=$seed" >> {tmp}/trained.txt
 run="$FLOWLM_RUNS/$exp/cpu/seed$seed"
 mkdir -p "$run/checkpoints" && touch "$run/checkpoints/last.ckpt"
 printf "seed: $seed\\neval:\\n  nfe: [4, 18]\\n  max_batches: 2\\n  seed: $seed\\n" > "$run/run_config.yaml"
+if [[ -e {tmp}/block ]]; then  # a long training: it runs while `block` exists; SIGTERM ends it once `linger` is gone
+    echo $$ >> {tmp}/trainers.txt
+    trap 'while [[ -e {tmp}/linger ]]; do sleep 0.1; done; exit 143' TERM
+    while [[ -e {tmp}/block ]]; do sleep 0.1; done
+fi
 """
 
 
-def campaign(
-    tmp_path: Path, *args: str, plan: str = f"{COMMITTED} sudoku_mdm_easy:7"
-) -> tuple[subprocess.CompletedProcess, list[str]]:
-    trained = tmp_path / "trained.txt"
+def campaign_env(tmp_path: Path, plan: str) -> dict[str, str]:
+    """The environment of a campaign under ``tmp_path`` with the stand-in trainer (its clone made once)."""
     python = tmp_path / "python"
     python.write_text(STAND_IN.format(python=sys.executable, tmp=tmp_path))
     python.chmod(0o755)
@@ -63,12 +69,19 @@ def campaign(
                 "GIT_COMMITTER_EMAIL": "t@t",
             },
         )
-    env = {
+    return {
         **os.environ,
         "FLOWLM_CAMPAIGN": str(tmp_path / "campaign"),
         "FLOWLM_PYTHON": str(python),
         "FLOWLM_CAMPAIGN_PLAN": plan,
     }
+
+
+def campaign(
+    tmp_path: Path, *args: str, plan: str = f"{COMMITTED} sudoku_mdm_easy:7"
+) -> tuple[subprocess.CompletedProcess, list[str]]:
+    trained = tmp_path / "trained.txt"
+    env = campaign_env(tmp_path, plan)
     done = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60)
     return done, trained.read_text().splitlines() if trained.exists() else []
 
@@ -89,8 +102,26 @@ def test_committed_rows_are_skipped_unless_redone(tmp_path):
     assert trained[2:] == ["experiment=sudoku_mdm_easy seed=0", FAST_EVAL.format(seed=0)]
     assert not (tmp_path / "campaign" / "redo" / "sudoku_mdm_easy_seed0").exists()  # done: no longer asked for
 
-    bad, _ = campaign(tmp_path, "redo", "no_such_experiment", "0")
+    bad, _ = campaign(tmp_path, "redo", "sudoku_mdm_easy", "zero")
     assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_redo_names_a_bad_experiment_and_the_valid_ones(tmp_path):
+    """A redo outside the plan would mark a model no turn ever comes for: refused in one line that names the bad
+    experiment (or seed) and what the plan holds; nothing is marked."""
+    plan = "sudoku_mdm_easy:0 sudoku_mdm_easy:7 sudoku_fmlm_plus_init_easy:7"
+    bad, _ = campaign(tmp_path, "redo", "no_such_experiment", "0", plan=plan)
+    assert bad.returncode == 2
+    assert bad.stderr.splitlines() == [
+        "redo: no experiment 'no_such_experiment' in the campaign's plan; one of: sudoku_mdm_easy "
+        "sudoku_fmlm_plus_init_easy"
+    ]
+    seed, _ = campaign(tmp_path, "redo", "sudoku_fmlm_plus_init_easy", "3", plan=plan)
+    assert seed.returncode == 2
+    assert seed.stderr.splitlines() == [
+        "redo: sudoku_fmlm_plus_init_easy seed 3 is not in the campaign's plan; its seeds there: 7"
+    ]
+    assert not (tmp_path / "campaign" / "redo").exists()
 
 
 def test_a_failed_fast_evaluation_stops_the_campaign_and_is_retried_alone(tmp_path):
@@ -126,8 +157,10 @@ def test_redo_fresh_moves_a_damaged_run_aside_and_trains_it_from_the_start(tmp_p
     csv.parent.mkdir(parents=True)
     csv.write_text("rows of the damaged run\n")
 
-    (root / "campaign.pid").write_text(str(os.getpid()))  # a live process: the campaign counts as running
-    refused, _ = campaign(tmp_path, "redo", "sudoku_mdm_easy", "7", "--fresh", plan=plan)
+    (root / "campaign.pid").write_text(str(os.getpid()))  # a live process holding the lock: the campaign runs
+    with open(root / "campaign.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        refused, _ = campaign(tmp_path, "redo", "sudoku_mdm_easy", "7", "--fresh", plan=plan)
     assert refused.returncode == 2 and "stop it first" in refused.stderr and run.exists()
     (root / "campaign.pid").unlink()
 
@@ -170,3 +203,90 @@ def test_the_fast_evaluation_repeats_the_runs_settings_null_included(tmp_path):
         f"results_csv={tmp_path / 'results'}",
         "trainer=gpu",
     ]
+
+
+def wait_for(condition, what: str, seconds: float = 30) -> None:
+    """Poll ``condition`` until it holds (this machine is slow and shared), or fail naming ``what``."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {seconds} s for {what}"
+        time.sleep(0.1)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_one_campaign_at_a_time_and_stop_ends_all_of_it(tmp_path):
+    """Two `start`s at once: one runner trains, the other `start` is refused in one line naming it (two runners
+    trained the same model, and `stop` ended the one whose pid was recorded last). `stop` ends the runner's whole
+    process group and says so in the campaign log; while the trainer still ends (saving its checkpoint), `status`
+    says "stopping" and a `start` is refused; then "not running"."""
+    plan = "sudoku_mdm_easy:7"
+    env = campaign_env(tmp_path, plan)
+    (tmp_path / "block").touch()
+    root = tmp_path / "campaign"
+    try:
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+        starts = [subprocess.Popen(["bash", str(SCRIPT), "start"], env=env, **pipes) for _ in range(2)]
+        outcomes = sorted((p.wait(timeout=60), *p.communicate()) for p in starts)
+        assert [code for code, *_ in outcomes] == [0, 2], outcomes
+        (_, started, _), (_, _, refused) = outcomes
+        runner = int((root / "campaign.pid").read_text())
+        assert started.startswith(f"started (pid {runner}")
+        assert len(refused.splitlines()) == 1 and refused.startswith(f"refused: a campaign already runs in {root}")
+        wait_for(lambda: (tmp_path / "trainers.txt").exists(), "the trainer")
+        again = subprocess.run(["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=60)
+        assert again.returncode == 2 and f"(running, pid {runner}; runner pid {runner} on " in again.stderr
+        time.sleep(1)  # a second runner, had one started, would have reached its trainer by now
+        (trainer,) = map(int, (tmp_path / "trainers.txt").read_text().split())
+        assert (tmp_path / "trained.txt").read_text().splitlines() == ["experiment=sudoku_mdm_easy seed=7"]
+
+        status, _ = campaign(tmp_path, "status", plan=plan)
+        assert f"campaign: {root} (running, pid {runner})" in status.stdout
+        (tmp_path / "linger").touch()  # the trainer takes its time to end, as one saving a checkpoint does
+        stop, _ = campaign(tmp_path, "stop", plan=plan)
+        assert stop.returncode == 0 and stop.stdout.startswith("stopping (pid ") and str(trainer) in stop.stdout
+        log = (root / "campaign.log").read_text()
+        assert f"stop: SIGTERM to the runner (pid {runner}) and its group (pid " in log
+        wait_for(lambda: not alive(runner), "the runner to end")
+        assert alive(trainer)
+        status, _ = campaign(tmp_path, "status", plan=plan)
+        head = status.stdout.splitlines()[0]
+        assert head.startswith(f"campaign: {root} (stopping: the runner has ended; its trainer still ends, saving ")
+        assert str(trainer) in head.partition("(pid ")[2].rstrip(")").split(",")
+        refused, _ = campaign(tmp_path, "start", plan=plan)
+        assert refused.returncode == 2 and "(stopping: " in refused.stderr
+
+        (tmp_path / "linger").unlink()
+        wait_for(lambda: not alive(trainer), "the trainer to end")
+        status, _ = campaign(tmp_path, "status", plan=plan)
+        assert f"campaign: {root} (not running)" in status.stdout
+    finally:  # nothing of the campaign outlives the test, whatever failed
+        for name in ("block", "linger"):
+            (tmp_path / name).unlink(missing_ok=True)
+        pid = (root / "campaign.pid").read_text() if (root / "campaign.pid").exists() else ""
+        if pid and alive(int(pid)):
+            os.killpg(int(pid), signal.SIGTERM)
+
+
+def test_status_writes_nothing(tmp_path):
+    """`status` only reads: no campaign folder made where there is none, nothing changed in one that exists."""
+    env = {**campaign_env(tmp_path, COMMITTED), "FLOWLM_CAMPAIGN": str(tmp_path / "nowhere")}
+    status = subprocess.run(["bash", str(SCRIPT), "status"], env=env, capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and f"campaign: {tmp_path / 'nowhere'} (not started)" in status.stdout
+    assert not (tmp_path / "nowhere").exists()
+    done, _ = campaign(tmp_path, "run")
+    assert done.returncode == 0, done.stderr
+
+    def snapshot():
+        return {(p, p.stat().st_mtime_ns, p.stat().st_size) for p in (tmp_path / "campaign").rglob("*")}
+
+    before = snapshot()
+    status, _ = campaign(tmp_path, "status")
+    assert status.returncode == 0 and "(not running)" in status.stdout
+    assert snapshot() == before
