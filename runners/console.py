@@ -2,18 +2,23 @@
 neither torch nor Lightning, so Hydra's ``--help``, ``--cfg`` and ``--info`` answer in about a second (the jobs
 import them when they run: ``runners.train.train``, ``runners.evaluate.evaluate``, ...).
 
-``console_script`` wraps a ``@hydra.main`` function: before Hydra starts (a sweeper warns before any trial runs) it
-calls ``quiet_library_notices``, the one place that silences what the libraries print that is not the user's
-concern. Each entry is matched by its message, category and module; every other warning is shown as before.
+``console_script`` wraps every command's entry, a ``@hydra.main`` function or an argparse ``main``: before Hydra
+starts (a sweeper warns before any trial runs) it calls ``quiet_library_notices``, the one place that silences what
+the libraries print that is not the user's concern. Each entry is matched by its message, category and module; every
+other warning is shown as before. A user error (``is_user_error``) ends the command with one line and exit status 2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import linecache
 import logging
+import os
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 from runners.resolvers import query_machine
 
@@ -114,20 +119,162 @@ def share_group_listing() -> None:
     ConfigLoaderImpl.get_group_options = get_group_options
 
 
-def console_script(hydra_main: Callable) -> Callable:
-    """A console entry point: ``hydra_main`` (a ``@hydra.main`` function) with the libraries' notices quieted, and,
-    when it only shows something (``shows_only``), without querying the machine while the config is composed
-    (``runners.resolvers.query_machine``: the CPU's precision needs torch)."""
+# A user error: what the suite refuses of the user's input or setup, its message saying what was wrong and the fix
+# (docs/reliability.md, "One line for a user error"). It ends a command with that one line on stderr and
+# USER_ERROR_STATUS, no traceback; any other exception is a bug (the suite's or a library's) and keeps its traceback.
+# One is
+# - an exception of a kind in USER_ERROR_KINDS, or of a class the suite defines (RunExistsError, JudgeError, ...),
+#   raised by a `raise` statement of the suite's own code: the message is the suite's. A KeyError of a dict lookup or
+#   a TypeError of a bad call in the suite's code, or a ValueError inside torch, are bugs and keep their traceback;
+# - Hydra's config errors (CompactHydraException: an unknown override, a missing config, an unparsable value) and
+#   OmegaConf's missing mandatory value (`ckpt_path: ???` left unset); Hydra's error raised from a user error (its
+#   instantiate's) counts as that user error.
+# DEBUG_ENV=1 (or Hydra's own HYDRA_FULL_ERROR=1) shows a user error's traceback too.
+SUITE_PACKAGES = ("flowlm", "lightning_modules", "datamodules", "callbacks", "runners", "sweeps", "analysis")
+USER_ERROR_KINDS: tuple[type[BaseException], ...] = (ValueError, TypeError, LookupError, OSError)
+USER_ERROR_STATUS = 2  # as argparse exits on a bad option; a failed job exits 1
+DEBUG_ENV = "FLOWLM_TRACEBACK"
 
-    @functools.wraps(hydra_main)
-    def main(*args, **kwargs):
+
+def _package(frame) -> str:
+    spec = frame.f_globals.get("__spec__")  # `python -m runners.train`: the module is __main__, its spec is not
+    return (getattr(spec, "name", None) or frame.f_globals.get("__name__") or "").partition(".")[0]
+
+
+def _raised_by(err: BaseException, packages: Sequence[str]) -> bool:
+    """Whether ``err`` was raised by a ``raise`` statement of ``packages``' code (its traceback's innermost frame)."""
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    if _package(tb.tb_frame) not in packages:
+        return False
+    return linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno).lstrip().startswith("raise")
+
+
+def _library_error(err: BaseException, module: str, name: str) -> bool:
+    # a library's class, only if the process has loaded it: an error of a library not loaded cannot be one of its own
+    cls = getattr(sys.modules.get(module), name, None)
+    return cls is not None and isinstance(err, cls)
+
+
+def is_user_error(err: BaseException, packages: Sequence[str] = SUITE_PACKAGES) -> bool:
+    """Whether ``err`` is a user error (the rule above), for a command whose own code is ``packages``."""
+    if _library_error(err, "hydra.errors", "CompactHydraException"):
+        cause = err.__cause__
+        return (
+            cause is None
+            or _library_error(cause, "omegaconf.errors", "OmegaConfBaseException")
+            or (is_user_error(cause, packages))
+        )
+    if _library_error(err, "omegaconf.errors", "MissingMandatoryValue"):
+        return True
+    if isinstance(err, USER_ERROR_KINDS) or type(err).__module__.partition(".")[0] in packages:
+        return _raised_by(err, packages)
+    return False
+
+
+def user_error_line(err: BaseException) -> str:
+    """A user error's message on one line (a Hydra error with its cause's first line, OmegaConf's without its key
+    details)."""
+    if _library_error(err, "hydra.errors", "CompactHydraException") and err.__cause__ is not None:
+        cause = err.__cause__
+        if not _library_error(cause, "omegaconf.errors", "OmegaConfBaseException"):
+            return user_error_line(cause)  # instantiate's "Error in call to target ...": the suite's own message
+        return f"{_one_line(str(err))} ({str(cause).strip().splitlines()[0]})"
+    if _library_error(err, "omegaconf.errors", "OmegaConfBaseException"):
+        first = str(err).strip().splitlines()[0]
+        key = getattr(err, "full_key", None)
+        return f"{first}: give it on the command line ({key}=...)" if key else first
+    if isinstance(err, KeyError) and len(err.args) == 1:  # str(KeyError) is the repr of its message
+        return _one_line(str(err.args[0]))
+    if _library_error(err, "hydra.errors", "MissingConfigException"):  # the options, without Hydra's search path
+        return _one_line(str(err).split("\nConfig search path")[0])
+    return _one_line(str(err)) or type(err).__name__
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def debugging() -> bool:
+    """Whether the user asked for a user error's traceback (DEBUG_ENV=1 or HYDRA_FULL_ERROR=1)."""
+    return any(os.environ.get(name, "") not in ("", "0") for name in (DEBUG_ENV, "HYDRA_FULL_ERROR"))
+
+
+@contextlib.contextmanager
+def user_errors(packages: Sequence[str] = SUITE_PACKAGES) -> Iterator[None]:
+    """Within the block, a user error ends the process: ``<command>: error: <message>`` on stderr, exit status
+    USER_ERROR_STATUS; any other exception passes (``debugging``: every one)."""
+    try:
+        yield
+    except Exception as err:
+        if debugging() or not is_user_error(err, packages):
+            raise
+        sys.stderr.flush()
+        print(f"{Path(sys.argv[0]).name}: error: {user_error_line(err)}", file=sys.stderr, flush=True)
+        raise SystemExit(USER_ERROR_STATUS) from None
+
+
+@contextlib.contextmanager
+def hydra_errors_raised() -> Iterator[None]:
+    """Within the block, Hydra lets every error reach its caller (``user_errors``) instead of printing it itself (a
+    trimmed traceback, or a config error's lines and a hint) and exiting 1; a job that failed by a user error is not
+    announced ("Error executing job with overrides"). A Hydra without these internals prints its own, as before."""
+    try:
+        from hydra._internal import hydra as hydra_app
+        from hydra._internal import utils as hydra_utils
+        from hydra.core.utils import JobReturn, JobStatus
+    except ImportError:
+        yield
+        return
+    report = getattr(hydra_utils, "run_and_report", None)
+    value = JobReturn.__dict__.get("return_value")
+    if report is None or getattr(hydra_app, "run_and_report", None) is not report or not isinstance(value, property):
+        yield
+        return
+
+    def through(func: Callable):
+        return func()
+
+    def return_value(job):
+        if job.status == JobStatus.FAILED and is_user_error(job._return_value):
+            raise job._return_value
+        return value.fget(job)
+
+    hydra_utils.run_and_report = hydra_app.run_and_report = through
+    JobReturn.return_value = property(return_value, value.fset)
+    try:
+        yield
+    finally:
+        hydra_utils.run_and_report = hydra_app.run_and_report = report
+        JobReturn.return_value = value
+
+
+def console_script(main: Callable | None = None, *, hydra: bool = True, packages: Sequence[str] = SUITE_PACKAGES):
+    """A console entry point: ``main`` (a ``@hydra.main`` function, or with ``hydra=False`` an argparse one) with the
+    libraries' notices quieted and a user error ending it in one line (``user_errors``; ``packages``: the code whose
+    raised errors are the command's own); for Hydra, when it only shows something (``shows_only``), without querying
+    the machine while the config is composed (``runners.resolvers.query_machine``: the CPU's precision needs torch).
+    A call with arguments (``main(["ckpt", "out"])`` from Python: a script, a test) gets the exception itself."""
+    if main is None:
+        return functools.partial(console_script, hydra=hydra, packages=packages)
+
+    @functools.wraps(main)
+    def entry(*args, **kwargs):
         quiet_library_notices()
+        console = user_errors(packages) if not (args or kwargs) else contextlib.nullcontext()
+        if not hydra:
+            with console:
+                return main(*args, **kwargs)
         if shows_only(sys.argv[1:]):
             share_group_listing()
         previous = query_machine(not shows_only(sys.argv[1:]))
         try:
-            return hydra_main(*args, **kwargs)
+            with console, hydra_errors_raised():
+                return main(*args, **kwargs)
         finally:
             query_machine(previous)
 
-    return main
+    return entry

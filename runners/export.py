@@ -17,6 +17,7 @@ from pathlib import Path
 
 from flowlm.project import git_commit
 from flowlm.redaction import redact
+from runners.console import console_script
 
 # Families whose DiT has a [MASK] row (at id = data_vocab_size); a LLaMA-family network records its own [MASK].
 MASKED_FAMILIES = ("mdm", "mlfm")
@@ -348,8 +349,9 @@ def _transformers_use(config: dict) -> str:
     )
 
 
+@console_script(hydra=False)
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point."""
+    """Console entry point (a user error ends it in one line: runners/console.py)."""
     parser = argparse.ArgumentParser(prog="flowlm-export", description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="a run folder (its checkpoints/last.ckpt) or a checkpoint file/folder")
     parser.add_argument("out_dir", help="a new or empty folder")
