@@ -136,9 +136,9 @@ run_plan() {
     echo "$(date -u +%FT%TZ) the plan is finished"
 }
 
-# The lock lives on descriptor 9 of the runner and of every process it starts (inherited: bash keeps fd 9 open across
-# exec), so the kernel drops it only when the last of them has ended, the trainer saving its checkpoint after `stop`
-# included, in any way (SIGKILL too): it cannot go stale. On NFS and Lustre, see runners/common.py's LOCK_FILE.
+# The lock lives on descriptor 9 of the runner and of every process it starts (fd 9 is not closed on exec: each child
+# inherits it), so the kernel drops it only when the last of them has ended, the trainer saving its checkpoint after
+# `stop` included, in any way (SIGKILL too): it cannot go stale. On NFS and Lustre, see runners/common.py's LOCK_FILE.
 lock_held() {  # whether a process holds the campaign's lock (a shared probe: it writes nothing, creates no file)
     local rc=0
     [[ -e "$LOCK" ]] || return 1
@@ -180,13 +180,13 @@ state() {  # the campaign's state in words: running, stopping or not running
 }
 
 take_lock() {  # the campaign's lock on fd 9 for this process: inherited from `start`, or taken now; else refuse
-    command -v flock >/dev/null || { echo "refused: no flock command (util-linux): install it to run the campaign" >&2; exit 2; }
+    command -v flock >/dev/null || { echo "refused: no flock command (util-linux): install it first" >&2; exit 2; }
     if [[ "$(readlink /dev/fd/9 2>/dev/null)" == "$LOCK" ]] && flock -n 9; then return 0; fi  # `start` handed it over
     mkdir -p "$CAMPAIGN"
     exec 9>>"$LOCK"
     # a second's wait: a `status` may be probing the lock at this instant; a running campaign holds it for good
     if [[ -n "$(running_pid)" ]] || ! flock -w 1 9; then
-        echo "refused: a campaign already runs in $CAMPAIGN ($(state); $(holder)); 'stop' ends it, 'status' shows it" >&2
+        echo "refused: a campaign already runs in $CAMPAIGN ($(state); $(holder)); 'stop' ends it" >&2
         exit 2
     fi
 }
@@ -213,9 +213,10 @@ update)
 redo)
     [[ ($# -eq 3 || ($# -eq 4 && "$4" == --fresh)) && "$3" =~ ^[0-9]+$ ]] \
         || { echo "usage: $0 redo EXPERIMENT SEED [--fresh] (a model of the campaign's plan)" >&2; exit 2; }
-    if [[ " $PLAN " != *[[:space:]]"$2:$3"[[:space:]]* ]]; then  # the plan alone is trained: a redo elsewhere did nothing
+    if [[ " $PLAN " != *[[:space:]]"$2:$3"[[:space:]]* ]]; then  # only the plan trains: a redo elsewhere did nothing
         planned="$(for item in $PLAN; do echo "${item%%:*}"; done | awk '!seen[$0]++' | paste -sd' ' -)"
-        seeds="$(for item in $PLAN; do if [[ "${item%%:*}" == "$2" ]]; then echo "${item##*:}"; fi; done | paste -sd' ' -)"
+        seeds="$(for item in $PLAN; do if [[ "${item%%:*}" == "$2" ]]; then echo "${item##*:}"; fi; done \
+            | paste -sd' ' -)"
         if [[ -n "$seeds" ]]; then echo "redo: $2 seed $3 is not in the campaign's plan; its seeds there: $seeds" >&2
         else echo "redo: no experiment '$2' in the campaign's plan; one of: $planned" >&2; fi
         exit 2
@@ -248,13 +249,13 @@ stop)
     if [[ -z "$pid" ]]; then echo "$(state)"; exit 0; fi
     # the runner leads its process group (setsid): SIGTERM to the group reaches the trainer and whatever it started
     members="$(group_members "$pid")"
-    kill -TERM -- "-$pid"
-    echo "$(date -u +%FT%TZ) stop: SIGTERM to the runner (pid $pid) and its group (pid ${members:-$pid}); 'start' resumes" \
-        >>"$CAMPAIGN/campaign.log"
-    echo "stopping (pid ${members:-$pid}): the trainer saves its checkpoint; 'status' says when it has ended, 'start' resumes"
+    if ! kill -TERM -- "-$pid" 2>/dev/null; then echo "$(state)"; exit 0; fi  # it ended meanwhile
+    echo "$(date -u +%FT%TZ) stop: SIGTERM to the runner (pid $pid) and its group (pid ${members:-$pid})" \
+        "by $(id -un 2>/dev/null || echo '?'); 'start' resumes" >>"$CAMPAIGN/campaign.log"
+    echo "stopping (pid ${members:-$pid}): the trainer saves its checkpoint; 'status' says when it has ended"
     ;;
 status)
-    if [[ -d "$CAMPAIGN" ]]; then echo "campaign: $CAMPAIGN ($(state))"; else echo "campaign: $CAMPAIGN (not started)"; fi
+    echo "campaign: $CAMPAIGN ($(if [[ -d "$CAMPAIGN" ]]; then state; else echo "not started"; fi))"
     for item in $PLAN; do
         exp="${item%%:*}" seed="${item##*:}"
         record="$CAMPAIGN/runs/$exp/cpu/seed$seed/convergence.json"
