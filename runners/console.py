@@ -15,6 +15,7 @@ import functools
 import linecache
 import logging
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -170,9 +171,14 @@ def is_user_error(err: BaseException, packages: Sequence[str] = SUITE_PACKAGES) 
         )
     if _library_error(err, "omegaconf.errors", "MissingMandatoryValue"):
         return True
-    if isinstance(err, USER_ERROR_KINDS) or type(err).__module__.partition(".")[0] in packages:
+    if isinstance(err, USER_ERROR_KINDS) or _class_package(type(err)) in packages:
         return _raised_by(err, packages)
     return False
+
+
+def _class_package(cls: type) -> str:
+    module = sys.modules.get(cls.__module__)  # `python -m runners.mt_bench`: its classes' module is __main__
+    return (getattr(getattr(module, "__spec__", None), "name", None) or cls.__module__).partition(".")[0]
 
 
 def user_error_line(err: BaseException) -> str:
@@ -183,10 +189,11 @@ def user_error_line(err: BaseException) -> str:
         if not _library_error(cause, "omegaconf.errors", "OmegaConfBaseException"):
             return user_error_line(cause)  # instantiate's "Error in call to target ...": the suite's own message
         return f"{_one_line(str(err))} ({str(cause).strip().splitlines()[0]})"
-    if _library_error(err, "omegaconf.errors", "OmegaConfBaseException"):
-        first = str(err).strip().splitlines()[0]
+    if _library_error(err, "omegaconf.errors", "OmegaConfBaseException"):  # its first line: the rest is key details
+        first = re.sub(r"^\w+ raised while resolving interpolation: ", "", str(err).strip().splitlines()[0])
         key = getattr(err, "full_key", None)
-        return f"{first}: give it on the command line ({key}=...)" if key else first
+        missing = _library_error(err, "omegaconf.errors", "MissingMandatoryValue")
+        return f"{first}: give it on the command line ({key}=...)" if missing and key else first
     if isinstance(err, KeyError) and len(err.args) == 1:  # str(KeyError) is the repr of its message
         return _one_line(str(err.args[0]))
     if _library_error(err, "hydra.errors", "MissingConfigException"):  # the options, without Hydra's search path

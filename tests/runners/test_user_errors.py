@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException, InstantiationException
 from omegaconf import OmegaConf
+from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from runners.common import RunExistsError, check_budgets
 from runners.console import USER_ERROR_STATUS, is_user_error, user_error_line, user_errors
@@ -67,6 +68,28 @@ def test_what_counts_as_a_user_error(tmp_path):
     except InstantiationException as wrapped:
         assert not is_user_error(wrapped)
     assert user_error_line(KeyError("a key's message")) == "a key's message"  # not its repr
+
+
+def test_a_config_error_is_the_suites_message_on_one_line(tmp_path):
+    """A suite resolver's refusal reaches the user through OmegaConf's error: its message, without OmegaConf's
+    prefix and key details; an unset mandatory value names the option to give."""
+    path = tmp_path / "runners_probe_resolver.py"
+    path.write_text("def refuse(value):\n    raise ValueError(f'name={value!r} is refused')\n")
+    scope = {"__name__": "runners.probe"}
+    exec(compile(path.read_text(), str(path), "exec"), scope)
+    OmegaConf.register_new_resolver("probe_refuse", scope["refuse"])
+    try:
+        with pytest.raises(InterpolationResolutionError) as refused:
+            OmegaConf.to_container(OmegaConf.create({"name": "${probe_refuse:../x}"}), resolve=True)
+    finally:
+        OmegaConf.clear_resolver("probe_refuse")
+    assert is_user_error(refused.value) and user_error_line(refused.value) == "name='../x' is refused"
+    with pytest.raises(MissingMandatoryValue) as missing:
+        OmegaConf.to_container(OmegaConf.create({"ckpt_path": "???"}), throw_on_missing=True)
+    assert is_user_error(missing.value)
+    assert user_error_line(missing.value) == (
+        "Missing mandatory value: ckpt_path: give it on the command line (ckpt_path=...)"
+    )
 
 
 def test_user_errors_prints_one_line_and_a_debug_switch_shows_the_traceback(tmp_path, monkeypatch, capsys):
