@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 
 from runners.console import SUITE_PACKAGES, console_script
 
-# The code whose raised errors are this command's own refusals: the suite's and lm-eval's (an unknown task, ...).
-LM_EVAL_PACKAGES = (*SUITE_PACKAGES, "lm_eval")
 OWN_HELP = """flowlm-lm-eval: lm-eval's command line (below) with the model `flowlm` (--model flowlm --model_args
 checkpoint=PATH,...: docs/evaluation.md), each evaluation tracked in MLflow; two options of its own:
   --mlflow_tracking_uri URI  the MLflow store of the evaluation's run (default: the suite's, $MLFLOW_TRACKING_URI
@@ -22,18 +19,14 @@ checkpoint=PATH,...: docs/evaluation.md), each evaluation tracked in MLflow; two
 """
 
 
-def own_arguments(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    """The command's own options (``--mlflow_tracking_uri``, ``--mlflow_experiment``) and lm-eval's (the rest)."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--mlflow_tracking_uri", default=None)
-    parser.add_argument("--mlflow_experiment", default=None)
-    return parser.parse_known_args(list(argv))
-
-
-@console_script(hydra=False, packages=LM_EVAL_PACKAGES)
+@console_script(hydra=False, packages=(*SUITE_PACKAGES, "lm_eval"))  # lm-eval's refusals (a task not found) too
 def main() -> None:
-    """Console entry point: ``--help`` from lm-eval's command line alone, anything else ``runners.lm_harness.main``."""
-    _, rest = own_arguments(sys.argv[1:])
+    """Console entry point: ``--help`` from lm-eval's command line alone, anything else ``runners.lm_harness.main``
+    (which reads the command's own options, OWN_HELP, itself)."""
+    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # lm-eval's parser would refuse them
+    for option in ("--mlflow_tracking_uri", "--mlflow_experiment"):
+        own.add_argument(option)
+    _, rest = own.parse_known_args(sys.argv[1:])
     if any(arg in ("-h", "--help") for arg in rest):
         from lm_eval.__main__ import cli_evaluate  # its parser only: no evaluator, no torch
 

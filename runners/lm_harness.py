@@ -20,6 +20,7 @@ positions the model fills, ``max_length`` positions in all.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import hashlib
@@ -60,8 +61,7 @@ from flowlm.project import CONF_DIR
 from lightning_modules.checkpoints import import_class, load_module, read_checkpoint_meta
 from lightning_modules.vocabulary import check_data_tokens
 from runners.common import build
-from runners.console import console_script
-from runners.lm_eval_cli import LM_EVAL_PACKAGES, own_arguments
+from runners.console import SUITE_PACKAGES, console_script
 from runners.mlflow_run import tracked_run
 
 log = logging.getLogger(__name__)
@@ -713,7 +713,7 @@ def evaluate(*, tracking_uri: str | None = None, experiment: str | None = None, 
     return tracked(lm_eval.simple_evaluate, tracking_uri, experiment)(**kwargs)
 
 
-@console_script(hydra=False, packages=LM_EVAL_PACKAGES)
+@console_script(hydra=False, packages=(*SUITE_PACKAGES, "lm_eval"))  # lm-eval's refusals (a task not found) too
 def main() -> None:
     """lm-eval's command line (the same arguments as ``lm_eval``) with ``flowlm`` registered and its evaluations
     tracked in MLflow; two arguments of its own: ``--mlflow_tracking_uri URI`` (``none``: untracked) and
@@ -722,7 +722,10 @@ def main() -> None:
     import lm_eval.evaluator
     from lm_eval.__main__ import cli_evaluate
 
-    ours, sys.argv[1:] = own_arguments(sys.argv[1:])
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--mlflow_tracking_uri", default=None)
+    parser.add_argument("--mlflow_experiment", default=None)
+    ours, sys.argv[1:] = parser.parse_known_args(sys.argv[1:])
     # lm-eval's CLI has no hook for its results: its run step reads lm_eval.simple_evaluate when it runs, so the
     # tracked one stands in for it while the command runs
     original = lm_eval.evaluator.simple_evaluate
