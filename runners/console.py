@@ -210,6 +210,14 @@ def debugging() -> bool:
     return any(os.environ.get(name, "") not in ("", "0") for name in (DEBUG_ENV, "HYDRA_FULL_ERROR"))
 
 
+def command_name() -> str:
+    """How the user called this command: its console script's name, or ``python -m <module>``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and sys.argv[0].endswith(".py"):
+        return f"python -m {spec.name}"
+    return Path(sys.argv[0]).name
+
+
 @contextlib.contextmanager
 def user_errors(packages: Sequence[str] = SUITE_PACKAGES) -> Iterator[None]:
     """Within the block, a user error ends the process: ``<command>: error: <message>`` on stderr, exit status
@@ -220,7 +228,7 @@ def user_errors(packages: Sequence[str] = SUITE_PACKAGES) -> Iterator[None]:
         if debugging() or not is_user_error(err, packages):
             raise
         sys.stderr.flush()
-        print(f"{Path(sys.argv[0]).name}: error: {user_error_line(err)}", file=sys.stderr, flush=True)
+        print(f"{command_name()}: error: {user_error_line(err)}", file=sys.stderr, flush=True)
         raise SystemExit(USER_ERROR_STATUS) from None
 
 

@@ -101,6 +101,13 @@ def test_user_errors_prints_one_line_and_a_debug_switch_shows_the_traceback(tmp_
         raise error
     assert stop.value.code == USER_ERROR_STATUS == 2
     assert capsys.readouterr().err == "flowlm-eval: error: eval.nfe holds 1.5: each must be an int\n"
+    main = type(sys)("__main__")
+    main.__spec__ = type("Spec", (), {"name": "runners.evaluate"})()
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "runners" / "evaluate.py")])
+    with pytest.raises(SystemExit), user_errors():
+        raise error
+    assert capsys.readouterr().err.startswith("python -m runners.evaluate: error: eval.nfe holds 1.5:")
     bug = _raise_in(tmp_path, "runners.probe", "return {}['key']")
     with pytest.raises(KeyError), user_errors():  # a bug passes, with its traceback
         raise bug
