@@ -164,11 +164,8 @@ def is_user_error(err: BaseException, packages: Sequence[str] = SUITE_PACKAGES) 
     """Whether ``err`` is a user error (the rule above), for a command whose own code is ``packages``."""
     if _library_error(err, "hydra.errors", "CompactHydraException"):
         cause = err.__cause__
-        return (
-            cause is None
-            or _library_error(cause, "omegaconf.errors", "OmegaConfBaseException")
-            or (is_user_error(cause, packages))
-        )
+        omegaconf = _library_error(cause, "omegaconf.errors", "OmegaConfBaseException")  # an override's
+        return cause is None or omegaconf or is_user_error(cause, packages)  # instantiate's: the constructor's error
     if _library_error(err, "omegaconf.errors", "MissingMandatoryValue"):
         return True
     if isinstance(err, USER_ERROR_KINDS) or _class_package(type(err)) in packages:
