@@ -366,7 +366,7 @@ class FlowLM(LM):
             for b, j in enumerate(batch):
                 start, stop = len(rows[j][0]), len(rows[j][0]) + rows[j][1]
                 context, gen_kwargs = requests[j].args
-                text = cut_at_stops(self._decode_answer(out.tokens[b, start:stop].tolist()), _stops(gen_kwargs))
+                text = self._decode_answer(out.tokens[b, start:stop].tolist(), _stops(gen_kwargs))
                 self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
                 answers.append(text)
         log.info(
@@ -456,10 +456,20 @@ class FlowLM(LM):
             prompt_mask[b, len(prefix) : len(prefix) + window] = False
         return tokens.to(self.device), prompt_mask.to(self.device)
 
-    def _decode_answer(self, ids: list[int]) -> str:
-        """The text of generated ids up to the first EOS or PAD (the end of an answer in the training rows)."""
+    def _decode_answer(self, ids: list[int], until: list[str] = ()) -> str:
+        """The text of generated ids up to the first EOS or PAD (the end of an answer in the training rows), cut at
+        the earliest stop sequence of ``until`` in the raw decode, special tokens still in it (a stop that is a
+        special token, lm-eval's gsm8k ``<|im_end|>``, would be gone from the clean text and the answer run on past
+        it), then without its special tokens."""
         ends = [i for i, t in enumerate(ids) if t in (self.eos_id, self.pad_id)]
-        return self.tokenizer.decode(ids[: ends[0]] if ends else ids, skip_special_tokens=True)
+        ids = ids[: ends[0]] if ends else ids
+        raw = self.tokenizer.decode(ids, skip_special_tokens=False)
+        cut = cut_at_stops(raw, until)
+        if cut == raw:  # no stop: the clean decode as it always was
+            return cut_at_stops(self.tokenizer.decode(ids, skip_special_tokens=True), until)
+        for special in sorted(self.tokenizer.all_special_tokens, key=len, reverse=True):
+            cut = cut.replace(special, "")
+        return cut
 
     def _note_generation_kwargs(self, requests) -> None:
         ignored = sorted({k for r in requests for k in (r.args[1] or {}) if k != "until"} - self._warned)

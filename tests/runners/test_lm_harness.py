@@ -447,6 +447,17 @@ def test_an_answer_is_cut_at_the_earliest_stop():
     assert lm_harness.cut_at_stops("x\n\ny", ["", "z", "\n\n"]) == "x" and lm_harness.cut_at_stops("xy", []) == "xy"
 
 
+def test_a_stop_that_is_a_special_token_cuts_the_answer(checkpoints):
+    """issue 48: lm-eval's gsm8k stops at <|im_end|>, a special token: the cut is made on the raw decode, before the
+    special tokens are stripped (stripped first, the stop was gone and the text after it survived)."""
+    lm = lm_harness.FlowLM(checkpoint=str(checkpoints["mdm"]), device="cpu")
+    lm.tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    end = lm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = lm._encode(" the dog") + [end] + lm._encode(" ran away")
+    assert lm._decode_answer(ids, ["<|im_end|>"]) == " the dog"
+    assert lm._decode_answer(ids, ["away"]) == " the dog ran " and lm._decode_answer(ids) == " the dog ran away"
+
+
 def test_an_answer_ends_at_eos(checkpoints):
     lm = lm_harness.FlowLM(checkpoint=str(checkpoints["mdm"]), device="cpu")
     ids = lm._encode(" the dog")
