@@ -80,8 +80,11 @@ VARIANTS = [
     ("mlfm_dense", "mlfm", {}, {"dense": True}),
     ("mlfm_ccfg_otp_dense", "mlfm", {"guidance": 2.0, "otp_eps": 0.05}, {"dense": True}),
     ("confidence_dense", "confidence", {}, {"dense_ranking": True}),
-    # the adaptive decoders over a float64 log_softmax of the whole (B, L, |V|) at every call (before the chunked
-    # summary: tests/samplers/oracles.py DenseStats), and all four at T = 1 (draws at the committing positions)
+    # the adaptive decoders on the network's whole logits read in chunks (``*_logits``: no head in chunks), over a
+    # float64 log_softmax of the whole (B, L, |V|) at every call (before the chunked summary: tests/samplers/oracles.py
+    # DenseStats), and at T = 1
+    ("threshold_logits", "threshold", {"_target_": "tests.samplers.oracles.LogitsThreshold"}, {}),
+    ("eb_logits", "eb", {"_target_": "tests.samplers.oracles.LogitsEB"}, {}),
     ("threshold_dense", "threshold", {"_target_": DENSE_STATS + "Threshold"}, {}),
     ("eb_dense", "eb", {"_target_": DENSE_STATS + "EB"}, {}),
     ("threshold_t1", "threshold", {"temperature": 1.0}, {}),
@@ -249,7 +252,7 @@ def network_share(denoiser, sampler, args, device, prompt, prompt_mask) -> tuple
         return call
 
     fns = {"fn": timed(denoiser.fn)}
-    for field in ("pinned_fn", "summary_fn", "lift_fn", "posterior_fn"):
+    for field in ("pinned_fn", "summary_fn", "lift_fn", "posterior_fn", "head_fn"):
         if getattr(denoiser, field, None) is not None:
             fns[field] = timed(getattr(denoiser, field))
     gen = torch.Generator(device=device).manual_seed(args.seed)

@@ -186,8 +186,7 @@ def chunked_summary(
 
         log max p = −log Z,   H = log Z − S / Z,   p₍₁₎ − p₍₂₎ = (1 − e^{l₍₂₎ − l₍₁₎}) / Z,
 
-    l₍₂₎ the second-largest logit, found at the end (the max chunk's runner-up or another chunk's max; a tie of
-    the max gives margin 0). A −∞ logit (a LLaMA-family [MASK])
+    l₍₂₎ the running second-largest logit (a tie of the max gives margin 0). A −∞ logit (a LLaMA-family [MASK])
     adds 0 to every sum. Precision: float32 throughout, against a float64 log_softmax within 2e-5 (relative) for
     log max p and 1e-5 (absolute, nats / probability) for H and the margin at |V| = 50 258
     (tests/samplers/test_adaptive_summary.py).
@@ -195,41 +194,91 @@ def chunked_summary(
     The rows go through in blocks of about ``ROW_BLOCK_BYTES`` of float32 per chunk, so that a chunk's passes (max,
     subtract into float32, exp, sum) stay in cache; every operation is row-wise, so the values do not depend on the
     blocks. At (4, 128, 50 258) bf16 on one CPU thread: 38 ms with one block, 32 ms in blocks of 128 rows; the
-    argmax from the chunk maxima at the end instead of a running one, 30.4 vs 30.6 ms, the margin adding 0 and the
-    entropy 17 ms (side by side, 2026-12-06, a loaded 2-core machine); a float64 log_softmax of the same logits
-    takes 204 ms."""
+    argmax from the chunk maxima at the end instead of a running one, 30.6 vs 30.4 ms (so it stays running), the
+    entropy adding 17 ms (side by side, 2026-12-06, a loaded 2-core machine); a float64 log_softmax of the same
+    logits takes 204 ms."""
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     flat = logits.reshape(-1, vocab)
     n = flat.shape[0] if rows is None else rows.numel()
-    device = logits.device
     # The default chunk is the whole tensor's, also for ``rows``: the same chunk boundaries, so each row's result is
     # the one the call over all rows gives, bit for bit (a sampler restricted to some rows ranks them as before).
     width = min(vocab, chunk if chunk is not None else chunk_width(flat.shape[0], vocab))
     block = max(1, ROW_BLOCK_BYTES // (4 * width))
-    starts = range(0, vocab, width)
-    tops = torch.empty(n, len(starts), device=device)  # each chunk's max logit: the argmax is found from them
+    picked = None if rows is None else torch.empty(min(block, n) * width, dtype=logits.dtype, device=logits.device)
+
+    def fill(first: int, last: int, start: int, z: Tensor) -> None:
+        w = z.shape[1]
+        if rows is None:
+            z.copy_(flat[first:last, start : start + w])
+        else:
+            z.copy_(
+                torch.index_select(
+                    flat[:, start : start + w], 0, rows[first:last], out=picked[: z.numel()].view(z.shape)
+                )
+            )
+
+    out = fold_chunks(fill, n, vocab, width, block, device=logits.device, margin=margin, entropy=entropy)
+    if rows is not None:
+        return out
+    return PositionSummary(*(None if t is None else t.reshape(lead) for t in out))
+
+
+def chunked_head_summary(
+    features: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    *,
+    chunk: int | None = None,
+    margin: bool = False,
+    entropy: bool = False,
+) -> PositionSummary:
+    """``chunked_summary`` of the logits l = features · Wᵀ + b (features (n, d), the head Linear(d, |V|)'s ``weight``
+    (|V|, d) and ``bias``) without them: the head runs chunk by chunk in the caller's autocast (l rounded as the
+    model's logits are), each chunk folded while it is in cache. What an MDM decoder reads at its eligible positions
+    only: the head's product over those rows, not the whole sequence's."""
+    if features.shape[-1] != weight.shape[1]:
+        raise ValueError(f"features have width {features.shape[-1]}, the head expects {weight.shape[1]}")
+    n, vocab = features.shape[0], weight.shape[0]
+    width = min(vocab, chunk if chunk is not None else chunk_width(n, vocab))
+    block = max(1, ROW_BLOCK_BYTES // (4 * width))
+
+    def fill(first: int, last: int, start: int, z: Tensor) -> None:
+        stop = start + z.shape[1]
+        z.copy_(F.linear(features[first:last], weight[start:stop], None if bias is None else bias[start:stop]))
+
+    return fold_chunks(fill, n, vocab, width, block, device=features.device, margin=margin, entropy=entropy)
+
+
+def fold_chunks(
+    fill, n: int, vocab: int, width: int, block: int, *, device: torch.device, margin: bool, entropy: bool
+) -> PositionSummary:
+    """``PositionSummary`` of n rows of logits over ``vocab`` columns that ``fill(first, last, start, z)`` writes,
+    rows [first, last) × columns [start, start + z.shape[1]), into the float32 buffer z: rows in blocks of
+    ``block``, columns in chunks of ``width``, each chunk folded into the running statistics (``chunked_summary``)."""
     best = torch.full((n,), -torch.inf, device=device)
+    index = torch.zeros(n, dtype=torch.long, device=device)
     total = torch.zeros(n, device=device)  # Z = Σ exp(l − best) so far
+    second = torch.full((n,), -torch.inf, device=device) if margin else None  # the runner-up logit so far
     spread = torch.zeros(n, device=device) if entropy else None  # S = Σ exp(l − best)·(l − best) so far
-    # One float32 buffer for every chunk (and one for the gathered rows): a fresh (n, chunk) allocation per chunk
-    # costs about 3× its copy on a CPU (page faults; 0.34 vs 0.11 ms at 256 × 2048 bf16 → float32, measured).
+    # One float32 buffer for every chunk: a fresh (n, chunk) allocation per chunk costs about 3× its copy on a CPU
+    # (page faults; 0.34 vs 0.11 ms at 256 × 2048 bf16 → float32, measured).
     buffer = torch.empty(min(block, n) * width, device=device)
     weights = torch.empty(min(block, n) * width, device=device) if entropy else None
-    picked = None if rows is None else torch.empty(min(block, n) * width, dtype=logits.dtype, device=device)
     for first in range(0, n, block):
         last = min(n, first + block)
-        k, chosen = last - first, None if rows is None else rows[first:last]
-        top_so_far, sum_so_far = best[first:last], total[first:last]  # views
-        for c, start in enumerate(starts):
+        k = last - first
+        top_so_far, arg_so_far, sum_so_far = best[first:last], index[first:last], total[first:last]  # views
+        for start in range(0, vocab, width):
             w = min(width, vocab - start)
             z = buffer[: k * w].view(k, w)  # contiguous float32, changed in place
-            if chosen is None:
-                z.copy_(flat[first:last, start : start + w])
-            else:
-                z.copy_(torch.index_select(flat[:, start : start + w], 0, chosen, out=picked[: k * w].view(k, w)))
-            # The chunk's max only (its index is found once at the end): ATen's CPU max-with-index, or an amax over
-            # blocks and a gather, cost 2–20× this amax (measured).
-            top = tops[first:last, c].copy_(z.amax(-1))
+            fill(first, last, start, z)
+            top, arg = row_max(z)
+            if second is not None:  # the chunk's runner-up: its max's own entry left out, then put back
+                runner = z.scatter_(1, arg[:, None], -torch.inf).amax(-1)
+                z.scatter_(1, arg[:, None], top[:, None])
+                lo = second[first:last]  # the runner-up so far: the larger of it, this chunk's, the smaller max
+                lo.copy_(torch.maximum(torch.minimum(top_so_far, top), torch.maximum(lo, runner)))
+            arg_so_far.copy_(torch.where(top > top_so_far, arg + start, arg_so_far))  # strict: the first index
             new = torch.maximum(top_so_far, top)
             shrink = (top_so_far - new).exp_()  # e^{−Δ}
             s = z.sub_(new[:, None])  # s = l − m_new
@@ -242,25 +291,10 @@ def chunked_summary(
             else:
                 sum_so_far.mul_(shrink).add_(s.exp_().sum(-1))
             top_so_far.copy_(new)
-    # The argmax: the first chunk that holds the row's max, then the first index of the max inside it (as
-    # ``torch.argmax``); the runner-up logit: the larger of that chunk's second value and the other chunks' maxima.
-    home = tops.argmax(-1)
-    row = torch.arange(n, device=device) if rows is None else rows
-    cols = home[:, None] * width + torch.arange(width, device=device)
-    inside = flat[row[:, None], cols.clamp_max(vocab - 1)].float().masked_fill_(cols >= vocab, -torch.inf)
-    inner = inside.argmax(-1, keepdim=True)
-    index = home * width + inner.squeeze(-1)
-    second = None
-    if margin:
-        second = inside.scatter_(1, inner, -torch.inf).amax(-1)
-        second = torch.maximum(second, tops.scatter_(1, home[:, None], -torch.inf).amax(-1))
     log_z = total.log()
-    out = PositionSummary(
+    return PositionSummary(
         -log_z,  # log max p = −log Σ exp(l − l_max)
         index,
         None if second is None else (1 - (second - best).exp()) / total,
         None if spread is None else log_z - spread / total,
     )
-    if rows is not None:
-        return out
-    return PositionSummary(*(None if t is None else t.reshape(lead) for t in out))

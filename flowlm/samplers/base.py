@@ -38,13 +38,17 @@ class MaskedDenoiser:
     """An MDM as samplers see it: ``fn(x_t ids (B, L), t (B,)) → logits over the data vocabulary (B, L, V)``.
     ``time_conditioned``: whether fn depends on t (a time-agnostic one makes the ancestral no-change cache exact).
     ``windowed(L)``, where the network can: a reader ``(x window, t, start, fresh) → its logits`` over a new block KV
-    cache (flowlm/samplers/block_cache.py).
+    cache (flowlm/samplers/block_cache.py). ``head_fn(x, t)``, where the network can: ``(features (B, L, d), W (V, d),
+    b (V,) or None)``, the network up to its output head's input and the head over the data vocabulary, fn's logits
+    being features·Wᵀ + b, for decoders that read the head in vocabulary chunks at some positions only
+    (``flowlm.ops.summary.chunked_head_summary``).
     """
 
     fn: Callable[[Tensor, Tensor], Tensor]
     mask_id: int
     time_conditioned: bool = False
     windowed: Callable[[int], Callable[..., Tensor]] | None = None
+    head_fn: Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor | None]] | None = None
 
 
 @dataclass(frozen=True)

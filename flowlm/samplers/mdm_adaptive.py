@@ -42,10 +42,11 @@ from abc import abstractmethod
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from flowlm.ops.draws import check_generators, draw_rows, row_uniforms
-from flowlm.ops.summary import chunked_summary
+from flowlm.ops.summary import PositionSummary, chunked_head_summary, chunked_summary
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
 from flowlm.samplers.block_cache import BlockCachedReader, check_cache
 from flowlm.samplers.common import check_temperature, masked_start
@@ -104,6 +105,7 @@ class AdaptiveMDMSampler(PlannedSampler):
     row_generators = True  # ``generator`` may be one per row (flowlm.ops.draws.Generators)
     rule_reads_entropy = False  # whether ``select`` reads ``CallStats.entropy`` (the EB rule)
     rule_reads_draw = False  # whether, at T > 0, the rule and the max_prob rank read the drawn token's p (Fast-dLLM)
+    reads_head = True  # read the network's head in chunks where it offers one (``MaskedDenoiser.head_fn``)
 
     def __init__(
         self,
@@ -132,13 +134,36 @@ class AdaptiveMDMSampler(PlannedSampler):
         """``CallStats`` of the (B, L, |V|) ``logits`` at the flat positions ``at`` (of the (B·L,) view), from the
         logits' vocabulary chunks (``chunked_summary``): max_v p and its argmax; every other position holds
         confidence 0, margin 0 and entropy +inf."""
-        shape = logits.shape[:2]
-        flat = chunked_summary(
-            logits,
-            rows=at,
-            margin=self.score == "margin",
-            entropy=self.score == "entropy" or self.rule_reads_entropy,
-        )
+        flat = chunked_summary(logits, rows=at, margin=self.score == "margin", entropy=self.reads_entropy())
+        return self.spread_stats(flat, at, logits.shape[:2])
+
+    def head_stats(
+        self, features: Tensor, weight: Tensor, bias: Tensor | None, at: Tensor, shape: tuple[int, int]
+    ) -> CallStats:
+        """``stats`` from the head's chunks (``chunked_head_summary``) over ``features`` (n, d) of the positions
+        ``at``: the logits of no other position are computed."""
+        flat = chunked_head_summary(features, weight, bias, margin=self.score == "margin", entropy=self.reads_entropy())
+        return self.spread_stats(flat, at, shape)
+
+    def draw_at(
+        self, rows: Tensor, by_row: Tensor, linear: list[Tensor | None] | None, per_row: Tensor | None, generator
+    ) -> tuple[Tensor, Tensor]:
+        """A draw at T at the flat positions ``rows`` and its log p: from the logits' rows (``by_row`` (B·L, |V|)), or
+        with ``linear`` = (W, b) from the features' rows (``by_row`` (B·L, d)) through the head, at those rows only;
+        ``per_row``: the uniforms of per-row generators (B, L)."""
+        if linear is None:
+            return draw_rows(by_row, self.temperature, generator, rows=rows, uniforms=per_row)
+        u = None if per_row is None else per_row.reshape(-1)[rows]
+        return draw_rows(F.linear(by_row[rows], *linear), self.temperature, generator, uniforms=u)
+
+    def reads_entropy(self) -> bool:
+        """Whether the rank or the rule reads the entropy."""
+        return self.score == "entropy" or self.rule_reads_entropy
+
+    @staticmethod
+    def spread_stats(flat: PositionSummary, at: Tensor, shape: tuple[int, int]) -> CallStats:
+        """A summary at the flat positions ``at`` as (B, L) ``CallStats`` (confidence 0, margin 0, entropy +inf
+        elsewhere)."""
         return CallStats(
             spread(flat.log_max.exp(), at, shape, 0.0),
             spread(flat.argmax, at, shape, 0),
@@ -163,6 +188,9 @@ class AdaptiveMDMSampler(PlannedSampler):
         forced = torch.zeros(b, dtype=torch.long, device=x.device)  # commits beyond the rule's count
         reader = None if self.cache == "none" else BlockCachedReader(model, self.cache, self.refresh, length)
         fn, entered = (model.fn, None) if reader is None else (reader, torch.full_like(n_free, -1))
+        # the head in vocabulary chunks at the eligible positions, where the network offers it (not through the block
+        # cache, whose windowed passes return logits)
+        head = model.head_fn if reader is None and self.reads_head else None
         calls = 0
         while calls < nfe:
             masked = x == model.mask_id
@@ -177,15 +205,19 @@ class AdaptiveMDMSampler(PlannedSampler):
                 hi = (lo + self.block_length).clamp(max=length)
                 reader.block(lo, hi, None if calls + 1 == nfe else current[:, 0] != entered)
                 entered = current[:, 0]
-            logits = fn(x, masked.sum(-1) / n_free)
+            if head is None:  # the network's logits, read at the eligible positions
+                logits = fn(x, masked.sum(-1) / n_free)
+                stats, by_row, linear = self.stats(logits, at), logits.reshape(-1, logits.shape[-1]), None
+            else:  # the head's product and summary at the eligible positions only
+                features, *linear = head(x, masked.sum(-1) / n_free)
+                by_row = features.reshape(-1, features.shape[-1])
+                stats = self.head_stats(by_row[at], *linear, at, x.shape)
             calls += 1
             row_nfe += masked.any(-1)
-            stats = self.stats(logits, at)
-            by_row = logits.reshape(-1, logits.shape[-1])
             per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
             drawn_first = self.temperature > 0 and self.rule_reads_draw
             if drawn_first:  # the rule reads the drawn token's p: the draw at every eligible position first
-                drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=at, uniforms=per_row)
+                drawn, log_p = self.draw_at(at, by_row, linear, per_row, generator)
                 stats = stats._replace(
                     confidence=spread(log_p.exp(), at, x.shape, 0.0), token=spread(drawn, at, x.shape, 0)
                 )
@@ -204,7 +236,7 @@ class AdaptiveMDMSampler(PlannedSampler):
             candidate, p_candidate = stats.token, stats.confidence.float()
             if self.temperature > 0 and not drawn_first:  # the draw at the committing positions only
                 rows = commit.view(-1).nonzero().squeeze(1)  # T > 0: the call's second host read
-                drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=rows, uniforms=per_row)
+                drawn, log_p = self.draw_at(rows, by_row, linear, per_row, generator)
                 candidate = candidate.view(-1).index_copy(0, rows, drawn).view_as(x)
                 p_candidate = p_candidate.view(-1).index_copy(0, rows, log_p.exp().float()).view_as(x)
             x = torch.where(commit, candidate, x)

@@ -149,7 +149,10 @@ class BatchPlannedSemiAR(SemiARConfidenceSampler):
 class DenseStats:
     """The adaptive MDM decoders' statistics as they were read before the chunked summary (2026-12-06): a float64
     log_softmax over the whole (B, L, |V|) at every call, max p, margin and entropy at every position. Mixed into
-    ``ThresholdSampler`` / ``EBSampler``: the same calls, ranks, rules and draws, from the dense statistics."""
+    ``ThresholdSampler`` / ``EBSampler``: the same calls, ranks, rules and draws, from the dense statistics of the
+    network's whole logits (never its head in chunks)."""
+
+    reads_head = False
 
     def stats(self, logits: torch.Tensor, at: torch.Tensor) -> CallStats:  # noqa: D102
         log_p = torch.log_softmax(logits.double(), -1)
@@ -165,3 +168,16 @@ class DenseThreshold(DenseStats, ThresholdSampler):
 
 class DenseEB(DenseStats, EBSampler):
     """``EBSampler`` over the dense float64 statistics."""
+
+
+class LogitsThreshold(ThresholdSampler):
+    """``ThresholdSampler`` reading the network's whole logits in chunks (its path where the network offers no head
+    in chunks, and on every network before 2026-12-06's ``head_fn``)."""
+
+    reads_head = False
+
+
+class LogitsEB(EBSampler):
+    """``EBSampler`` reading the network's whole logits in chunks."""
+
+    reads_head = False

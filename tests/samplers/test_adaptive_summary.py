@@ -6,6 +6,8 @@ tiny LLaMA-family MDM; the summary itself equals the dense statistics within the
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from flowlm.ops.summary import chunked_summary
 from flowlm.samplers import EBSampler, MaskedDenoiser, ThresholdSampler
 from tests.backbones.test_block_cache import random_mdm
 from tests.backbones.test_block_cache_llama import smdm_module
-from tests.samplers.oracles import DenseEB, DenseThreshold
+from tests.samplers.oracles import DenseEB, DenseThreshold, LogitsEB, LogitsThreshold
 
 WIDE_V, WIDE_L = 300, 12
 
@@ -120,3 +122,53 @@ def test_the_summary_is_the_dense_statistics(dtype):
         assert torch.equal(part, whole.reshape(-1)[rows])
     plain = chunked_summary(logits)
     assert plain.margin is None and plain.entropy is None and torch.equal(plain.log_max, got.log_max)
+
+
+def test_the_dit_offers_its_head_whose_logits_are_the_networks():
+    """MaskedModel.head_pass: the DiT up to its head's input and the head's data rows; features·Wᵀ + b is the
+    denoiser's logits ([MASK] column dropped). A LLaMA-family network offers none (its own denoiser)."""
+    model = random_mdm().denoiser()
+    assert model.head_fn is not None and smdm_module().denoiser().head_fn is None
+    x = torch.randint(0, 8, (3, 24))
+    t = torch.rand(3)
+    features, weight, bias = model.head_fn(x, t)
+    torch.testing.assert_close(torch.nn.functional.linear(features, weight, bias), model.fn(x, t))
+    calls = []
+    spied = dataclasses.replace(model, fn=lambda x, t: calls.append(1) or model.fn(x, t))
+    prompt, mask = x, torch.zeros_like(x, dtype=torch.bool)
+    with torch.no_grad():
+        ThresholdSampler(threshold=0.5)(spied, prompt=prompt, prompt_mask=mask, nfe=6)
+        assert calls == []  # the head in chunks: the network's whole logits are never made
+        LogitsThreshold(threshold=0.5)(spied, prompt=prompt, prompt_mask=mask, nfe=6)
+    assert len(calls) > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize(
+    ("options", "with_head", "without"),
+    [
+        ({"threshold": 0.3}, ThresholdSampler, LogitsThreshold),
+        ({"threshold": 0.3, "confidence": "max_prob"}, ThresholdSampler, LogitsThreshold),
+        ({"gamma": 0.5, "score": "margin", "block_length": 4}, EBSampler, LogitsEB),
+    ],
+    ids=["threshold", "threshold_max_prob", "eb_margin_blocks"],
+)
+def test_the_head_in_chunks_decodes_as_the_networks_logits(options, with_head, without, temperature):
+    """On the DiT the adaptive decoders read the head in vocabulary chunks at the eligible positions only, and draw
+    from the committing rows' head product: tokens, NFE and confidences those of the logits path (T = 0 and 1, one
+    generator and per-row generators)."""
+    model = random_mdm().denoiser()
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(0, 7, (4, 24), generator=g)
+    mask = torch.zeros_like(prompt, dtype=torch.bool)
+    mask[:, :5] = True
+    for gen in (lambda: torch.Generator().manual_seed(4), lambda: [torch.Generator().manual_seed(s) for s in range(4)]):
+        with torch.no_grad():
+            got = with_head(temperature=temperature, **options)(
+                model, prompt=prompt, prompt_mask=mask, nfe=10, generator=gen()
+            )
+            want = without(temperature=temperature, **options)(
+                model, prompt=prompt, prompt_mask=mask, nfe=10, generator=gen()
+            )
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.row_nfe, want.row_nfe)
+        torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)

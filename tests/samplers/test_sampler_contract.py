@@ -97,7 +97,7 @@ def _ar():
 
 FAMILY_MODELS = {"mdm": _mdm, "flow": _flow, "mlfm": _mlfm, "ar": _ar}
 # the fields of a model view that run the network
-NETWORK_CALLS = ("fn", "pinned_fn", "summary_fn", "lift_fn", "posterior_fn", "extend")
+NETWORK_CALLS = ("fn", "pinned_fn", "summary_fn", "lift_fn", "posterior_fn", "extend", "head_fn")
 
 
 @functools.cache
