@@ -1,7 +1,13 @@
 """`flowlm-mt-bench`: MT-Bench for any checkpoint (docs/evaluation.md#mt-bench; the prompts, ratings and scores are
 flowlm/metrics/mt_bench.py's).
 
-    flowlm-mt-bench ckpt_path=PATH judge.model=NAME [judge.base_url=http://HOST:PORT/v1] [step=generate|judge|all]
+    flowlm-mt-bench fastchat_data=FastChat/fastchat/llm_judge/data ckpt_path=PATH judge.model=NAME
+        [judge.base_url=http://HOST:PORT/v1] [step=generate|judge|all]
+
+By default graded as FastChat grades (``load_grading``): its judge prompts, questions and GPT-4 references read from
+its data folder (``fastchat_data``; none: one line saying how to get it, before any compute), answers at its
+per-category temperatures through the sampler, ``model_id`` the answer file's name. ``judge_prompts=suite`` takes the
+suite's own prompts, its scores labelled not comparable (printed, MLflow tags ``flowlm.mt_bench.*``).
 
 - ``generate``: the checkpoint answers each question's two turns through the lm-evaluation-harness model
   (runners/lm_harness.py ``FlowLM``: any sampler of its family at an NFE budget, semi-AR blocks by ``semi_ar`` /
@@ -41,14 +47,20 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from flowlm.metrics.mt_bench import (
+    JUDGE_PROMPTS,
     TEMPLATES,
     TURNS,
+    FastChatDataError,  # noqa: F401 - raised by grading (no FastChat data folder), re-exported for callers
+    Grading,
     Question,
+    SuiteGrading,
     aggregate,
+    answer_temperature,
     chat_renderer,  # noqa: F401 - the prompt layouts, re-exported here (FlowLM renders with it)
     check_questions,
     conversation,
-    judge_messages,
+    load_fastchat_data,
+    map_question_ids,
     parse_question,
     parse_rating,
 )
@@ -60,6 +72,7 @@ from runners.console import console_script
 log = logging.getLogger(__name__)
 
 STEPS = ("generate", "judge", "all")
+TEMPERATURES = ("fastchat", "sampler")  # generate.temperature: FastChat's per category | the sampler config's
 TRANSIENT_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 MAX_WAIT_S = 60.0
 QUESTION_URL = "https://raw.githubusercontent.com/lm-sys/FastChat/main/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -99,6 +112,8 @@ def load_questions(source: str, split: str = "train") -> list[Question]:
 def _ways_to_provide(source: str, reason: str) -> str:
     return (
         f"MT-Bench questions {source!r} are not available ({reason}). Provide them one of these ways:\n"
+        "  - FastChat's data folder (questions=null, the default: its mt_bench/question.jsonl): git clone "
+        "https://github.com/lm-sys/FastChat and set fastchat_data=<clone>/fastchat/llm_judge/data;\n"
         f"  - FastChat's question file: download {QUESTION_URL} (on a machine with access) and set "
         "questions=/path/to/question.jsonl;\n"
         "  - a Hugging Face dataset: questions=lighteval/mt-bench (FastChat's fields) or "
@@ -106,6 +121,49 @@ def _ways_to_provide(source: str, reason: str) -> str:
         "HF cache (the same HF_HOME);\n"
         "  - `huggingface-cli download lighteval/mt-bench --repo-type dataset --local-dir DIR` and set questions=DIR."
     )
+
+
+def load_grading(cfg: DictConfig) -> tuple[Grading, list[Question]]:
+    """How answers are put to the judge (``judge_prompts``: FastChat's prompts and GPT-4 references from its data
+    folder ``fastchat_data``, or the suite's) and the questions (``questions``; null: FastChat's question file), a
+    question FastChat knows by its turns given FastChat's id; refused before any compute where FastChat's data is
+    needed and not there, or a reference question has no GPT-4 reference."""
+    fastchat = None
+    if cfg.judge_prompts == "fastchat" or cfg.fastchat_data or cfg.questions is None:
+        fastchat = load_fastchat_data(cfg.fastchat_data)
+    if cfg.questions is None:
+        questions = fastchat[1]
+    else:
+        questions = load_questions(str(cfg.questions), str(cfg.split))
+        if fastchat is not None:  # e.g. HuggingFaceH4/mt_bench_prompts' hash ids: FastChat's check_data refuses them
+            questions, notes = map_question_ids(questions, fastchat[1])
+            if notes:
+                log.warning(
+                    "mt_bench: %d question ids are not FastChat's and were mapped to the ids of FastChat's questions "
+                    "with the same turns (its answers, judgments and references are keyed by them): %s",
+                    len(notes),
+                    ", ".join(notes[:5]) + (", ..." if len(notes) > 5 else ""),
+                )
+            check_questions(questions, str(cfg.questions))
+    chosen = fastchat[0] if cfg.judge_prompts == "fastchat" else SuiteGrading()
+    chosen.check(questions)
+    return chosen, questions
+
+
+def protocol_label(grading: Grading, temperature: str) -> str:
+    """One line saying how the scores were made and whether they stand beside FastChat's (published) ones."""
+    judged = (
+        "FastChat's judge prompts and GPT-4 references"
+        if grading.comparable
+        else "judge_prompts=suite, the suite's own judge prompts: NOT comparable to FastChat's (published) MT-Bench "
+        "scores"
+    )
+    answered = (
+        "answers at FastChat's per-category temperatures"
+        if temperature == "fastchat"
+        else "answers at the sampler's temperature (generate.temperature=sampler), not FastChat's per-category ones"
+    )
+    return f"{judged}; {answered}"
 
 
 # ------------------------------------------------------------------------------------------------ answers
@@ -131,12 +189,74 @@ def flowlm_model(cfg: DictConfig):
     return FlowLM(checkpoint=cfg.ckpt_path, gen_length=gen_length, seed=cfg.seed, **passed, **options)
 
 
-def generate_answers(cfg: DictConfig, questions: Sequence[Question], model_id: str) -> list[dict]:
-    """FastChat ``model_answer`` records: turn 1 of every question, then turn 2 given turn 1 and its answer."""
-    from lm_eval.api.instance import Instance
+def check_temperature_setting(cfg: DictConfig) -> None:
+    """Refuse, before any compute, generate.temperature settings that cannot work: an unknown one, FastChat's
+    per-category temperatures together with a temperature in sampler_options, or a sampler without a temperature."""
+    from runners.lm_harness import sampler_config
 
+    gen = cfg.generate
+    if gen.temperature not in TEMPERATURES:
+        raise ValueError(f"generate.temperature must be one of {TEMPERATURES}, got {gen.temperature!r}")
+    if gen.temperature != "fastchat":
+        return
+    if "temperature" in (gen.sampler_options or {}):
+        raise ValueError(
+            f"generate.sampler_options.temperature={gen.sampler_options.temperature} and generate.temperature=fastchat "
+            "(FastChat's per-category temperatures) both set it: drop one (generate.temperature=sampler keeps the "
+            "sampler's, which is not FastChat's protocol)"
+        )
+    if gen.sampler is not None and "temperature" not in sampler_config(str(gen.sampler)):  # the defaults all have one
+        raise ValueError(
+            f"generate.temperature=fastchat sets FastChat's per-category temperatures through the sampler, but "
+            f"conf/sampler/{gen.sampler}.yaml has no temperature: give a sampler with one, or generate.temperature="
+            "sampler (not FastChat's protocol)"
+        )
+
+
+def temperature_groups(questions: Sequence[Question], rule: str) -> list[tuple[float | None, list[int]]]:
+    """(temperature, question indices) in order of first appearance: FastChat's per category (``rule`` fastchat), or
+    one group at the sampler's own (None)."""
+    if rule != "fastchat":
+        return [(None, list(range(len(questions))))]
+    groups: dict[float, list[int]] = {}
+    for i, question in enumerate(questions):
+        groups.setdefault(answer_temperature(question.category), []).append(i)
+    return list(groups.items())
+
+
+def set_temperature(model, temperature: float) -> None:
+    """The FlowLM model's sampler rebuilt at ``temperature`` (its other settings kept; 0: argmax, FastChat's greedy)."""
+    from runners.common import build
+
+    settings = {**model.sampler_settings, "temperature": float(temperature)}
+    model.sampler, model.sampler_settings = build(OmegaConf.create(settings)), settings
+
+
+def generate_answers(cfg: DictConfig, questions: Sequence[Question], model_id: str) -> list[dict]:
+    """FastChat ``model_answer`` records: turn 1 of every question, then turn 2 given turn 1 and its answer; each
+    question at FastChat's temperature for its category (``generate.temperature=fastchat``) or the sampler's."""
     model = flowlm_model(cfg)
     until = {"until": list(cfg.generate.stop or [])}
+    records: list[dict | None] = [None] * len(questions)
+    for temperature, indices in temperature_groups(questions, cfg.generate.temperature):
+        if temperature is not None:
+            set_temperature(model, temperature)
+        group = [questions[i] for i in indices]
+        answers, spent = _answer_turns(model, group, until)
+        settings = model.summary()
+        for i, a, n in zip(indices, answers, spent, strict=True):
+            records[i] = answer_record(questions[i], model_id, a, n, settings)
+        log.info(
+            "mt_bench: %d questions answered at temperature %s",
+            len(group),
+            settings["sampler_settings"].get("temperature"),
+        )
+    return records
+
+
+def _answer_turns(model, questions: Sequence[Question], until: dict) -> tuple[list[list[str]], list[list[int]]]:
+    from lm_eval.api.instance import Instance
+
     answers: list[list[str]] = [[] for _ in questions]
     spent: list[list[int]] = [[] for _ in questions]
     for turn in range(1, TURNS + 1):
@@ -149,20 +269,20 @@ def generate_answers(cfg: DictConfig, questions: Sequence[Question], model_id: s
             a.append(text.strip())
             s.append(nfe)
         log.info("mt_bench: turn %d answered for %d questions", turn, len(questions))
-    settings = model.summary()
-    return [answer_record(q, model_id, a, s, settings) for q, a, s in zip(questions, answers, spent, strict=True)]
+    return answers, spent
 
 
 def answer_record(question: Question, model_id: str, turns: list[str], nfe: list[int], settings: dict) -> dict:
     """One FastChat ``model_answer`` line; ``answer_id`` a digest of its content (the same answers, the same id)."""
     digest = hashlib.sha256(json.dumps([model_id, question.question_id, turns]).encode()).hexdigest()[:22]
+    kept = {k: settings[k] for k in ("checkpoint", "family", "sampler", "nfe_budget", "gen_length")}
     return {
         "question_id": question.question_id,
         "answer_id": digest,
         "model_id": model_id,
         "choices": [{"index": 0, "turns": turns, "nfe": nfe}],
         "tstamp": time.time(),
-        "flowlm": {k: settings[k] for k in ("checkpoint", "family", "sampler", "nfe_budget", "gen_length")},
+        "flowlm": kept | {"temperature": settings["sampler_settings"].get("temperature")},
     }
 
 
@@ -469,14 +589,15 @@ class JudgmentJob:
 
 
 def judgment_jobs(
-    client: JudgeClient, questions: Sequence[Question], answers: dict[str, dict], model_id: str
+    client: JudgeClient, grading: Grading, questions: Sequence[Question], answers: dict[str, dict], model_id: str
 ) -> list[JudgmentJob]:
-    """The judgments of ``answers`` (one per question and turn, in question order) and the prompts they send."""
+    """The judgments of ``answers`` (one per question and turn, in question order) and the prompts ``grading``
+    sends."""
     jobs = []
     for question in questions:
         turns = answers[str(question.question_id)]["choices"][0]["turns"]
         for turn in range(1, TURNS + 1):
-            prompt_name, messages = judge_messages(question, turns, turn)
+            prompt_name, messages = grading.messages(question, turns, turn)
             key = (str(question.question_id), turn, model_id, (client.model, prompt_name))
             jobs.append(JudgmentJob(key, question, turn, messages))
     return jobs
@@ -586,6 +707,7 @@ def check_judgments(records: dict[JudgmentKey, dict], jobs: Sequence[JudgmentJob
 
 def judge_answers(
     client: JudgeClient,
+    grading: Grading,
     questions: Sequence[Question],
     answers: dict[str, dict],
     model_id: str,
@@ -595,7 +717,7 @@ def judge_answers(
 ) -> list[dict]:
     """FastChat ``model_judgment`` records (single-answer grading), one per question and turn, in question order;
     each appended to ``path`` as it comes, those already there kept and not sent again (``overwrite``: all anew)."""
-    jobs = judgment_jobs(client, questions, answers, model_id)
+    jobs = judgment_jobs(client, grading, questions, answers, model_id)
 
     def grade(job: JudgmentJob) -> None:
         judgment = client.complete(job.messages)
@@ -645,11 +767,15 @@ def outputs(cfg: DictConfig) -> tuple[str, Path, Path]:
 
         meta = read_checkpoint_meta(cfg.ckpt_path, trust_pickle=cfg.generate.trust_pickle)
         model_id = (meta.get("config") or {}).get("name") or Path(str(cfg.ckpt_path)).stem
-    model_id = str(model_id)
-    safe = re.sub(r"[^\w.-]", "_", model_id)
+    # FastChat names a model by its answer file's name (load_model_answers): the records carry that name
+    safe = re.sub(r"[^\w.-]", "_", str(model_id))
+    if safe != str(model_id):
+        log.warning(
+            "mt_bench: model_id %r is written as %r, its answer file's name (FastChat's model name)", model_id, safe
+        )
     judge = re.sub(r"[^\w.-]", "_", str(cfg.judge.model or "judge"))
     out = Path(cfg.out_dir)
-    return model_id, out / "model_answer" / f"{safe}.jsonl", out / "model_judgment" / safe / f"{judge}_single.jsonl"
+    return safe, out / "model_answer" / f"{safe}.jsonl", out / "model_judgment" / safe / f"{judge}_single.jsonl"
 
 
 def write_jsonl(path: Path, records: Sequence[dict]) -> None:
@@ -666,6 +792,10 @@ def check_config(cfg: DictConfig) -> JudgeClient | None:
         raise ValueError(f"step must be one of {STEPS}, got {cfg.step!r}")
     if cfg.generate.template not in TEMPLATES:
         raise ValueError(f"generate.template must be one of {TEMPLATES}, got {cfg.generate.template!r}")
+    if cfg.judge_prompts not in JUDGE_PROMPTS:
+        raise ValueError(f"judge_prompts must be one of {JUDGE_PROMPTS}, got {cfg.judge_prompts!r}")
+    if cfg.step != "judge":
+        check_temperature_setting(cfg)
     if cfg.step != "judge" and not cfg.ckpt_path:
         raise ValueError(f"step={cfg.step} generates answers: give ckpt_path=PATH")
     return None if cfg.step == "generate" else JudgeClient.from_config(cfg.judge)
@@ -684,7 +814,7 @@ def run(cfg: DictConfig) -> dict:
     resolve_paths(cfg)
     check_switches(cfg, ("generate.trust_pickle", "overwrite"))  # "no" is a truthy string
     judge = check_config(cfg)
-    questions = load_questions(str(cfg.questions), str(cfg.split))
+    grading, questions = load_grading(cfg)
     if judge is not None:
         judge.check()
     model_id, answer_path, judgment_path = outputs(cfg)
@@ -699,35 +829,41 @@ def run(cfg: DictConfig) -> dict:
         answers = read_answers(answer_path, questions)  # every question answered, before the run is tracked
         if judgment_path.exists() and cfg.overwrite is not True:  # judgments of these answers, or refused now
             records, _ = parse_judgments(judgment_path.read_bytes(), judgment_path)
-            check_judgments(records, judgment_jobs(judge, questions, answers, model_id), judgment_path)
+            check_judgments(records, judgment_jobs(judge, grading, questions, answers, model_id), judgment_path)
     with open_dict(cfg):
         cfg.model_id = model_id
         if cfg.get("logger") and cfg.logger.get("run_name") == f"{cfg.name}/{cfg.run_name}":
             cfg.logger.run_name = f"{cfg.name}/{model_id}/{cfg.run_name}"
     with tracked_run(cfg) as logger:
-        result = _run_steps(cfg, questions, model_id, answer_path, judgment_path, judge)
+        result = _run_steps(cfg, grading, questions, model_id, answer_path, judgment_path, judge)
         if logger is not None:
             _log(logger, cfg, result, [answer_path] + ([judgment_path] if judge else []))
     return result | {"mlflow_run_id": getattr(logger, "run_id", None)}
 
 
-def _run_steps(cfg, questions, model_id, answer_path, judgment_path, judge) -> dict:
+def _run_steps(cfg, grading, questions, model_id, answer_path, judgment_path, judge) -> dict:
     if cfg.step != "judge":
         records = generate_answers(cfg, questions, model_id)
         write_jsonl(answer_path, records)
         print(f"answers written to {answer_path}", flush=True)
     answers = read_answers(answer_path, questions)
     spent = [n for q in questions for n in answers[str(q.question_id)]["choices"][0].get("nfe") or []]
-    result: dict[str, Any] = {"model_id": model_id, "answers": str(answer_path)}
+    result: dict[str, Any] = {"model_id": model_id, "answers": str(answer_path), "judge_prompts": grading.name}
+    result |= {"comparable": grading.comparable, "protocol": protocol_label(grading, cfg.generate.temperature)}
     if spent:
         from runners.lm_harness import nfe_summary
 
         result["nfe"] = nfe_summary(spent)
     if judge is not None:
         overwrite = cfg.overwrite is True
-        judgments = judge_answers(judge, questions, answers, model_id, cfg.judge.parallel, judgment_path, overwrite)
+        judgments = judge_answers(
+            judge, grading, questions, answers, model_id, cfg.judge.parallel, judgment_path, overwrite
+        )
         result |= {"judgments": str(judgment_path), "scores": aggregate(judgments)}
-        print(f"\nMT-Bench, {model_id}, judged by {judge.model}\n{summary_table(result['scores'])}", flush=True)
+        print(
+            f"\nMT-Bench, {model_id}, judged by {judge.model}: {result['protocol']}\n{summary_table(result['scores'])}",
+            flush=True,
+        )
         print(f"judgments written to {judgment_path}", flush=True)
     return result
 
@@ -736,7 +872,7 @@ def _log(logger, cfg: DictConfig, result: dict, files: list[Path]) -> None:
     """Params (the generation and judge settings, the key's variable name only), metrics ``mt_bench/...``, tags and
     the answer / judgment files as artifacts."""
     client, run_id = logger.experiment, logger.run_id
-    keep = ("ckpt_path", "model_id", "questions", "step", "generate")
+    keep = ("ckpt_path", "model_id", "questions", "fastchat_data", "judge_prompts", "step", "generate")
     params = {k: OmegaConf.to_container(cfg[k], resolve=True) if k == "generate" else cfg[k] for k in keep}
     params["judge"] = {k: cfg.judge[k] for k in ("base_url", "model", "api_key_env", "temperature", "max_tokens")}
     logger.log_hyperparams(params)
@@ -745,6 +881,10 @@ def _log(logger, cfg: DictConfig, result: dict, files: list[Path]) -> None:
     if metrics:
         logger.log_metrics(metrics)
     client.set_tag(run_id, "flowlm.model_id", result["model_id"])
+    # whether the scores stand beside FastChat's (published) ones, and the line saying how they were made
+    client.set_tag(run_id, "flowlm.mt_bench.judge_prompts", result["judge_prompts"])
+    client.set_tag(run_id, "flowlm.mt_bench.comparable", str(result["comparable"]).lower())
+    client.set_tag(run_id, "flowlm.mt_bench.protocol", result["protocol"])
     if cfg.ckpt_path:
         client.set_tag(run_id, "flowlm.checkpoint", str(cfg.ckpt_path))
     for path in files:

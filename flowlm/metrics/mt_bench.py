@@ -6,29 +6,39 @@ layouts (``chat_renderer``: the tokenizer's template or Vicuna's) are also the l
 (runners/lm_harness.py, ``--apply_chat_template``).
 
 - A question is FastChat's ``question.jsonl`` record: ``question_id``, ``category``, ``turns`` (two user turns),
-  optionally ``reference`` (reference answers per turn, for math / reasoning / coding); the Hugging Face copy
+  optionally ``reference`` (short answers per turn, kept by position); the Hugging Face copy
   ``HuggingFaceH4/mt_bench_prompts`` names them ``prompt_id`` and ``prompt``, which are read as well.
+- Grading as FastChat grades (``FastChatGrading``, the default): the judge prompts, questions and GPT-4 references
+  of FastChat's data folder (``fastchat/llm_judge/data`` of its repository, ``load_fastchat_data``), the prompt chosen
+  by FastChat's names (``single-v1``, ``single-math-v1`` and their ``-multi-turn`` variants for turn 2), the GPT-4
+  reference shown for the categories FastChat gives one (math, reasoning, coding) and no other; answers generated at
+  FastChat's per-category temperatures (``answer_temperature``). The suite's own wording (``SuiteGrading``, a named
+  option) shows the question file's short ``reference`` instead: its scores are not comparable to FastChat's.
 - Single-answer grading (FastChat's ``single`` mode): turn 1 is graded from the question and the first answer; turn 2
-  from the whole conversation, the judge told to rate the second answer. The judge ends with ``[[r]]``, r ∈ [1, 10];
-  a reply without one is scored −1 and counted, as FastChat does, and left out of every mean.
+  from the whole conversation, the judge told to rate the second answer. The rating is FastChat's parse
+  (``parse_rating``); a reply without one is scored −1 and counted, as FastChat does, and left out of every mean.
 - Scores: the mean per turn, over both turns (FastChat's ``show_result``), and per category over both turns.
 """
 
 from __future__ import annotations
 
+import ast
 import math
 import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from flowlm.tasks.files import json_records
 
 TURNS = 2  # MT-Bench questions have two user turns
 UNPARSEABLE = -1.0  # FastChat's score of a judgment without a rating
-RATING_RANGE = (1.0, 10.0)
 TEMPLATES = ("auto", "tokenizer", "vicuna")  # the chat layouts of ``template_kind``
-# "[[7]]" (the requested form), else "[7]" (FastChat's fallback for judges that drop one bracket); first match wins.
-_RATING = (re.compile(r"\[\[\s*(\d+(?:\.\d+)?)\s*\]\]"), re.compile(r"\[\s*(\d+(?:\.\d+)?)\s*\]"))
+# FastChat's rating parse (fastchat/llm_judge/common.py): "[[r]]", else "[r]" (a judge that drops one bracket); the
+# first match anywhere in the reply, no space inside the brackets, r digits with at most one point; no range check.
+_RATING = (re.compile(r"\[\[(\d+\.?\d*)\]\]"), re.compile(r"\[(\d+\.?\d*)\]"))
 VICUNA_SYSTEM = (
     "A chat between a curious user and an artificial intelligence assistant. "
     "The assistant gives helpful, detailed, and polite answers to the user's questions."
@@ -66,7 +76,8 @@ def parse_question(record: Mapping[str, Any], where: str) -> Question:
     reference = record.get("reference") or ()
     if isinstance(reference, str) or not all(isinstance(r, str) for r in reference):
         raise QuestionError(f"{where}: reference must be a list of strings, got {reference!r}")
-    return Question(qid, category, tuple(turns), tuple(r for r in reference if r.strip()))
+    # by position: question 133's first entry is empty and its second is turn 2's (dropping it shifted turn 2's to 1)
+    return Question(qid, category, tuple(turns), tuple(reference))
 
 
 def check_questions(questions: Sequence[Question], source: str) -> None:
@@ -161,11 +172,10 @@ def judge_messages(question: Question, answers: Sequence[str], turn: int) -> tup
     """(prompt name, messages) asking the judge to grade answer ``turn`` (1 or 2) to ``question``: turn 1 from the
     question and the answer; turn 2 from the conversation, the judge told to grade the second answer only. A
     reference answer for the turn, where the question has one, is shown beside the answer."""
-    if turn not in (1, 2):
-        raise ValueError(f"turn must be 1 or 2, got {turn}")
-    if len(answers) < turn:
-        raise ValueError(f"question {question.question_id!r}: turn {turn} needs {turn} answers, got {len(answers)}")
-    ref = question.reference[:turn] if len(question.reference) >= turn else ()
+    _check_turn(question, answers, turn)
+    # the turn's own entry decides (an empty one: none for that turn); turn 2 shows the entries of both turns
+    shown = len(question.reference) >= turn and bool(question.reference[turn - 1].strip())
+    ref = question.reference[:turn] if shown else ()
     extra = _WITH_REFERENCE if ref else ""
     if turn == 1:
         reference = f"[The Start of Reference Answer]\n{ref[0]}\n[The End of Reference Answer]\n\n" if ref else ""
@@ -193,15 +203,221 @@ def _dialogue(title: str, turns: Sequence[str], answers: Sequence[str], speaker:
     return f"<|The Start of {title}|>\n\n{body}<|The End of {title}|>"
 
 
+# ------------------------------------------------------------------------------------------------ FastChat's grading
+JUDGE_PROMPTS = ("fastchat", "suite")  # FastChat's prompts and references (the default) | the suite's wording
+# FastChat's categories graded against a GPT-4 reference answer (its NEED_REF_CATS); every other category without one
+NEEDS_REFERENCE = frozenset({"math", "reasoning", "coding", "arena-hard-200"})
+# FastChat's answer temperatures by category (gen_model_answer.py, common.py's temperature_config); others: 0.7
+ANSWER_TEMPERATURES = {
+    "writing": 0.7, "roleplay": 0.7, "extraction": 0.0, "math": 0.0, "coding": 0.0, "reasoning": 0.0,
+    "stem": 0.1, "humanities": 0.1, "arena-hard-200": 0.0,
+}  # fmt: skip
+OTHER_TEMPERATURE = 0.7
+# FastChat's data folder (fastchat/llm_judge/data of its repository): what each file holds → its path in the folder
+FASTCHAT_FILES = {
+    "judge prompts": "judge_prompts.jsonl",
+    "questions": "mt_bench/question.jsonl",
+    "GPT-4 reference answers": "mt_bench/reference_answer/gpt-4.jsonl",
+}
+FASTCHAT_HOWTO = (
+    "git clone https://github.com/lm-sys/FastChat and set fastchat_data=<clone>/fastchat/llm_judge/data (the fschat "
+    "pip package does not ship these files)"
+)
+# the fields each single-answer prompt is formatted with (FastChat's names), without and with a reference
+_TURN_FIELDS = {1: ("question", "answer"), 2: ("question_1", "question_2", "answer_1", "answer_2")}
+_REFERENCE_FIELDS = {1: ("ref_answer_1",), 2: ("ref_answer_1", "ref_answer_2")}
+
+
+class FastChatDataError(FileNotFoundError):
+    """FastChat's data folder is not given, lacks a file, or holds a file that is not FastChat's; the message says
+    which and how to get it."""
+
+
+def answer_temperature(category: str) -> float:
+    """The temperature FastChat answers a question of ``category`` at (0: greedy)."""
+    return ANSWER_TEMPERATURES.get(category, OTHER_TEMPERATURE)
+
+
+def fastchat_prompt_name(category: str, turn: int) -> str:
+    """FastChat's single-answer judge prompt for ``category`` and ``turn``: ``single-math-v1`` for the reference
+    categories, ``single-v1`` for the others, ``-multi-turn`` added for turn 2."""
+    return ("single-math-v1" if category in NEEDS_REFERENCE else "single-v1") + ("-multi-turn" if turn == 2 else "")
+
+
+@dataclass(frozen=True)
+class JudgePrompt:
+    """One of FastChat's judge prompts: its name, system prompt and user-prompt template (``str.format`` fields)."""
+
+    name: str
+    system: str
+    template: str
+
+
+class Grading:
+    """How an answer turn is put to the judge (its prompts and references); ``comparable``: the scores stand beside
+    FastChat's (published MT-Bench scores)."""
+
+    name: str
+    comparable: bool
+
+    def messages(self, question: Question, answers: Sequence[str], turn: int) -> tuple[str, list[dict[str, str]]]:
+        """(prompt name, chat messages) asking the judge to grade answer ``turn`` (1 or 2) of ``answers``."""
+        raise NotImplementedError
+
+    def check(self, questions: Sequence[Question]) -> None:
+        """Refuse, before any compute, questions this judge cannot grade."""
+
+
+class FastChatGrading(Grading):
+    """FastChat's single-answer grading: its prompt per category and turn (``fastchat_prompt_name``), formatted with
+    the question(s) and answer(s), and GPT-4's reference answer(s) by position for the reference categories only;
+    the messages are FastChat's OpenAI ones (its system prompt, where not empty, then the user prompt)."""
+
+    name, comparable = "fastchat", True
+
+    def __init__(self, prompts: Mapping[str, JudgePrompt], references: Mapping[str, tuple[str, ...]]) -> None:
+        self.prompts, self.references = dict(prompts), dict(references)
+
+    def messages(self, question: Question, answers: Sequence[str], turn: int) -> tuple[str, list[dict[str, str]]]:
+        """(FastChat's prompt name, messages) for answer ``turn`` of ``answers`` to ``question``."""
+        _check_turn(question, answers, turn)
+        name = fastchat_prompt_name(question.category, turn)
+        prompt = self.prompts[name]
+        values = (question.turns[0], answers[0]) if turn == 1 else (*question.turns[:2], *answers[:2])
+        fields = dict(zip(_TURN_FIELDS[turn], values, strict=True))
+        if question.category in NEEDS_REFERENCE:
+            fields |= dict(zip(_REFERENCE_FIELDS[turn], self._reference(question)[:turn], strict=True))
+        system = [{"role": "system", "content": prompt.system}] if prompt.system else []
+        return name, [*system, {"role": "user", "content": prompt.template.format(**fields)}]
+
+    def check(self, questions: Sequence[Question]) -> None:
+        """Every question of a reference category has GPT-4's reference for both turns (FastChat's check_data)."""
+        for question in questions:
+            if question.category in NEEDS_REFERENCE:
+                self._reference(question)
+
+    def _reference(self, question: Question) -> tuple[str, ...]:
+        reference = self.references.get(str(question.question_id), ())
+        if len(reference) < TURNS:
+            raise QuestionError(
+                f"question {question.question_id!r} ({question.category}) has no GPT-4 reference answer for its "
+                f"{TURNS} turns in FastChat's {FASTCHAT_FILES['GPT-4 reference answers']}: FastChat grades "
+                f"{', '.join(sorted(NEEDS_REFERENCE))} questions against it; use FastChat's question ids "
+                "(its mt_bench/question.jsonl)"
+            )
+        return reference
+
+
+class SuiteGrading(Grading):
+    """The suite's own wording of single-answer grading (``judge_messages``, prompts named ``flowlm-single…``), the
+    question file's short ``reference`` shown: a named option whose scores are not comparable to FastChat's."""
+
+    name, comparable = "suite", False
+
+    def messages(self, question: Question, answers: Sequence[str], turn: int) -> tuple[str, list[dict[str, str]]]:
+        """(the suite's prompt name, messages) for answer ``turn`` of ``answers`` to ``question``."""
+        return judge_messages(question, answers, turn)
+
+
+def fastchat_files(root: str | Path | None) -> dict[str, Path]:
+    """The paths of FastChat's judge prompts, questions and GPT-4 references in its data folder ``root``;
+    FastChatDataError naming what is missing and how to get it."""
+    if root is None or not str(root).strip():
+        raise FastChatDataError(
+            "MT-Bench is graded as FastChat grades, from FastChat's data folder, and fastchat_data is not set: "
+            f"{FASTCHAT_HOWTO}; or judge_prompts=suite with questions=FILE_OR_DATASET (scores not comparable)"
+        )
+    files = {what: Path(root) / name for what, name in FASTCHAT_FILES.items()}
+    missing = [f"{what} ({FASTCHAT_FILES[what]})" for what, path in files.items() if not path.is_file()]
+    if missing:
+        raise FastChatDataError(
+            f"fastchat_data={root} is not FastChat's data folder: it lacks the {', '.join(missing)}; {FASTCHAT_HOWTO}"
+        )
+    return files
+
+
+def load_fastchat_data(root: str | Path | None) -> tuple[FastChatGrading, list[Question]]:
+    """FastChat's grading (its four single-answer prompts, GPT-4's reference answers by question id) and its
+    questions, read from its data folder ``root``; every record checked."""
+    files = fastchat_files(root)
+    prompts: dict[str, JudgePrompt] = {}
+    path = files["judge prompts"]
+    with path.open("rb") as f:
+        for num, record in json_records(f, path):
+            if isinstance(record.get("name"), str) and record["name"].startswith("single"):
+                prompts[record["name"]] = _judge_prompt(record, f"{path}: line {num}")
+    names = [fastchat_prompt_name(c, t) for c in ("math", "writing") for t in (1, 2)]
+    missing = [n for n in names if n not in prompts]
+    if missing:
+        raise FastChatDataError(f"{path} lacks FastChat's judge prompts {missing}: {FASTCHAT_HOWTO}")
+    for name in names:  # each formats with the fields it is given (a wrong file fails here, not mid-judging)
+        turn = 2 if name.endswith("multi-turn") else 1
+        fields = _TURN_FIELDS[turn] + (_REFERENCE_FIELDS[turn] if name.startswith("single-math") else ())
+        try:
+            prompts[name].template.format(**dict.fromkeys(fields, ""))
+        except (KeyError, IndexError, ValueError) as err:
+            raise FastChatDataError(f"{path}: prompt {name!r} does not format with {fields}: {err!r}") from None
+    path = files["GPT-4 reference answers"]
+    with path.open("rb") as f:
+        references = {
+            str(r.get("question_id")): _reference_turns(r, f"{path}: line {n}") for n, r in json_records(f, path)
+        }
+    path = files["questions"]
+    with path.open("rb") as f:
+        questions = [parse_question(r, f"{path}: line {n}") for n, r in json_records(f, path)]
+    check_questions(questions, str(path))
+    return FastChatGrading({n: prompts[n] for n in names}, references), questions
+
+
+def _judge_prompt(record: Mapping[str, Any], where: str) -> JudgePrompt:
+    if record.get("type") != "single" or record.get("output_format") != "[[rating]]":
+        raise FastChatDataError(f"{where}: {record['name']!r} is not a single-answer prompt rated as [[rating]]")
+    system, template = record.get("system_prompt"), record.get("prompt_template")
+    if not isinstance(system, str) or not isinstance(template, str):
+        raise FastChatDataError(f"{where}: {record['name']!r} needs a system_prompt and a prompt_template (strings)")
+    return JudgePrompt(record["name"], system, template)
+
+
+def _reference_turns(record: Mapping[str, Any], where: str) -> tuple[str, ...]:
+    turns = ((record.get("choices") or [{}])[0] or {}).get("turns")
+    if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+        raise FastChatDataError(f"{where}: a reference answer needs choices[0].turns (strings), got {turns!r}")
+    return tuple(turns)  # by position: turn k's reference is entry k, empty or not
+
+
+def map_question_ids(questions: Sequence[Question], known: Sequence[Question]) -> tuple[list[Question], list[str]]:
+    """``questions`` with each one whose id is not among ``known``'s (FastChat's) but whose turns are a known
+    question's replaced by that question (its id and category: FastChat keys answers, judgments and references by
+    them), and a note per replacement ("'hash' → 81")."""
+    ids = {str(q.question_id) for q in known}
+    by_turns = {tuple(t.strip() for t in q.turns): q for q in known}
+    mapped, notes = [], []
+    for question in questions:
+        match = by_turns.get(tuple(t.strip() for t in question.turns))
+        if str(question.question_id) not in ids and match is not None:
+            notes.append(f"{question.question_id!r} → {match.question_id!r}")
+            question = match
+        mapped.append(question)
+    return mapped, notes
+
+
+def _check_turn(question: Question, answers: Sequence[str], turn: int) -> None:
+    if turn not in (1, 2):
+        raise ValueError(f"turn must be 1 or 2, got {turn}")
+    if len(answers) < turn:
+        raise ValueError(f"question {question.question_id!r}: turn {turn} needs {turn} answers, got {len(answers)}")
+
+
 def parse_rating(judgment: str) -> float:
-    """The rating r in the judge's ``[[r]]`` (else ``[r]``), r ∈ [1, 10]; −1 (UNPARSEABLE) when there is none or it
-    lies outside [1, 10]."""
+    """The judge's rating as FastChat reads it: the number in the first ``[[r]]``, else in the first ``[r]``, read as
+    a Python literal ("7" → 7, "7." → 7.0, "0" and "11" kept); −1 (UNPARSEABLE) when there is none."""
     for pattern in _RATING:
         match = pattern.search(judgment)
         if match:
-            rating = float(match.group(1))
-            low, high = RATING_RANGE
-            return rating if low <= rating <= high else UNPARSEABLE
+            try:
+                return ast.literal_eval(match.group(1))
+            except SyntaxError:  # "07": not a Python literal; FastChat's judging stops there, here it is unrated
+                return UNPARSEABLE
     return UNPARSEABLE
 
 

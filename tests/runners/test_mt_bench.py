@@ -31,7 +31,12 @@ from tests.conftest import compose_config
 from tests.runners.test_lm_harness import TOKENIZER, write_checkpoint
 
 QUESTIONS = [
-    {"question_id": 81, "category": "writing", "turns": ["Write a haiku about rain.", "Now make it rhyme."]},
+    {  # a short reference in a category FastChat grades without one: not shown (FastChat's rule)
+        "question_id": 81,
+        "category": "writing",
+        "turns": ["Write a haiku about rain.", "Now make it rhyme."],
+        "reference": ["Any haiku.", ""],
+    },
     {
         "question_id": 111,
         "category": "math",
@@ -40,6 +45,28 @@ QUESTIONS = [
     },
     {"question_id": 121, "category": "coding", "turns": ["Reverse a list in Python.", "UNRATED: in C?"]},
 ]
+# FastChat's data folder in its formats, with the suite's stand-in text (never FastChat's prompts or questions): the
+# four single-answer prompts (a pairwise one, which single grading never reads, beside them) and "GPT-4" references
+STAND_IN_PROMPTS = [
+    {"name": "pair-v2", "type": "pairwise", "system_prompt": "Pick one.", "prompt_template": "{question}",
+     "description": "stand-in", "category": "general", "output_format": "[[A]]"},
+    {"name": "single-v1", "type": "single", "system_prompt": "You grade one answer.",
+     "prompt_template": "<Q>{question}</Q>\n<A>{answer}</A>\nEnd with [[rating]].",
+     "description": "stand-in", "category": "general", "output_format": "[[rating]]"},
+    {"name": "single-math-v1", "type": "single", "system_prompt": "You grade one answer against a reference.",
+     "prompt_template": "<Q>{question}</Q>\n<Reference Answer>{ref_answer_1}</Reference Answer>\n<A>{answer}</A>",
+     "description": "stand-in", "category": "math", "output_format": "[[rating]]"},
+    {"name": "single-v1-multi-turn", "type": "single",
+     "system_prompt": "Grade only the answer to the second user question.",
+     "prompt_template": "<Q1>{question_1}</Q1><A1>{answer_1}</A1><Q2>{question_2}</Q2><A2>{answer_2}</A2>",
+     "description": "stand-in", "category": "general", "output_format": "[[rating]]"},
+    {"name": "single-math-v1-multi-turn", "type": "single",
+     "system_prompt": "Grade only the answer to the second user question, against the reference.",
+     "prompt_template": "<Reference Answer>{ref_answer_1} / {ref_answer_2}</Reference Answer>"
+                        "<Q1>{question_1}</Q1><A1>{answer_1}</A1><Q2>{question_2}</Q2><A2>{answer_2}</A2>",
+     "description": "stand-in", "category": "math", "output_format": "[[rating]]"},
+]  # fmt: skip
+STAND_IN_REFERENCES = {111: ["Five (GPT-4).", "Six (GPT-4)."], 121: ["xs[::-1] (GPT-4)", "a loop (GPT-4)"]}
 JUDGE = "judge-x"
 # small budgets on the tiny checkpoints (rows of 64 positions)
 SMALL = ["generate.gen_length=16", "generate.nfe=4", "generate.batch_size=2", "logger=none"]
@@ -52,25 +79,52 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {"mdm": mdm, "mlfm": write_checkpoint(root / "mlfm.ckpt", MLFMModule, init_from=str(mdm))}
 
 
-@pytest.fixture
-def questions(tmp_path) -> Path:
-    path = tmp_path / "question.jsonl"
-    path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+def write_jsonl_lines(path: Path, records: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
 
+def write_fastchat_data(root: Path, questions: list[dict] = QUESTIONS) -> Path:
+    """A FastChat ``llm_judge/data`` folder at ``root``: judge_prompts.jsonl, mt_bench/question.jsonl and
+    mt_bench/reference_answer/gpt-4.jsonl (model_answer records), the stand-in text above."""
+    write_jsonl_lines(root / "judge_prompts.jsonl", STAND_IN_PROMPTS)
+    write_jsonl_lines(root / "mt_bench" / "question.jsonl", questions)
+    references = [
+        {"question_id": qid, "answer_id": f"ref{qid}", "model_id": "gpt-4", "tstamp": 0.0,
+         "choices": [{"index": 0, "turns": turns}]}
+        for qid, turns in STAND_IN_REFERENCES.items()
+    ]  # fmt: skip
+    write_jsonl_lines(root / "mt_bench" / "reference_answer" / "gpt-4.jsonl", references)
+    return root
+
+
+@pytest.fixture
+def questions(tmp_path) -> Path:
+    """FastChat's question file in the FastChat data folder ``config`` gives (the default questions=null reads it)."""
+    return write_fastchat_data(tmp_path / "fastchat") / "mt_bench" / "question.jsonl"
+
+
 def config(tmp_path: Path, *overrides: str):
-    return compose_config("mt_bench", [f"out_dir={tmp_path / 'out'}", *overrides])
+    """conf/mt_bench.yaml with outputs under ``tmp_path`` and FastChat's data folder there (stand-in files)."""
+    data = tmp_path / "fastchat"
+    if not data.exists():
+        write_fastchat_data(data)
+    return compose_config("mt_bench", [f"out_dir={tmp_path / 'out'}", f"fastchat_data={data}", *overrides])
 
 
 class JudgeServer:
     """An OpenAI-compatible judge on 127.0.0.1: ``/v1/models`` lists JUDGE; ``/v1/chat/completions`` answers the
     first ``failures`` requests with ``status``, then rates turn 1 [[7]] and turn 2 [[4]], and a conversation that
     holds "UNRATED" without a rating; after ``rated_until`` ratings (None: never) it answers ``status`` to all.
-    Every request is kept (path, headers, body, and what ``watch()`` returned as it arrived)."""
+    Every request is kept (path, headers, body, and what ``watch()`` returned as it arrived). ``model``: the judge it
+    serves; ``reply(user prompt, second turn)``: its judgments instead."""
 
-    def __init__(self, failures: int = 1, status: int = 503, rated_until: int | None = None, watch=None) -> None:
-        self.failures, self.status, self.requests = failures, status, []
+    def __init__(
+        self, failures: int = 1, status: int = 503, rated_until: int | None = None, watch=None, model: str = JUDGE,
+        reply=None,
+    ) -> None:  # fmt: skip
+        self.failures, self.status, self.requests, self.model, self.reply = failures, status, [], model, reply
         self.rated_until, self.rated, self.watch = rated_until, 0, watch
         self.lock = threading.Lock()
         server = self
@@ -88,7 +142,7 @@ class JudgeServer:
                 self.wfile.write(body)
 
             def do_GET(self) -> None:
-                self._reply(200, {"object": "list", "data": [{"id": JUDGE, "object": "model"}]})
+                self._reply(200, {"object": "list", "data": [{"id": server.model, "object": "model"}]})
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -108,6 +162,7 @@ class JudgeServer:
                 text = body["messages"][-1]["content"]
                 second = "second user question" in body["messages"][0]["content"]
                 judgment = "No verdict." if "UNRATED" in text else f"Fine. Rating: [[{4 if second else 7}]]"
+                judgment = server.reply(text, second) if server.reply else judgment
                 self._reply(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": judgment}}]})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -147,14 +202,15 @@ def write_answers(tmp_path: Path, model_id: str = "m") -> Path:
 def test_answers_are_fastchat_records_of_two_turns_with_their_nfe(
     checkpoints, questions, tmp_path, monkeypatch, sampler
 ):
-    """Three questions, two turns each: FastChat's model_answer fields, the NFE of each turn within the budget, and
-    the second turn's prompt (Vicuna's: the tiny tokenizer has no chat template) holding the first turn and the
-    model's first answer."""
-    contexts = []
+    """Three questions, two turns each: FastChat's model_answer fields, the NFE of each turn within the budget, the
+    second turn's prompt (Vicuna's: the tiny tokenizer has no chat template) holding the first turn and the model's
+    first answer, and each question answered with the sampler at FastChat's temperature for its category (writing
+    0.7, math and coding 0: argmax)."""
+    calls = []  # (the sampler's temperature, the contexts) of each generation call
     generate = FlowLM.generate_until
 
     def spy(self, requests, disable_tqdm=False):
-        contexts.append([r.args[0] for r in requests])
+        calls.append((self.sampler.temperature, [r.args[0] for r in requests]))
         return generate(self, requests, disable_tqdm)
 
     monkeypatch.setattr(FlowLM, "generate_until", spy)
@@ -172,7 +228,10 @@ def test_answers_are_fastchat_records_of_two_turns_with_their_nfe(
         assert choice["index"] == 0 and len(choice["turns"]) == 2 and all(isinstance(t, str) for t in choice["turns"])
         assert all(1 <= n <= 4 for n in choice["nfe"]) and len(choice["nfe"]) == 2
     assert result["nfe"]["max_nfe"] <= 4
-    first, second = contexts
+    assert [(t, len(c)) for t, c in calls] == [(0.7, 1), (0.7, 1), (0.0, 2), (0.0, 2)]  # writing; math and coding
+    assert "haiku" in calls[0][1][0] and "2 + 3" in calls[2][1][0] and "Reverse a list" in calls[2][1][1]
+    assert [r["flowlm"]["temperature"] for r in rows] == [0.7, 0.0, 0.0]
+    (_, first), (_, second) = calls[:2]
     assert first[0].startswith("A chat between") and first[0].endswith("USER: Write a haiku about rain. ASSISTANT:")
     answer = rows[0]["choices"][0]["turns"][0]
     assert second[0] == f"{first[0]} {answer}<|endoftext|>USER: Now make it rhyme. ASSISTANT:"  # EOS closes a turn
@@ -237,7 +296,13 @@ def test_judging_retries_a_503_and_aggregates_per_turn_and_category(tmp_path, qu
     ]  # fmt: skip
     assert all(r["model"] == "m" and r["judge"][0] == JUDGE for r in rows)
     math_turn_2 = next(p for p in posts if "And 2 × 3?" in p["body"]["messages"][-1]["content"])
-    assert "Reference Answer" in math_turn_2["body"]["messages"][-1]["content"]  # the question's reference shown
+    # FastChat's GPT-4 references of both turns, not the question file's short ones
+    assert (
+        "<Reference Answer>Five (GPT-4). / Six (GPT-4).</Reference Answer>"
+        in math_turn_2["body"]["messages"][-1]["content"]
+    )
+    writing = [p["body"]["messages"][-1]["content"] for p in posts if "haiku" in p["body"]["messages"][-1]["content"]]
+    assert writing and not any("Reference" in text or "Any haiku." in text for text in writing)
 
 
 def test_generate_and_judge_in_one_command_log_to_mlflow(checkpoints, questions, tmp_path, runs_env):
@@ -253,24 +318,38 @@ def test_generate_and_judge_in_one_command_log_to_mlflow(checkpoints, questions,
     assert metrics["mt_bench/mean_nfe"] == result["nfe"]["mean_nfe"] and 1 <= metrics["mt_bench/max_nfe"] <= 4
     assert run.data.params["judge/model"] == JUDGE and run.data.params["generate/nfe"] == "4"
     assert run.data.tags["flowlm.model_id"] == "tiny_mdm" and run.info.status == "FINISHED"
+    assert (
+        run.data.tags["flowlm.mt_bench.judge_prompts"] == "fastchat"
+        and run.data.tags["flowlm.mt_bench.comparable"] == "true"
+    )
+    assert run.data.tags["flowlm.mt_bench.protocol"].startswith("FastChat's judge prompts and GPT-4 references")
     files = {a.path for a in client.list_artifacts(run.info.run_id, "mt_bench")}
     assert files == {"mt_bench/tiny_mdm.jsonl", f"mt_bench/{JUDGE}_single.jsonl"}
 
 
-@pytest.mark.parametrize(
-    ("reply", "rating"),
-    [
-        ("Good. Rating: [[7]]", 7.0),
-        ("Rating: [[8.5]] and later [[2]]", 8.5),
-        ("Rating: [6]", 6.0),  # one bracket dropped: FastChat's fallback
-        ("[[ 9 ]]", 9.0),
-        ("The answer is wrong.", UNPARSEABLE),
-        ("Rating: [[11]]", UNPARSEABLE),
-        ("Rating: [[0]]", UNPARSEABLE),
-    ],
-)
-def test_the_rating_is_read_from_double_brackets(reply, rating):
-    assert parse_rating(reply) == rating
+# (reply, FastChat's rating): its regexes, first match, read as a Python literal, no range check
+RATINGS = [
+    ("Good. Rating: [[7]]", 7),
+    ("Rating: [[8.5]] and later [[2]]", 8.5),
+    ("Rating: [6]", 6),  # one bracket dropped: FastChat's fallback
+    ("Rating: [[7.]]", 7.0),
+    ("[[ 9 ]]", UNPARSEABLE),  # no space inside the brackets
+    ("[[ 9 ]] but [3] too", 3),  # ... so the fallback's first match
+    ("The answer is wrong.", UNPARSEABLE),
+    ("Rating: [[11]]", 11),
+    ("Rating: [[0]]", 0),
+    ("[[1.5.3]]", UNPARSEABLE),
+]
+
+
+@pytest.mark.parametrize(("reply", "rating"), RATINGS)
+def test_the_rating_is_fastchats_parse(reply, rating):
+    assert parse_rating(reply) == rating and type(parse_rating(reply)) is type(rating)
+
+
+def test_a_rating_with_a_leading_zero_is_unrated():
+    """ "[[07]]" is no Python literal: FastChat's judging stops with a SyntaxError; here it is unrated (−1)."""
+    assert parse_rating("Rating: [[07]]") == UNPARSEABLE
 
 
 def test_unrated_judgments_are_counted_and_left_out_of_the_means():
@@ -374,3 +453,15 @@ def test_a_judge_model_the_endpoint_does_not_serve_is_refused_before_judging(tmp
         with pytest.raises(mt_bench.JudgeError, match=f"does not serve judge.model='gpt-5'; it serves \\['{JUDGE}'\\]"):
             mt_bench.run(cfg)
     assert server.completions() == []
+
+
+def test_the_suite_prompts_keep_references_by_position():
+    """Question 133's shape (no turn-1 reference, a turn-2 one): turn 1 shows none, turn 2 its own; dropping the
+    empty entry moved turn 2's reference to turn 1."""
+    record = {"question_id": 133, "category": "extraction", "turns": ["T one?", "T two?"], "reference": ["", "R two"]}
+    question = parse_question(record, "q.jsonl: line 1")
+    assert question.reference == ("", "R two")
+    name, (_, user) = judge_messages(question, ["A one", "A two"], 1)
+    assert name == "flowlm-single" and "R two" not in user["content"]
+    name, (_, user) = judge_messages(question, ["A one", "A two"], 2)
+    assert name == "flowlm-single-ref-multi-turn" and "R two" in user["content"]
