@@ -10,11 +10,14 @@ export MPLBACKEND ?= Agg
 
 # torch is pinned through constraints.txt (a CPU wheel here; a GPU user installs a CUDA build first, see README).
 # hydra-optuna-sweeper declares optuna<3, which breaks RDB storages: it is installed without its dependencies.
+# fschat (FastChat: the MT-Bench tests run its loaders and result code on the suite's files) pins a serving stack
+# the suite does not need: it is installed without its dependencies too.
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	$(PY) -m pip install -q --no-deps hydra-optuna-sweeper==1.3.0
+	$(PY) -m pip install -q --no-deps fschat==0.2.36
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -34,7 +34,7 @@ from typing import Any
 from flowlm.tasks.files import json_records
 
 TURNS = 2  # MT-Bench questions have two user turns
-UNPARSEABLE = -1.0  # FastChat's score of a judgment without a rating
+UNPARSEABLE = -1  # FastChat's score of a judgment without a rating (an int, as FastChat writes it)
 TEMPLATES = ("auto", "tokenizer", "vicuna")  # the chat layouts of ``template_kind``
 # FastChat's rating parse (fastchat/llm_judge/common.py): "[[r]]", else "[r]" (a judge that drops one bracket); the
 # first match anywhere in the reply, no space inside the brackets, r digits with at most one point; no range check.
