@@ -20,7 +20,14 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from flowlm.metrics.mt_bench import QuestionError, answer_temperature, parse_rating
+from flowlm.metrics.mt_bench import (
+    FastChatGrading,
+    JudgePrompt,
+    Question,
+    QuestionError,
+    answer_temperature,
+    parse_rating,
+)
 from runners import mt_bench
 from tests.runners.test_mt_bench import (
     QUESTIONS,
@@ -243,3 +250,17 @@ def test_a_folder_with_other_prompts_is_refused(tmp_path):
         mt_bench.FastChatDataError, match=r"lacks FastChat's judge prompts \['single-math-v1-multi-turn'\]"
     ):
         mt_bench.load_grading(config(tmp_path))
+
+
+def test_an_empty_system_prompt_is_left_out_as_fastchat_leaves_it_out(fastchat, monkeypatch):
+    """FastChat sends no system message when a prompt's system_prompt is empty; the suite sends the same messages."""
+    common, sent = fastchat.common, []
+    prompt = {"name": "single-v1", "type": "single", "system_prompt": "", "prompt_template": "{question}|{answer}"}
+    judge = common.Judge(FASTCHAT_JUDGE, {**prompt, "output_format": "[[rating]]"})
+    monkeypatch.setattr(
+        common, "chat_completion_openai", lambda model, conv, **k: sent.append(conv.to_openai_api_messages()) or ""
+    )
+    common.run_judge_single({"turns": ["q"]}, {"choices": [{"turns": ["a"]}]}, judge, None)
+    prompts = {n: JudgePrompt(n, "", prompt["prompt_template"]) for n in ("single-v1",)}
+    question = Question(1, "writing", ("q", "q2"))
+    assert FastChatGrading(prompts, {}).messages(question, ["a", "a2"], 1) == ("single-v1", sent[0])
