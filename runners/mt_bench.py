@@ -150,19 +150,30 @@ def load_grading(cfg: DictConfig) -> tuple[Grading, list[Question]]:
     return chosen, questions
 
 
+def answered_at(questions: Sequence[Question], answers: dict[str, dict]) -> str:
+    """How the answers were sampled, from their records' ``flowlm.temperature``: "fastchat" (each at FastChat's
+    temperature for its category), "other", or "unrecorded" (answers another tool wrote)."""
+    recorded = [(answers[str(q.question_id)].get("flowlm") or {}).get("temperature", ...) for q in questions]
+    if any(t is ... for t in recorded):
+        return "unrecorded"
+    fastchat = all(t == answer_temperature(q.category) for q, t in zip(questions, recorded, strict=True))
+    return "fastchat" if fastchat else "other"
+
+
 def protocol_label(grading: Grading, temperature: str) -> str:
-    """One line saying how the scores were made and whether they stand beside FastChat's (published) ones."""
+    """One line saying how the scores were made (``temperature``: ``answered_at``'s) and whether they stand beside
+    FastChat's (published) ones."""
     judged = (
         "FastChat's judge prompts and GPT-4 references"
         if grading.comparable
         else "judge_prompts=suite, the suite's own judge prompts: NOT comparable to FastChat's (published) MT-Bench "
         "scores"
     )
-    answered = (
-        "answers at FastChat's per-category temperatures"
-        if temperature == "fastchat"
-        else "answers at the sampler's temperature (generate.temperature=sampler), not FastChat's per-category ones"
-    )
+    answered = {
+        "fastchat": "answers at FastChat's per-category temperatures",
+        "other": "answers not at FastChat's per-category temperatures (generate.temperature=sampler)",
+        "unrecorded": "the answers' temperatures not recorded",
+    }[temperature]
     return f"{judged}; {answered}"
 
 
@@ -849,7 +860,8 @@ def _run_steps(cfg, grading, questions, model_id, answer_path, judgment_path, ju
     answers = read_answers(answer_path, questions)
     spent = [n for q in questions for n in answers[str(q.question_id)]["choices"][0].get("nfe") or []]
     result: dict[str, Any] = {"model_id": model_id, "answers": str(answer_path), "judge_prompts": grading.name}
-    result |= {"comparable": grading.comparable, "protocol": protocol_label(grading, cfg.generate.temperature)}
+    label = protocol_label(grading, answered_at(questions, answers))
+    result |= {"comparable": grading.comparable, "protocol": label}
     if spent:
         from runners.lm_harness import nfe_summary
 

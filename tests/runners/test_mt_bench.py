@@ -322,7 +322,8 @@ def test_generate_and_judge_in_one_command_log_to_mlflow(checkpoints, questions,
         run.data.tags["flowlm.mt_bench.judge_prompts"] == "fastchat"
         and run.data.tags["flowlm.mt_bench.comparable"] == "true"
     )
-    assert run.data.tags["flowlm.mt_bench.protocol"].startswith("FastChat's judge prompts and GPT-4 references")
+    protocol = "FastChat's judge prompts and GPT-4 references; answers at FastChat's per-category temperatures"
+    assert run.data.tags["flowlm.mt_bench.protocol"] == protocol
     files = {a.path for a in client.list_artifacts(run.info.run_id, "mt_bench")}
     assert files == {"mt_bench/tiny_mdm.jsonl", f"mt_bench/{JUDGE}_single.jsonl"}
 

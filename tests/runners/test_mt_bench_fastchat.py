@@ -264,3 +264,19 @@ def test_an_empty_system_prompt_is_left_out_as_fastchat_leaves_it_out(fastchat, 
     prompts = {n: JudgePrompt(n, "", prompt["prompt_template"]) for n in ("single-v1",)}
     question = Question(1, "writing", ("q", "q2"))
     assert FastChatGrading(prompts, {}).messages(question, ["a", "a2"], 1) == ("single-v1", sent[0])
+
+
+def test_the_label_reads_the_answers_temperatures_from_their_records():
+    """step=judge labels answers another run wrote by the temperatures recorded in them, not by today's settings."""
+    questions = [
+        Question(q["question_id"], q["category"], tuple(q["turns"])) for q in QUESTIONS
+    ]  # writing, math, coding
+
+    def answers(*temperatures):
+        return {
+            str(q.question_id): {"flowlm": {"temperature": t}} for q, t in zip(questions, temperatures, strict=True)
+        }
+
+    assert mt_bench.answered_at(questions, answers(0.7, 0.0, 0.0)) == "fastchat"
+    assert mt_bench.answered_at(questions, answers(0.1, 0.1, 0.1)) == "other"  # mt_bench=mlfm_paper's
+    assert mt_bench.answered_at(questions, {str(q.question_id): {} for q in questions}) == "unrecorded"
