@@ -26,6 +26,7 @@ import ast
 import math
 import re
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,18 +254,18 @@ class JudgePrompt:
     template: str
 
 
-class Grading:
+class Grading(ABC):
     """How an answer turn is put to the judge (its prompts and references); ``comparable``: the scores stand beside
     FastChat's (published MT-Bench scores)."""
 
     name: str
     comparable: bool
 
+    @abstractmethod
     def messages(self, question: Question, answers: Sequence[str], turn: int) -> tuple[str, list[dict[str, str]]]:
         """(prompt name, chat messages) asking the judge to grade answer ``turn`` (1 or 2) of ``answers``."""
-        raise NotImplementedError
 
-    def check(self, questions: Sequence[Question]) -> None:
+    def check(self, questions: Sequence[Question]) -> None:  # noqa: B027 - every question is gradable by default
         """Refuse, before any compute, questions this judge cannot grade."""
 
 
