@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import os
 import re
 import sys
 import types
@@ -26,6 +27,8 @@ from flowlm.metrics.mt_bench import (
     Question,
     QuestionError,
     answer_temperature,
+    judge_messages,
+    load_fastchat_data,
     parse_rating,
 )
 from runners import mt_bench
@@ -280,3 +283,47 @@ def test_the_label_reads_the_answers_temperatures_from_their_records():
     assert mt_bench.answered_at(questions, answers(0.7, 0.0, 0.0)) == "fastchat"
     assert mt_bench.answered_at(questions, answers(0.1, 0.1, 0.1)) == "other"  # mt_bench=mlfm_paper's
     assert mt_bench.answered_at(questions, {str(q.question_id): {} for q in questions}) == "unrecorded"
+
+
+@pytest.mark.skipif(
+    not os.environ.get("MT_BENCH_FASTCHAT_DATA"),
+    reason="FastChat's data folder is not in the repository: MT_BENCH_FASTCHAT_DATA=<clone>/fastchat/llm_judge/data",
+)
+def test_on_fastchats_real_data_every_judge_prompt_is_fastchats(fastchat, monkeypatch):
+    """On a FastChat clone's data folder: the 160 judge prompts (80 questions × 2 turns) the suite sends for stand-in
+    answers are the ones FastChat's play_a_match_single sends, prompt names included; the suite's own option shows a
+    reference on a different set of them."""
+    common, gen_judgment, root = fastchat.common, fastchat.gen_judgment, Path(os.environ["MT_BENCH_FASTCHAT_DATA"])
+    grading, questions = load_fastchat_data(root)
+    grading.check(questions)
+    answers = {
+        q.question_id: {"choices": [{"turns": [f"one {q.question_id}", f"two {q.question_id}"]}]} for q in questions
+    }
+    fc_questions = common.load_questions(str(root / "mt_bench" / "question.jsonl"), None, None)
+    references = common.load_model_answers(str(root / "mt_bench" / "reference_answer"))
+    judges = gen_judgment.make_judge_single("gpt-4", common.load_judge_prompts(str(root / "judge_prompts.jsonl")))
+    sent = []
+    monkeypatch.setattr(
+        common, "chat_completion_openai", lambda m, conv, **k: sent.append(conv.to_openai_api_messages()) or ""
+    )
+    same = references_differ = 0
+    for question, record in zip(questions, fc_questions, strict=True):
+        needs = question.category in common.NEED_REF_CATS
+        for turn, judge in (
+            (1, judges["math" if needs else "default"]),
+            (2, judges["math-mt" if needs else "default-mt"]),
+        ):
+            match = common.MatchSingle(
+                record,
+                "m",
+                answers[question.question_id],
+                judge,
+                references["gpt-4"][question.question_id] if needs else None,
+                turn == 2,
+            )
+            result = common.play_a_match_single(match, None)
+            name, messages = grading.messages(question, answers[question.question_id]["choices"][0]["turns"], turn)
+            same += (name, messages) == (result["judge"][1], sent[-1])
+            references_differ += ("-ref" in judge_messages(question, ["a", "b"], turn)[0]) != needs
+    assert same == 2 * len(questions) == 160
+    print(f"\n{same}/160 judge prompts are FastChat's; the suite's show a reference differently on {references_differ}")
