@@ -5,6 +5,7 @@ other module happened to be imported first."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 
 from omegaconf import OmegaConf
@@ -15,6 +16,18 @@ from omegaconf import OmegaConf
 # the stand-in below is then what the merge sees, never a value a run gets.
 _query_machine = True
 CPU_PRECISION_UNQUERIED = "bf16-mixed or 32-true (the CPU's, decided at launch)"
+PRECISION_UNQUERIED = "bf16-mixed on a GPU, else the CPU's (decided at launch)"
+ACCELERATOR_UNQUERIED = "gpu where CUDA is, else cpu (decided at launch)"
+DTYPE_UNQUERIED = "bfloat16 on a GPU, else float32 (decided at launch)"
+
+log = logging.getLogger(__name__)
+_said: set[str] = set()  # fallback lines already logged: a resolver is read several times per run
+
+
+def _say_once(line: str) -> None:
+    if line not in _said:
+        _said.add(line)
+        log.warning(line)
 
 
 def query_machine(enabled: bool) -> bool:
@@ -37,6 +50,49 @@ def cpu_precision() -> str:
     except (AttributeError, RuntimeError):  # a torch without the query: the safe choice
         native = False
     return "bf16-mixed" if native else "32-true"
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (the one question every accelerator choice below asks)."""
+    import torch  # here: `--help` needs no torch
+
+    return bool(torch.cuda.is_available())
+
+
+def accelerator_precision(accelerator: object = "auto") -> str:
+    """A trainer's precision from its ``accelerator`` (conf/trainer/ddp.yaml, fsdp2.yaml, auto.yaml): ``bf16-mixed``
+    on a GPU (what every CUDA card the suite targets computes natively), ``cpu_precision`` on the CPU; ``auto`` is
+    the GPU where CUDA is available (Lightning's own choice). The host CPU's bf16 support says nothing about a GPU's:
+    asked alone, a DGX A100's EPYC CPUs would put its GPUs in 32-true."""
+    if not _query_machine:
+        return PRECISION_UNQUERIED
+    name = str(accelerator).lower()
+    if name == "cpu" or (name == "auto" and not cuda_available()):
+        return cpu_precision()
+    return "bf16-mixed"
+
+
+def auto_accelerator() -> str:
+    """``gpu`` where CUDA is available, else ``cpu`` with one log line saying so (conf/trainer/auto.yaml)."""
+    if not _query_machine:
+        return ACCELERATOR_UNQUERIED
+    if cuda_available():
+        return "gpu"
+    _say_once("no CUDA device here: trainer=auto runs on the CPU (trainer=cpu chooses it without this line)")
+    return "cpu"
+
+
+def autocast_dtype(device: object = None, runner: str = "this run") -> str:
+    """A sampler's autocast dtype from its ``device`` (conf/mt_bench.yaml ``generate.dtype``): ``bfloat16`` on a
+    CUDA device, ``float32`` on the CPU; ``null`` is CUDA where available, else the CPU with one log line saying so."""
+    if not _query_machine:
+        return DTYPE_UNQUERIED
+    if device in (None, "None", "null", ""):
+        if cuda_available():
+            return "bfloat16"
+        _say_once(f"{runner}: no CUDA device here, generating on the CPU in float32")
+        return "float32"
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
 
 
 def short_hash(text: object) -> str:
@@ -97,6 +153,13 @@ OmegaConf.register_new_resolver("flowlm.source_ckpt", source_ckpt, replace=True)
 OmegaConf.register_new_resolver("flowlm.run_dir", run_dir, replace=True)
 # `${flowlm.cpu_precision:}` in conf/trainer/cpu.yaml; `trainer.precision=bf16-mixed` (or 32-true) still sets it.
 OmegaConf.register_new_resolver("flowlm.cpu_precision", cpu_precision, replace=True)
+# `${flowlm.accelerator_precision:${.accelerator}}` in conf/trainer/{ddp,fsdp2,auto}.yaml: precision from the
+# accelerator, not from the host CPU.
+OmegaConf.register_new_resolver("flowlm.accelerator_precision", accelerator_precision, replace=True)
+# `${flowlm.auto_accelerator:}` in conf/trainer/auto.yaml (flowlm-eval's default trainer).
+OmegaConf.register_new_resolver("flowlm.auto_accelerator", auto_accelerator, replace=True)
+# `${flowlm.autocast_dtype:${.device},flowlm-mt-bench}` in conf/mt_bench.yaml.
+OmegaConf.register_new_resolver("flowlm.autocast_dtype", autocast_dtype, replace=True)
 # `${flowlm.hash:...}` in configs: trial folders (conf/hydra/default.yaml), one sweep name per checkpoint.
 OmegaConf.register_new_resolver("flowlm.hash", short_hash, replace=True)
 # `${flowlm.or_default:${seed},0}` in conf/hparams_search/optuna.yaml: a value, or the default where it is null

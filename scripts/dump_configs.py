@@ -19,7 +19,8 @@ runners/resolvers.py and the ``data=from_checkpoint`` node of runners/common.py 
 
 Each file holds ``config`` (the config, resolved) and ``hydra`` (the parts of the Hydra node a run depends on: the
 group choices, run/sweep folders, sweeper, launcher, callbacks, job). Interpolations that need a runtime value are
-left as written: ``${now:...}`` (the time) and ``${flowlm.cpu_precision:}`` (the machine's CPU), as is anything else
+left as written: ``${now:...}`` (the time) and ``${flowlm.cpu_precision:}`` and the other
+resolvers of the machine (its CPU, whether it has a GPU), as is anything else
 that does not resolve outside a run (``???`` stays ``???``). Environment variables the configs read (FLOWLM_RUNS,
 FLOWLM_DATA, FLOWLM_RESULTS, MLFLOW_TRACKING_URI) are unset, so their defaults are dumped.
 
@@ -37,7 +38,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNTIME = ("now", "flowlm.cpu_precision")  # resolvers whose value depends on when or where a run starts
+RUNTIME = ("now", "flowlm.cpu_precision", "flowlm.accelerator_precision", "flowlm.auto_accelerator")
+RUNTIME += ("flowlm.autocast_dtype",)  # resolvers whose value depends on when or where a run starts
 ENV = ("FLOWLM_RUNS", "FLOWLM_DATA", "FLOWLM_RESULTS", "MLFLOW_TRACKING_URI")
 HYDRA_KEYS = ("run", "sweep", "sweeper", "launcher", "callbacks", "mode", "searchpath", "output_subdir")
 JOB_KEYS = ("name", "chdir", "override_dirname", "config_name")
