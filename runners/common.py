@@ -439,3 +439,36 @@ def _holds_component(value: object) -> bool:
     if isinstance(value, dict):
         return "_target_" in value or any(_holds_component(v) for v in value.values())
     return isinstance(value, list) and any(_holds_component(v) for v in value)
+
+
+def trainer_device_type(trainer_cfg: DictConfig) -> str:
+    """The device type a trainer config runs on: ``cuda`` for ``accelerator`` gpu / cuda, and for auto where CUDA is
+    available (Lightning's choice); ``cpu`` for cpu and for auto without CUDA; any other accelerator by its name."""
+    from runners.resolvers import cuda_available
+
+    accelerator = str(trainer_cfg.get("accelerator", "cpu")).lower()
+    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and cuda_available()):
+        return "cuda"
+    return "cpu" if accelerator == "auto" else accelerator
+
+
+def use_tf32(device_type: str, enabled: bool | None = None) -> bool:
+    """On CUDA, float32 matrix products and cuDNN convolutions on TF32 tensor cores (what bf16 autocast leaves in
+    float32: FMLM+'s δ·E lift, norms, a float32 evaluation); elsewhere nothing changes. ``enabled``: the runners'
+    ``tf32`` option; None (lm-eval, MT-Bench) reads ``FLOWLM_TF32`` (0 turns it off). Returns whether it was set."""
+    if enabled is None:
+        enabled = os.environ.get("FLOWLM_TF32", "1").strip().lower() not in ("0", "false", "no", "off")
+    if device_type != "cuda" or not enabled:
+        return False
+    import torch
+
+    torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls (torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.allow_tf32 = True
+    log.info("TF32 on for float32 matrix products and convolutions (tf32=false turns it off)")
+    return True
+
+
+def gpu_choices(cfg: DictConfig) -> bool:
+    """What a run on its trainer's device sets once, before any compute: TF32 where ``cfg.tf32`` and the trainer
+    runs on CUDA (docs/performance.md#gpu-choices). Returns whether TF32 was turned on."""
+    return use_tf32(trainer_device_type(cfg.trainer), bool(cfg.get("tf32", True)))

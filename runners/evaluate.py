@@ -19,6 +19,7 @@ from runners.common import (
     check_run_name,
     check_seeds,
     exit_on_sigterm,
+    gpu_choices,
     pivot_table,
     redact_hydra_output,
     resolve_paths,
@@ -48,6 +49,7 @@ def evaluate(cfg: DictConfig) -> dict:
     from runners.objectives import check_objectives
 
     log_lightning_once()
+    gpu_choices(cfg)  # TF32 on CUDA, before any compute
     check_run_name(cfg)
     meta = read_checkpoint_meta(cfg.ckpt_path)
     inherit_temperature(cfg, meta)  # before the config is resolved: the samplers' temperatures interpolate it

@@ -60,7 +60,7 @@ from flowlm.options import as_bool, as_int
 from flowlm.project import CONF_DIR
 from lightning_modules.checkpoints import import_class, load_module, read_checkpoint_meta
 from lightning_modules.vocabulary import check_data_tokens
-from runners.common import build
+from runners.common import build, use_tf32
 from runners.console import SUITE_PACKAGES, console_script
 from runners.mlflow_run import tracked_run
 
@@ -208,6 +208,7 @@ class FlowLM(LM):
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
         self.dtype = dtype
         self._device = _resolve_device(device)
+        use_tf32(self._device.type)  # float32 matmuls on TF32 on CUDA (FLOWLM_TF32=0: off); MT-Bench too
 
         if estimator not in ESTIMATORS:
             raise ValueError(f"flowlm: estimator must be one of {ESTIMATORS}, got {estimator!r}")

@@ -18,6 +18,7 @@ from runners.common import (
     check_run_name,
     check_seeds,
     exit_on_sigterm,
+    gpu_choices,
     is_rank_zero,
     pivot_table,
     redact_hydra_output,
@@ -51,6 +52,7 @@ def train(cfg: DictConfig) -> dict:
     log_lightning_once()
     check_seeds(cfg)
     redact_hydra_output()
+    gpu_choices(cfg)  # TF32 on CUDA, before any compute
     resolve_paths(cfg)
     check_run_name(cfg)
     check_budgets(cfg.eval)

@@ -1,6 +1,6 @@
 """GPU choices made for the GPU, tested without one (issue 51 item 3): a trainer's precision comes from its
 accelerator, not from the host CPU; flowlm-eval and MT-Bench take the GPU (in bf16) where CUDA is available and say
-so when they fall back to the CPU. CUDA's
+so when they fall back to the CPU; TF32 is on wherever train, eval, lm-eval or MT-Bench run on CUDA. CUDA's
 presence is monkeypatched (``torch.cuda.is_available``), the CPU's bf16 support too (the resolvers' query)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from conftest import compose_config
 
 import runners.common  # noqa: F401  (registers the ${flowlm.*} resolvers and eval's data/from_checkpoint)
 import runners.resolvers as resolvers
+from runners.common import gpu_choices, use_tf32
 
 TRAIN = ["experiment=sudoku_mdm_uncond", "scale=cpu"]
 
@@ -27,6 +28,26 @@ def cpu_without_bf16(monkeypatch):
 
 def with_cuda(monkeypatch, present: bool) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: present)
+
+
+@pytest.fixture
+def matmul_flags():
+    """TF32 off before the test (torch's defaults: matmul `highest`, cuDNN TF32 on), restored after."""
+    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.set_float32_matmul_precision(saved[0])
+    torch.backends.cudnn.allow_tf32 = saved[1]
+
+
+def tf32_on() -> bool:
+    matmul = torch.get_float32_matmul_precision() == "high" and torch.backends.cuda.matmul.allow_tf32
+    return matmul and torch.backends.cudnn.allow_tf32
+
+
+def tf32_untouched() -> bool:
+    return torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
 
 
 @pytest.mark.parametrize(
@@ -85,3 +106,74 @@ def test_mt_bench_generates_in_bf16_on_the_gpu_and_says_when_it_falls_back(monke
     with caplog.at_level(logging.WARNING):
         assert compose_config("mt_bench").generate.dtype == "float32"
     assert "flowlm-mt-bench: no CUDA device here, generating on the CPU in float32" in caplog.text
+
+
+@pytest.mark.parametrize(("trainer", "cuda", "expected"), [("gpu", True, True), ("ddp", True, True)])
+def test_tf32_is_on_when_the_trainer_runs_on_cuda(matmul_flags, monkeypatch, trainer, cuda, expected):
+    with_cuda(monkeypatch, cuda)
+    assert gpu_choices(compose_config(overrides=[*TRAIN, f"trainer={trainer}"])) is expected
+    assert tf32_on()
+
+
+@pytest.mark.parametrize(
+    ("trainer", "cuda", "extra"),
+    [("cpu", True, []), ("ddp", False, []), ("auto", False, []), ("gpu", True, ["tf32=false"])],
+)
+def test_tf32_is_left_alone_on_the_cpu_and_when_turned_off(matmul_flags, monkeypatch, trainer, cuda, extra):
+    with_cuda(monkeypatch, cuda)
+    assert gpu_choices(compose_config(overrides=[*TRAIN, f"trainer={trainer}", *extra])) is False
+    assert tf32_untouched()
+
+
+def test_the_environment_switch_turns_tf32_off_for_lm_eval_and_mt_bench(matmul_flags, monkeypatch):
+    monkeypatch.setenv("FLOWLM_TF32", "0")
+    assert use_tf32("cuda") is False and tf32_untouched()
+    monkeypatch.delenv("FLOWLM_TF32")
+    assert use_tf32("cpu") is False and tf32_untouched()
+    assert use_tf32("cuda") is True and tf32_on()
+
+
+def test_flowlm_train_sets_tf32_on_cuda_before_anything_else(matmul_flags, monkeypatch, tmp_path):
+    """The runner's own call: a run refused right after (a bad run name) has already set TF32 on CUDA."""
+    from runners.train import train
+
+    with_cuda(monkeypatch, True)
+    cfg = compose_config(overrides=[*TRAIN, "trainer=gpu", f"paths.root={tmp_path}", "run_name=../out", "logger=none"])
+    with pytest.raises(ValueError, match="run_name"):
+        train(cfg)
+    assert tf32_on()
+
+
+def test_flowlm_train_on_the_cpu_leaves_tf32_alone(matmul_flags, monkeypatch, tmp_path):
+    from runners.train import train
+
+    with_cuda(monkeypatch, True)
+    cfg = compose_config(overrides=[*TRAIN, "trainer=cpu", f"paths.root={tmp_path}", "run_name=../out", "logger=none"])
+    with pytest.raises(ValueError, match="run_name"):
+        train(cfg)
+    assert tf32_untouched()
+
+
+def test_flowlm_eval_sets_tf32_on_cuda_before_reading_the_checkpoint(matmul_flags, monkeypatch, tmp_path):
+    from runners.evaluate import evaluate
+
+    with_cuda(monkeypatch, True)
+    cfg = compose_config("eval", [f"ckpt_path={tmp_path / 'missing.ckpt'}", f"paths.root={tmp_path}", "logger=none"])
+    with pytest.raises(FileNotFoundError):
+        evaluate(cfg)
+    assert tf32_on()
+
+
+def test_lm_eval_and_mt_bench_set_tf32_on_cuda_before_reading_the_checkpoint(matmul_flags, monkeypatch, tmp_path):
+    """MT-Bench generates through the same lm-eval model class (runners/mt_bench.py PASSED_TO_FLOWLM)."""
+    from runners.lm_harness import FlowLM
+
+    with_cuda(monkeypatch, True)
+    with pytest.raises(FileNotFoundError):
+        FlowLM(checkpoint=str(tmp_path / "missing.ckpt"))
+    assert tf32_on()
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    with pytest.raises(FileNotFoundError):
+        FlowLM(checkpoint=str(tmp_path / "missing.ckpt"), device="cpu")
+    assert tf32_untouched()
