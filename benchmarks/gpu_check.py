@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -27,6 +29,57 @@ from pathlib import Path
 import torch
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16, SXM parts (H100 PCIe: 756 via the flag)
+
+
+class Figures:
+    """The check's log lines and each section's figures, written whole to ``path`` (``--json``) after every line and
+    every section, atomically (a temporary file renamed over it): a run stopped by its timeout, a crash or Ctrl-C
+    keeps every figure measured so far, its ``status`` saying ``running``, ``stopped: ...`` or ``done``."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.lines: list[str] = []
+        self.figures: dict = {}
+        self.sections: list[str] = []  # the sections finished, in order
+        self.status = "running"
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.write()  # an unwritable path fails now, not after ten minutes of measuring
+
+    def log(self, line: str) -> None:
+        """Print ``line`` and keep it (written at once: a section's lines come before its figures)."""
+        print(line, flush=True)
+        self.lines.append(line)
+        self.write()
+
+    def set(self, **figures) -> None:
+        """Record figures that are not a section (the device, its peak)."""
+        self.figures.update(figures)
+        self.write()
+
+    def section(self, name: str, figures: dict) -> None:
+        """Record a finished section's figures and write them."""
+        self.figures[name] = figures
+        self.sections.append(name)
+        self.write()
+
+    def finish(self, status: str) -> None:
+        """The run's end: ``done``, or ``stopped: <why>`` (figures of unfinished sections are absent)."""
+        self.status = status
+        self.write()
+
+    def write(self) -> None:
+        if self.path is None:
+            return
+        record = {"status": self.status, "sections_done": self.sections, "lines": self.lines, **self.figures}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1, default=str))
+        os.replace(tmp, self.path)  # a reader (or a kill mid-write) never sees half a file
+
+
+def stop_on_sigterm(signum, frame) -> None:
+    """SIGTERM (gpu_check.sh's `timeout 600`) as an exception, so that the figures file says where it stopped."""
+    raise SystemExit(128 + signum)
 
 
 def fail(message: str) -> None:
@@ -255,7 +308,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--peak-tflops", type=float, default=None, help="the card's dense bf16 peak, if not in the table")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile run")
     ap.add_argument("--budget-s", type=float, default=540, help="skip later sections once this much time is spent")
-    ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here, after every line and section")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny backbone and sizes: check the paths, not the GPU")
     return ap
 
@@ -278,18 +331,28 @@ def main() -> None:
         fail(f"unknown peak bf16 throughput for {name!r}; pass --peak-tflops (dense bf16 TFLOP/s of this card)")
     start = time.monotonic()
     deadline = start + args.budget_s
-    lines: list[str] = []
+    out = Figures(args.json)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    try:
+        run_sections(args, device, name, peak, out, deadline)
+    except BaseException as err:
+        why = f"exit {err.code} (SIGTERM: 143)" if isinstance(err, SystemExit) else f"{type(err).__name__}: {err}"[:200]
+        out.finish(f"stopped: {why} after {time.monotonic() - start:.0f} s; sections done: {', '.join(out.sections)}")
+        raise
+    out.log(f"# gpu_check done in {time.monotonic() - start:.0f} s")
+    out.finish("done")
 
-    def log(line: str) -> None:
-        print(line, flush=True)
-        lines.append(line)
 
+def run_sections(args, device: torch.device, name: str, peak: float | None, out: Figures, deadline: float) -> None:
+    """The check's sections in order, each one's figures written as it finishes (``Figures``)."""
+    log = out.log
     from common import build_module
     from throughput import quiet_lightning
 
+    from runners.common import use_tf32
+
     quiet_lightning()
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 leftovers (optimizer, norms) on tensor cores
+    use_tf32(device.type, True)  # as every run on CUDA: fp32 leftovers (optimizer, norms) on tensor cores
     probe = build_module("mdm", backbone=args.backbone, vocab=args.vocab, seq_len=args.seq_len).net
     version = f"torch {torch.__version__}" + (f", CUDA {torch.version.cuda}" if device.type == "cuda" else "")
     log(
@@ -301,17 +364,14 @@ def main() -> None:
     )
     log(sdpa_report(probe.d_model // probe.blocks[0].n_heads, device))
     del probe
-    figures = {"device": name, "peak_tflops": peak, "syncs": sync_section(args, device, log)}
-    figures["train"] = train_section(args, device, peak, log, deadline)
-    figures["softcap"] = softcap_section(args, device, log)
+    out.set(device=name, peak_tflops=peak)
+    out.section("syncs", sync_section(args, device, log))
+    out.section("train", train_section(args, device, peak, log, deadline))
+    out.section("softcap", softcap_section(args, device, log))
     if time.monotonic() < deadline:
-        figures["samplers"] = sampler_section(args, device, log)
+        out.section("samplers", sampler_section(args, device, log))
     else:
         log("samplers: time budget spent, sampler-overhead ratios skipped")
-    log(f"# gpu_check done in {time.monotonic() - start:.0f} s")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"lines": lines, **figures}, indent=1, default=str))
 
 
 if __name__ == "__main__":

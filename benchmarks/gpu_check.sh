@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu_check.sh                          # on a GPU machine (CUDA build of torch in .venv, README)
 #   bash benchmarks/gpu_check.sh --peak-tflops 165        # a card the script does not know
-#   bash benchmarks/gpu_check.sh --json runs/gpu_check.json
+#   bash benchmarks/gpu_check.sh --json runs/gpu_check.json   # default: runs/gpu_check/<UTC time>.json
 #   bash benchmarks/gpu_check.sh --dry-run                # no GPU needed: CPU, tiny sizes, every code path
 #
 # Without a CUDA device (and without --dry-run / --device cpu) it stops at once with a message and status 2.
@@ -29,5 +29,15 @@ if [ "$cpu_mode" = 0 ]; then
     exit 2
   fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+fi
+# The figures file is rewritten after every line and section (status running / stopped / done): a timeout keeps
+# what was measured. Without --json it goes to runs/gpu_check/<UTC time>.json.
+json_given=0
+for arg in "$@"; do
+  case "$arg" in --json|--json=*) json_given=1 ;; esac
+done
+if [ "$json_given" = 0 ]; then
+  set -- "$@" --json "runs/gpu_check/$(date -u +%Y%m%dT%H%M%SZ).json"
+  echo "gpu_check: figures written as they come to ${*: -1}"
 fi
 exec timeout 600 "$PY" benchmarks/gpu_check.py "$@"
