@@ -48,11 +48,13 @@ from tqdm import tqdm
 from datamodules.sources import load_tokenizer
 from flowlm.metrics.likelihood import (
     ESTIMATORS,
+    GREEDY_CHECKS,
     ROW_LAYOUTS,
     causal_log_likelihood,
     check_estimator,
     mdm_elbo_estimate,
     mdm_greedy,
+    mdm_greedy_iterative,
     row_layout,
 )
 from flowlm.metrics.mt_bench import chat_renderer, template_kind
@@ -177,6 +179,7 @@ class FlowLM(LM):
         mc_samples: int = 128,
         estimator: str = "auto",
         rows: str = "auto",
+        greedy: str = "one_call",
         seed: int = 0,
         tokenizer: str | None = None,
         add_bos: bool | None = None,
@@ -195,8 +198,8 @@ class FlowLM(LM):
         if unknown:
             raise TypeError(
                 f"flowlm: unknown model_args {', '.join(unknown)} (known: checkpoint, sampler, sampler.<key>, nfe, "
-                "gen_length, max_length, mc_samples, estimator, rows, seed, tokenizer, add_bos, template, system, "
-                "dtype, trust_pickle)"
+                "gen_length, max_length, mc_samples, estimator, rows, greedy, seed, tokenizer, add_bos, template, "
+                "system, dtype, trust_pickle)"
             )
         self.checkpoint = str(checkpoint)
         trust_pickle = as_bool("trust_pickle", trust_pickle)  # lm-eval keeps "no" a (truthy) string
@@ -214,6 +217,9 @@ class FlowLM(LM):
             raise ValueError(f"flowlm: estimator must be one of {ESTIMATORS}, got {estimator!r}")
         if rows not in ROW_LAYOUTS:
             raise ValueError(f"flowlm: rows must be one of {ROW_LAYOUTS}, got {rows!r}")
+        if greedy not in GREEDY_CHECKS:
+            raise ValueError(f"flowlm: greedy must be one of {GREEDY_CHECKS}, got {greedy!r}")
+        self.greedy = greedy
         self.estimator, self.rows = estimator, rows
 
         # everything model_args decide is checked from the checkpoint's record before its weights are read
@@ -336,7 +342,12 @@ class FlowLM(LM):
         if self._nfe:
             info |= nfe_summary(self._nfe) | {"nfe_per_request": list(self._nfe)}
         if self.family == "mdm":
-            info |= {"estimator": self.estimator, "mc_samples": self.mc_samples, "rows": self.rows}
+            info |= {
+                "estimator": self.estimator,
+                "mc_samples": self.mc_samples,
+                "rows": self.rows,
+                "greedy": self.greedy,
+            }
         if self._stderr:
             info |= {"scored": len(self._stderr), "mean_mc_stderr": sum(self._stderr) / len(self._stderr)}
         return info
@@ -526,7 +537,8 @@ class FlowLM(LM):
         """Each pair's ELBO (``mdm_elbo_estimate``: exact where the continuation is short enough to enumerate within
         ``mc_samples`` rows, else the Monte-Carlo mean), on rows of the item alone or of ``max_length`` with the text
         after the continuation masked (``rows``; item rows batched by length). Draws seeded by the context alone: the
-        choices of one question share them (common random draws). Greedy: one call with the continuation masked."""
+        choices of one question share them (common random draws). Greedy: one call with the continuation masked, or
+        LLaDA's one commit a call (``greedy=iterative``)."""
         groups: dict[int, list[int]] = {}
         for i, (prefix, continuation) in enumerate(pairs):
             length = len(prefix) + len(continuation) if self.rows == "item" else self.max_length
@@ -548,9 +560,10 @@ class FlowLM(LM):
                     estimator=self.estimator,
                     batch_size=self.batch_size,
                 )
+                check = mdm_greedy if self.greedy == "one_call" else mdm_greedy_iterative
                 greedy = torch.cat(
                     [
-                        mdm_greedy(denoiser, *(t[i : i + self.batch_size] for t in (tokens, pinned, scored)))
+                        check(denoiser, *(t[i : i + self.batch_size] for t in (tokens, pinned, scored)))
                         for i in range(0, len(part), self.batch_size)
                     ]
                 )

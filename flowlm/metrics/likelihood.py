@@ -249,6 +249,26 @@ def mdm_greedy(model: MaskedDenoiser, tokens: Tensor, pinned: Tensor, scored: Te
     return ((logits.argmax(-1) == tokens) | ~scored).all(-1)
 
 
+GREEDY_CHECKS = ("one_call", "iterative")
+
+
+@torch.no_grad()
+def mdm_greedy_iterative(model: MaskedDenoiser, tokens: Tensor, pinned: Tensor, scored: Tensor) -> Tensor:
+    """LLaDA's greedy check (its harness's ``suffix_greedy_prediction``) per row (B,) bool: from the continuation all
+    masked, n calls each committing the one most confident scored position (max p) at its argmax, the confidence
+    sampler at T = 0 with one commit a call; true where that decodes the continuation. Positions neither pinned nor
+    scored (a [MASK] tail) stay [MASK]."""
+    from flowlm.samplers.mdm_confidence import ConfidenceSampler  # the samplers import the models: only when asked
+
+    most = int(scored.sum(-1).max()) if scored.numel() else 0
+    if most == 0:
+        return torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+    shown = torch.where(pinned, tokens, model.mask_id)  # a tail shows [MASK] and is never committed
+    # ⌈masked / calls left⌉ with `most` calls: one commit a call for every row (its masked never exceed calls left)
+    out = ConfidenceSampler(temperature=0.0)(model, prompt=shown, prompt_mask=~scored, nfe=most)
+    return ((out.tokens == tokens) | ~scored).all(-1)
+
+
 @torch.no_grad()
 def causal_log_likelihood(model: CausalDenoiser, tokens: Tensor, scored: Tensor) -> tuple[Tensor, Tensor]:
     """An AR model's exact Σ_{i scored} log p(x_i | x_<i) per row (B,) float64, and whether every scored token is

@@ -169,6 +169,7 @@ class PositionSummary(NamedTuple):
     entropy: Tensor | None = None
 
 
+@torch.no_grad()  # a summary for decoding, never differentiated (its buffers are written in place)
 def chunked_summary(
     logits: Tensor,
     *,
@@ -223,6 +224,7 @@ def chunked_summary(
     return PositionSummary(*(None if t is None else t.reshape(lead) for t in out))
 
 
+@torch.no_grad()
 def chunked_head_summary(
     features: Tensor,
     weight: Tensor,

@@ -29,6 +29,7 @@ from flowlm.metrics.likelihood import (
     mdm_greedy,
 )
 from flowlm.metrics.mt_bench import chat_renderer
+from flowlm.samplers import MaskedDenoiser
 from lightning_modules.ar import ARModule
 from lightning_modules.fmlm_plus import FMLMPlusModule
 from lightning_modules.mdm import MDMModule
@@ -734,3 +735,36 @@ def test_the_command_line_finds_the_model(checkpoints, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "flowlm_choice" in proc.stdout and "acc" in proc.stdout
+
+
+def test_llada_s_greedy_check_commits_one_token_a_call():
+    """greedy=iterative (LLaDA's suffix_greedy_prediction): one most-confident token a call. A chain model (a position
+    predicts its left neighbour + 1 when that is decoded, else weakly 3): from context (0, 1) it decodes 2, 3, 0 one
+    token a call, so that continuation is greedy for the iterative check and not for the one-call check (which reads
+    3, 3 where the left neighbour is still masked); one token changed is greedy for neither."""
+    from flowlm.metrics.likelihood import mdm_greedy, mdm_greedy_iterative
+
+    def chain(x, t):
+        left = torch.nn.functional.pad(x, (1, 0), value=4)[:, :-1]
+        sure = 5.0 * torch.nn.functional.one_hot((left % 4 + 1) % 4, 4).float()
+        weak = torch.nn.functional.one_hot(torch.full_like(x, 3), 4).float()
+        return torch.where((left == 4)[..., None], weak, sure)
+
+    model = MaskedDenoiser(fn=chain, mask_id=4)
+    tokens, pinned, scored = _rows([[0, 1, 2, 3, 0, 0], [0, 1, 2, 3, 1, 0]], 2, [3, 3])
+    assert mdm_greedy_iterative(model, tokens, pinned, scored).tolist() == [True, False]
+    assert mdm_greedy(model, tokens, pinned, scored).tolist() == [False, False]
+    with pytest.raises(ValueError, match="greedy must be one of"):
+        lm_harness.FlowLM(checkpoint="unused", greedy="llada")
+
+
+def test_the_greedy_model_arg_picks_the_check(checkpoints, monkeypatch):
+    called = []
+    monkeypatch.setattr(
+        lm_harness,
+        "mdm_greedy_iterative",
+        lambda m, t, p, s: called.append(1) or torch.ones(t.shape[0], dtype=torch.bool),
+    )
+    lm = lm_harness.FlowLM(checkpoint=str(checkpoints["mdm"]), mc_samples=4, device="cpu", greedy="iterative")
+    (result,) = lm.loglikelihood([Instance("loglikelihood", {}, ("The dog", " ran"), 0)])
+    assert called and result[1] is True and lm.summary()["greedy"] == "iterative"
