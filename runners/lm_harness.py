@@ -31,7 +31,7 @@ import math
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -699,6 +699,38 @@ def _metric_name(name: str) -> str:
     return re.sub(r"[^\w./ -]", "_", name)
 
 
+LIKELIHOOD_OUTPUTS = ("loglikelihood", "loglikelihood_rolling", "multiple_choice")
+
+
+def refuse_likelihood_tasks(model_args: dict, call: dict) -> None:
+    """Before any request runs: a checkpoint of a family without a likelihood (``NO_LIKELIHOOD``) given a task that
+    scores likelihoods is refused, naming the tasks (lm-eval runs the request types one after the other: a mixed run
+    refused only when it reaches them had computed its generations first). Reads the tasks' configs (lm-eval's
+    ``get_task_dict``) for such checkpoints only."""
+    meta = read_checkpoint_meta(
+        str(model_args["checkpoint"]), trust_pickle=as_bool("trust_pickle", model_args.get("trust_pickle", False))
+    )
+    family = meta.get("family")
+    if family not in NO_LIKELIHOOD or not call.get("tasks"):
+        return
+    from lm_eval.tasks import get_task_dict
+
+    def names(node: Any) -> Iterator[str]:
+        for key, value in node.items() if isinstance(node, dict) else []:
+            if isinstance(value, dict):
+                yield from names(value)
+            elif getattr(value, "OUTPUT_TYPE", None) in LIKELIHOOD_OUTPUTS:
+                yield str(getattr(getattr(value, "config", None), "task", None) or key)
+
+    tasks = call["tasks"] if isinstance(call["tasks"], list) else [call["tasks"]]
+    scored = sorted(set(names(get_task_dict(tasks, call.get("task_manager")))))
+    if scored:
+        raise ValueError(
+            f"flowlm: {model_args['checkpoint']} is a '{family}' checkpoint: {NO_LIKELIHOOD[family]}, and tasks "
+            f"{', '.join(scored)} score likelihoods: leave them out (it runs generate_until tasks only)"
+        )
+
+
 def tracked(simple_evaluate: Callable, tracking_uri: str | None = None, experiment: str | None = None) -> Callable:
     """``simple_evaluate`` that tracks a ``flowlm`` evaluation in MLflow: its run made (the store reached, the
     checkpoint read) before any compute, ``log_results`` after it, the run FAILED with its error if it raises; any
@@ -714,6 +746,7 @@ def tracked(simple_evaluate: Callable, tracking_uri: str | None = None, experime
             model_args = simple_parse_args_string(model_args)
         if "checkpoint" not in model_args:
             raise TypeError("flowlm: model_args need checkpoint=PATH")
+        refuse_likelihood_tasks(model_args, call)
         cfg = tracking_config(
             str(model_args["checkpoint"]),
             seed=as_int("seed", model_args.get("seed", 0)),

@@ -484,6 +484,19 @@ def test_flow_families_generate_and_refuse_likelihoods(checkpoints, local_tasks,
         lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("some text",), 0)])
 
 
+def test_a_mixed_run_of_a_flow_checkpoint_is_refused_before_any_generation(checkpoints, local_tasks, monkeypatch):
+    """issue 48: lm-eval runs the generations of a mixed run first; the likelihood tasks of a family without a
+    likelihood are refused before any request runs, naming them (an MDM's mixed run goes on)."""
+    generated = []
+    monkeypatch.setattr(lm_harness.FlowLM, "generate_until", lambda self, requests, **_: generated.append(1) or [])
+    run = lm_harness.tracked(lm_eval.simple_evaluate, tracking_uri="none")
+    common = {"model": "flowlm", "tasks": ["flowlm_qa", "flowlm_choice"], "task_manager": local_tasks}
+    with pytest.raises(ValueError, match="'flow' checkpoint: .* tasks flowlm_choice score likelihoods"):
+        run(model_args=f"checkpoint={checkpoints['flow']},nfe=4", device="cpu", **common)
+    assert generated == []
+    lm_harness.refuse_likelihood_tasks({"checkpoint": str(checkpoints["mdm"])}, common)  # an MDM scores them
+
+
 def test_an_ar_checkpoint_scores_exactly_and_generates_one_nfe_per_token(checkpoints):
     """AR: log p(continuation | [BOS] context) by the chain rule of one forward (trailing context spaces moved to the
     continuation, an empty context scored after BOS), greedy when every token is the argmax; generation spends one
