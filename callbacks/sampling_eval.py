@@ -57,8 +57,9 @@ class SamplingEvaluation(Callback):
     (ddof 0), ``nfe_min``, ``nfe_p50``, ``nfe_p90``, ``nfe_max``; ``tpf``, tokens per forward, the positions generated
     over the NFE spent, both summed over the rows (= generated positions per row / mean NFE; the mean of the rows'
     ratios, logged before 2026-12-06, read 2–6 % high); ``forced_share``, the share of an adaptive sampler's commits
-    that its NFE budget forced beyond its rule (``SampleOutput.forced``; NaN for other samplers: a line with a
-    positive share is its rule capped by the budget, not the published rule alone); ``sec_per_sample``. The NFE
+    that its NFE budget forced beyond its rule (``SampleOutput.forced``; 0 for a fixed-step sampler, whose schedule is
+    its rule: a line with a positive share is its rule capped by the budget, not the published rule alone);
+    ``sec_per_sample``. The NFE
     histogram of every sampler × budget (rows per NFE value) is logged as ``eval/step<step>/nfe_histogram.json``.
 
     ``every_n_steps``: during fit, sample only at validations whose step is a multiple of it (the validation loss is
@@ -253,7 +254,7 @@ class SamplingEvaluation(Callback):
                 "nfe": float(state["nfe"].compute()),
                 **nfe_spread(state["spent"]),
                 "tpf": float(state["tpf"].compute()),
-                "forced_share": _mean_or_nan(state["forced"]),
+                "forced_share": _mean_or_zero(state["forced"]),
                 "sec_per_sample": float(state["seconds"].compute()),
                 **values,
                 "step": trainer.global_step,
@@ -340,11 +341,12 @@ def nfe_histogram(row_nfe: np.ndarray) -> dict[str, int]:
     return {label(v): int(c) for v, c in zip(values, counts, strict=True)}
 
 
-def _mean_or_nan(metric: MeanMetric) -> float:
-    """A MeanMetric's value (synced over ranks), NaN before any update (a sampler that reports no such count)."""
+def _mean_or_zero(metric: MeanMetric) -> float:
+    """A MeanMetric's value (synced over ranks), 0 before any update (a sampler that reports no such count)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torchmetrics warns that compute() runs before update()
-        return float(metric.compute())
+        value = float(metric.compute())
+    return 0.0 if math.isnan(value) else value
 
 
 def _values(metric: CatMetric) -> np.ndarray:
