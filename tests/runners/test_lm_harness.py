@@ -636,8 +636,8 @@ def test_an_export_is_tracked_in_a_named_experiment_and_a_failure_ends_its_run(
     checkpoints, local_tasks, runs_env, tmp_path
 ):
     """An export of the run (flowlm-export) is not its run: the experiment lm_eval (or the one named), the run named
-    after the export; an evaluation that fails (a flow checkpoint asked for likelihoods) ends its run FAILED with the
-    error; tracking_uri=none tracks nothing."""
+    after the export; an evaluation that fails (generation asked of an export without an NFE budget) ends its run
+    FAILED with the error; tracking_uri=none tracks nothing."""
     from runners.export import export
 
     folder = export(checkpoints["run"], tmp_path / "exports" / "tiny")
@@ -645,14 +645,14 @@ def test_an_export_is_tracked_in_a_named_experiment_and_a_failure_ends_its_run(
     assert (cfg.task, cfg.name, cfg.logger.experiment_name) == ("lm_eval", f"lm_eval/{folder}", "lm_eval")
     assert lm_harness.tracking_config(str(checkpoints["run"]), experiment="mine").task == "mine"
     assert lm_harness.tracking_config(str(folder), tracking_uri="none") is None
-    with pytest.raises(NotImplementedError, match="'flow' checkpoint"):
+    with pytest.raises(ValueError, match="needs an NFE budget"):
         lm_harness.evaluate(
-            model="flowlm", model_args=f"checkpoint={checkpoints['flow']},nfe=4", tasks=["flowlm_choice"],
+            model="flowlm", model_args=f"checkpoint={folder}", tasks=["flowlm_qa"],
             task_manager=local_tasks, device="cpu", experiment="mine",
         )  # fmt: skip
     _, run = _run(tmp_path / "runs" / "mlflow.db", "mine")
-    assert run.info.status == "FAILED" and "no likelihood" in run.data.tags["flowlm.error"]
-    assert run.info.run_name.startswith(f"lm_eval/{checkpoints['flow']}/")  # no task recorded: named by its path
+    assert run.info.status == "FAILED" and "NFE budget" in run.data.tags["flowlm.error"]
+    assert run.info.run_name.startswith(f"lm_eval/{folder}/")  # no task recorded: named by its path
 
 
 # ---------------------------------------------------------------------------------------------- chat templates
