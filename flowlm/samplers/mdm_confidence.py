@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from flowlm.ops.compiled import compilable, tails_enabled
 from flowlm.ops.draws import draw_rows, pick_tokens, row_uniforms
-from flowlm.ops.summary import chunked_max_log_prob
+from flowlm.ops.summary import chunked_head_summary, chunked_max_log_prob
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
 from flowlm.samplers.guidance import GuidedSampler
 
@@ -22,13 +23,14 @@ class ConfidenceSampler(GuidedSampler):
     time, if it is time-conditioned.
 
     Cost beyond the network: the ranking reads the logits of the still-masked positions once in float32 (log max p =
-    max logit − logsumexp; the masked ones of a row are among its first ``most_masked`` slots, a number tracked on
-    the host, ``slots``); with "max_prob" the ranking does not depend on the draw, so the float64 draw is made at the
-    committing positions only: at most ⌈#masked / steps_left⌉ rows per sequence, by the
-    two-level inverse CDF of ``draw_rows``, so the step reads nothing back. "sampled" ranks by the draw itself and
-    draws at every masked position (the full path). Per-row generators (``flowlm.ops.draws.Generators``): each step
-    draws from each row's generator one categorical u per position (the full path: |V| Gumbel uniforms per position),
-    read where the row draws.
+    max logit − logsumexp; on the suite's DiT the head itself runs in vocabulary chunks at those positions only,
+    ``MaskedDenoiser.head_fn``, and the network's whole logits are never made; the masked ones of a row are among
+    its first ``most_masked`` slots, a number tracked on the host, ``slots``); with "max_prob" the ranking does not
+    depend on the draw, so the float64 draw is made at the committing positions only: at most ⌈#masked / steps_left⌉
+    rows per sequence, by the two-level inverse CDF of ``draw_rows``, so the step reads nothing back. "sampled"
+    ranks by the draw itself and draws at every masked position (the full path). Per-row generators
+    (``flowlm.ops.draws.Generators``): each step draws from each row's generator one categorical u per position (the
+    full path: |V| Gumbel uniforms per position), read where the row draws.
 
     ``cfg_scale`` w > 0: SMDM's unsupervised CFG (``flowlm.samplers.guidance``) on the logits every step reads, so the
     ranking, the draw and the reported confidence are the guided distribution's; each step spends 2 network
@@ -37,6 +39,7 @@ class ConfidenceSampler(GuidedSampler):
 
     family = "mdm"
     confidence_kind = "a-priori"  # p_θ(token) when it is committed, before the masked rest is drawn
+    reads_head = True  # read the network's head in chunks where it offers one (``MaskedDenoiser.head_fn``)
 
     def __init__(
         self, *, temperature: float = 0.0, score: str = "max_prob", draws: str = "committed", cfg_scale: float = 0.0
@@ -51,10 +54,17 @@ class ConfidenceSampler(GuidedSampler):
         calls = 0
         most_masked = int((x == model.mask_id).sum(-1).max()) if x.numel() else 0  # the call's one host read
         full = self.score == "sampled" and self.temperature > 0  # the ranking reads the draw: draw everywhere
+        # the network's head in vocabulary chunks at the masked slots, where it offers one (not with CFG, whose
+        # guided logits combine two passes, nor with compiled tails, which read the whole logits at once)
+        head = model.head_fn if self.reads_head and not full and not tails_enabled() else None
         for k in range(decode_steps(most_masked, steps)):
             masked = x == model.mask_id
             n_masked = masked.sum(-1)
-            logits = model.fn(x, n_masked / n_free)
+            if head is None:
+                logits = model.fn(x, n_masked / n_free)
+            else:
+                features, *linear = head(x, n_masked / n_free)
+                by_feature = features.reshape(-1, features.shape[-1])
             calls += cost
             n_commit = torch.div(n_masked + (steps - k) - 1, steps - k, rounding_mode="floor")  # ⌈masked/left⌉
             if full:
@@ -73,7 +83,11 @@ class ConfidenceSampler(GuidedSampler):
                 slot, live = slots(masked, most_masked)
                 # the slots' rows of logits viewed as (B·L, |V|)
                 flat = slot + torch.arange(x.shape[0], device=x.device)[:, None] * x.shape[1]
-                score, candidate = (t.view(slot.shape) for t in max_log_prob(logits, rows=flat.reshape(-1)))
+                if head is None:
+                    score, candidate = (t.view(slot.shape) for t in max_log_prob(logits, rows=flat.reshape(-1)))
+                else:  # the head's product at the slots only
+                    read = chunked_head_summary(by_feature[flat.reshape(-1)], *linear)
+                    score, candidate = read.log_max.view(slot.shape), read.argmax.view(slot.shape)
                 score = torch.where(live, score, -torch.inf)
                 order = score.argsort(dim=-1, descending=True)
                 rank = torch.empty_like(order).scatter_(-1, order, positions[: order.shape[1]].expand_as(order))
@@ -82,10 +96,15 @@ class ConfidenceSampler(GuidedSampler):
                 if self.temperature > 0:  # the draw, at the (at most) k_max committing positions
                     k_max = -(-most_masked // (steps - k))  # the most-masked row commits the most (⌈n/m⌉ is monotone)
                     top = order[:, :k_max]  # every committing slot of a row is among its first k_max
-                    by_row = logits.reshape(-1, logits.shape[-1])
                     per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
                     at = flat.gather(1, top).view(-1)
-                    drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=at, uniforms=per_row)
+                    if head is None:
+                        by_row = logits.reshape(-1, logits.shape[-1])
+                        drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=at, uniforms=per_row)
+                    else:  # the committing rows' logits through the head, at those rows only
+                        u = None if per_row is None else per_row.reshape(-1)[at]
+                        rows = F.linear(by_feature[at], *linear)
+                        drawn, log_p = draw_rows(rows, self.temperature, generator, uniforms=u)
                     candidate = candidate.scatter(1, top, drawn.view(top.shape))
                     p_candidate = score.scatter(1, top, log_p.float().view(top.shape))
                 x, confidence = commit_slots(x, confidence, slot, commit, candidate, p_candidate)

@@ -181,3 +181,10 @@ class LogitsEB(EBSampler):
     """``EBSampler`` reading the network's whole logits in chunks."""
 
     reads_head = False
+
+
+class LogitsConfidence(ConfidenceSampler):
+    """``ConfidenceSampler`` reading the network's whole logits (its path where the network offers no head in chunks,
+    and on every network before 2026-12-06's ``head_fn``)."""
+
+    reads_head = False

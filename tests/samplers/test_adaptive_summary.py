@@ -172,3 +172,31 @@ def test_the_head_in_chunks_decodes_as_the_networks_logits(options, with_head, w
             )
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.row_nfe, want.row_nfe)
         torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_confidence_sampler_reads_the_head_in_chunks_as_the_logits(temperature):
+    """The confidence sampler on the DiT: the head's product at the masked slots only, the draw from the committing
+    rows' (T > 0): tokens and confidences those of the logits path, one generator and per-row generators; the
+    network's fn is never called."""
+    from flowlm.samplers import ConfidenceSampler
+    from tests.samplers.oracles import LogitsConfidence
+
+    model = random_mdm().denoiser()
+    calls = []
+    spied = dataclasses.replace(model, fn=lambda x, t: calls.append(1) or model.fn(x, t))
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 7, (4, 24), generator=g)
+    mask = torch.arange(24) < torch.tensor([[3], [5], [0], [8]])
+    for gen in (lambda: torch.Generator().manual_seed(4), lambda: [torch.Generator().manual_seed(s) for s in range(4)]):
+        with torch.no_grad():
+            got = ConfidenceSampler(temperature=temperature)(
+                spied, prompt=prompt, prompt_mask=mask, nfe=6, generator=gen()
+            )
+            assert calls == []
+            want = LogitsConfidence(temperature=temperature)(
+                spied, prompt=prompt, prompt_mask=mask, nfe=6, generator=gen()
+            )
+        assert calls and torch.equal(got.tokens, want.tokens) and got.nfe == want.nfe
+        torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
+        calls.clear()
