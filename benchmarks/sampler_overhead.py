@@ -83,6 +83,7 @@ VARIANTS = [
     # the adaptive decoders on the network's whole logits read in chunks (``*_logits``: no head in chunks), over a
     # float64 log_softmax of the whole (B, L, |V|) at every call (before the chunked summary: tests/samplers/oracles.py
     # DenseStats), and at T = 1
+    ("ancestral_logits", "ancestral", {"_target_": "tests.samplers.oracles.LogitsAncestral"}, {}),
     ("confidence_logits", "confidence", {"_target_": "tests.samplers.oracles.LogitsConfidence"}, {}),
     ("threshold_logits", "threshold", {"_target_": "tests.samplers.oracles.LogitsThreshold"}, {}),
     ("eb_logits", "eb", {"_target_": "tests.samplers.oracles.LogitsEB"}, {}),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from flowlm.ops.draws import draw_rows, draw_uniforms, row_uniforms
@@ -30,6 +31,7 @@ class AncestralSampler(GuidedSampler):
 
     family = "mdm"
     confidence_kind = "a-priori"  # p_θ(token) when it unmasks, before the masked rest is drawn
+    reads_head = True  # read the network's head at the unmasking rows only where it offers one (``head_fn``)
 
     def __init__(
         self, *, temperature: float = 1.0, cache: bool = True, draws: str = "committed", cfg_scale: float = 0.0
@@ -44,14 +46,20 @@ class AncestralSampler(GuidedSampler):
         masked = x == model.mask_id
         remaining = int(masked.sum())  # tracked on the host from here: drawn tokens are data ids, never [MASK]
         cacheable = self.cache and not model.time_conditioned
-        logits: Tensor | None = None
+        # the network's head only at the rows that unmask, where it offers one (not with CFG): the call keeps the
+        # head's input (B, L, d) instead of the logits (B, L, |V|)
+        head = model.head_fn if self.reads_head else None
+        logits: Tensor | None = None  # the call's logits, or with ``head`` its head input
         calls = 0
         row_nfe = torch.zeros(batch, dtype=torch.long, device=x.device)
         changed = torch.ones(batch, dtype=torch.bool, device=x.device)  # since the row's last call (none yet)
         for k in range(steps):
             t, s = 1.0 - k / steps, 1.0 - (k + 1) / steps
             if logits is None:
-                logits = model.fn(x, torch.full((batch,), t, device=x.device))
+                if head is None:
+                    logits = model.fn(x, torch.full((batch,), t, device=x.device))
+                else:
+                    logits, *linear = head(x, torch.full((batch,), t, device=x.device))
                 calls += cost
                 row_nfe += cost * (masked.any(-1) & (changed | (not cacheable)))
             # Only the positions that unmask need the categorical draw: the unmask coins, then the draw on those rows.
@@ -61,7 +69,20 @@ class AncestralSampler(GuidedSampler):
             unmask = masked & (u < p_unmask)
             rows = unmask.nonzero(as_tuple=True)  # the step's one host read (how many positions unmask)
             n_unmask = rows[0].numel()
-            if n_unmask:
+            if n_unmask and head is not None:  # the head's product at the unmasking rows only
+                flat = rows[0] * x.shape[1] + rows[1]
+                picked = F.linear(logits.reshape(-1, logits.shape[-1])[flat], *linear)
+                if self.temperature == 0:
+                    picked = picked.float()
+                    draw = picked.argmax(-1)
+                    p_draw = (picked.gather(-1, draw[:, None]).squeeze(-1) - picked.logsumexp(-1)).exp()
+                else:
+                    own = None if categorical is None else categorical.reshape(-1)[flat]
+                    draw, log_p = draw_rows(picked, self.temperature, generator, uniforms=own)
+                    p_draw = log_p.exp().float()
+                x = x.index_put(rows, draw.to(x.dtype))
+                confidence = confidence.index_put(rows, p_draw)
+            elif n_unmask:
                 if self.temperature == 0:
                     picked = logits[rows].float()
                     draw = picked.argmax(-1)

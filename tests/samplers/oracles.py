@@ -188,3 +188,10 @@ class LogitsConfidence(ConfidenceSampler):
     and on every network before 2026-12-06's ``head_fn``)."""
 
     reads_head = False
+
+
+class LogitsAncestral(AncestralSampler):
+    """``AncestralSampler`` reading the network's whole logits (its path where the network offers no head in chunks,
+    and on every network before 2026-12-06's ``head_fn``)."""
+
+    reads_head = False

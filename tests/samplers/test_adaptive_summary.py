@@ -200,3 +200,30 @@ def test_the_confidence_sampler_reads_the_head_in_chunks_as_the_logits(temperatu
         assert calls and torch.equal(got.tokens, want.tokens) and got.nfe == want.nfe
         torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
         calls.clear()
+
+
+@pytest.mark.parametrize("cache", [True, False])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_ancestral_sampler_reads_the_head_at_the_unmasking_rows_only(temperature, cache):
+    """The ancestral sampler on the DiT keeps the head's input and runs the head at the rows that unmask: tokens,
+    confidences, NFE and row NFE those of the logits path (the no-change cache reusing the head's input), one
+    generator and per-row generators; the network's fn is never called."""
+    from flowlm.samplers import AncestralSampler
+    from tests.samplers.oracles import LogitsAncestral
+
+    model = random_mdm().denoiser()
+    calls = []
+    spied = dataclasses.replace(model, fn=lambda x, t: calls.append(1) or model.fn(x, t))
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 7, (4, 24), generator=g)
+    mask = torch.arange(24) < torch.tensor([[3], [5], [0], [8]])
+    for gen in (lambda: torch.Generator().manual_seed(4), lambda: [torch.Generator().manual_seed(s) for s in range(4)]):
+        options = {"temperature": temperature, "cache": cache}
+        with torch.no_grad():
+            got = AncestralSampler(**options)(spied, prompt=prompt, prompt_mask=mask, nfe=12, generator=gen())
+            assert calls == []
+            want = LogitsAncestral(**options)(spied, prompt=prompt, prompt_mask=mask, nfe=12, generator=gen())
+        assert calls and torch.equal(got.tokens, want.tokens) and got.nfe == want.nfe
+        assert torch.equal(got.row_nfe, want.row_nfe)
+        torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
+        calls.clear()
