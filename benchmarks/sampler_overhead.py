@@ -84,6 +84,7 @@ VARIANTS = [
     # float64 log_softmax of the whole (B, L, |V|) at every call (before the chunked summary: tests/samplers/oracles.py
     # DenseStats), and at T = 1
     ("ancestral_logits", "ancestral", {"_target_": "tests.samplers.oracles.LogitsAncestral"}, {}),
+    ("semi_ar_logits", "semi_ar", {"_target_": "tests.samplers.oracles.LogitsSemiAR"}, {}),
     ("confidence_logits", "confidence", {"_target_": "tests.samplers.oracles.LogitsConfidence"}, {}),
     ("threshold_logits", "threshold", {"_target_": "tests.samplers.oracles.LogitsThreshold"}, {}),
     ("eb_logits", "eb", {"_target_": "tests.samplers.oracles.LogitsEB"}, {}),

@@ -6,9 +6,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from flowlm.ops.draws import draw_rows, row_uniforms
+from flowlm.ops.summary import chunked_head_summary
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput, Sampler
 from flowlm.samplers.block_cache import BlockCachedReader, check_cache
 from flowlm.samplers.common import block_ids
@@ -41,6 +43,8 @@ class SemiARConfidenceSampler(GuidedSampler):
     alone (dual), the rest read from the cache (each row's own block: a row decodes alike alone and in a batch). On
     the DiT and the LLaMA family. NFE unchanged; approximate unless ``refresh=1``. Not with guidance.
     """
+
+    reads_head = True  # read the network's head at the block's slots where it offers one (``MaskedDenoiser.head_fn``)
 
     family = "mdm"
     confidence_kind = "a-priori"
@@ -106,6 +110,9 @@ class SemiARConfidenceSampler(GuidedSampler):
         row_plan, plans = schedule
         model, x, confidence, cost = self.start(model, prompt, prompt_mask, generator)
         fn, reader = self.network(model, x.shape[1])
+        # the network's head at the block's slots only, where it offers one (not through the block cache, whose
+        # windowed passes return logits, nor with CFG)
+        head = model.head_fn if reader is None and self.reads_head else None
         block_id, n_free = self.blocks(prompt_mask)
         positions = torch.arange(x.shape[1], device=x.device)
         each_plan = torch.tensor([plan[1:] for plan in plans], dtype=torch.long, device=x.device).view(-1, 2)
@@ -121,9 +128,14 @@ class SemiARConfidenceSampler(GuidedSampler):
                     reader.block(lo, torch.where(in_block, positions + 1, 0).amax(-1), None if g == 0 else k == 0)
                 slot, _ = slots(in_block, self.block_length)  # the blocks' positions (only they are ever eligible)
             masked = x == model.mask_id
-            logits = fn(x, masked.sum(-1) / n_free)
+            if head is None:
+                logits, linear = fn(x, masked.sum(-1) / n_free), None
+            else:  # the head's input: the head runs at the block's slots only (``commit``)
+                logits, *linear = head(x, masked.sum(-1) / n_free)
             width = max(c[g] for c in commits if g < len(c))  # every committing slot of every row is among these
-            x, confidence = self.commit(x, confidence, logits, masked & in_block, slot, steps - k, width, generator)
+            x, confidence = self.commit(
+                x, confidence, logits, masked & in_block, slot, steps - k, width, generator, linear=linear
+            )
         return SampleOutput(tokens=x, confidence=confidence, nfe=total * cost, row_nfe=n_blocks * steps * cost)
 
     def network(self, model: MaskedDenoiser, length: int):
@@ -137,11 +149,22 @@ class SemiARConfidenceSampler(GuidedSampler):
         return block_ids(free, self.block_length), free.sum(-1).clamp_min(1)
 
     def commit(
-        self, x: Tensor, confidence: Tensor, logits: Tensor, eligible: Tensor, slot: Tensor, left, width: int, generator
+        self,
+        x: Tensor,
+        confidence: Tensor,
+        logits: Tensor,
+        eligible: Tensor,
+        slot: Tensor,
+        left,
+        width: int,
+        generator,
+        *,
+        linear: list[Tensor | None] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """One call's commits: of each row's ``eligible`` positions (its block's masked ones, held in ``slot``),
         the ⌈#eligible / ``left``⌉ best scored take their candidates (``left``: the row's steps left in its block);
-        ``width``: how many of a row's best-ranked slots can commit (the draw's width under "max_prob")."""
+        ``width``: how many of a row's best-ranked slots can commit (the draw's width under "max_prob").
+        ``linear`` = (W, b): ``logits`` is the head's input (B, L, d), and the head runs at the slots only."""
         positions = torch.arange(x.shape[1], device=x.device)
         block_rows = slot + torch.arange(x.shape[0], device=x.device)[:, None] * x.shape[1]  # rows of (B·L, |V|)
         flat = block_rows.reshape(-1)
@@ -150,9 +173,19 @@ class SemiARConfidenceSampler(GuidedSampler):
         by_row = logits.reshape(-1, logits.shape[-1])
         live = eligible.gather(1, slot)
         per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
+
+        def draw(rows: Tensor) -> tuple[Tensor, Tensor]:  # at the flat positions ``rows``
+            if linear is None:
+                return draw_rows(by_row, self.temperature, generator, rows=rows, uniforms=per_row)
+            own = None if per_row is None else per_row.reshape(-1)[rows]
+            return draw_rows(F.linear(by_row[rows], *linear), self.temperature, generator, uniforms=own)
+
         if draw_all:
-            drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=flat, uniforms=per_row)
+            drawn, log_p = draw(flat)
             candidate, score = drawn.view(slot.shape), log_p.view(slot.shape)
+        elif linear is not None:  # argmax and log max p from the head's chunks at the slots
+            read = chunked_head_summary(by_row[flat], *linear)
+            score, candidate = read.log_max.view(slot.shape), read.argmax.view(slot.shape)
         else:  # argmax and log max p (the score at T = 0, where "sampled" and "max_prob" coincide)
             score, candidate = (t.view(slot.shape) for t in max_log_prob(logits, rows=flat))
         order = torch.where(live, score, -torch.inf).argsort(dim=-1, descending=True)
@@ -162,7 +195,7 @@ class SemiARConfidenceSampler(GuidedSampler):
         if self.temperature > 0 and not draw_all:  # "max_prob": the draw at the committing slots only
             top = order[:, :width]
             committing = block_rows.gather(1, top).view(-1)
-            drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=committing, uniforms=per_row)
+            drawn, log_p = draw(committing)
             candidate = candidate.scatter(1, top, drawn.view(top.shape))
             p_candidate = score.scatter(1, top, log_p.float().view(top.shape))
         return commit_slots(x, confidence, slot, commit, candidate, p_candidate)

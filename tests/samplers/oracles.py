@@ -195,3 +195,10 @@ class LogitsAncestral(AncestralSampler):
     and on every network before 2026-12-06's ``head_fn``)."""
 
     reads_head = False
+
+
+class LogitsSemiAR(SemiARConfidenceSampler):
+    """``SemiARConfidenceSampler`` reading the network's whole logits (its path where the network offers no head in
+    chunks, and on every network before 2026-12-06's ``head_fn``)."""
+
+    reads_head = False

@@ -227,3 +227,29 @@ def test_the_ancestral_sampler_reads_the_head_at_the_unmasking_rows_only(tempera
         assert torch.equal(got.row_nfe, want.row_nfe)
         torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
         calls.clear()
+
+
+@pytest.mark.parametrize("score", ["sampled", "max_prob"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_semi_ar_sampler_reads_the_head_at_its_blocks_slots_only(temperature, score):
+    """semi_ar on the DiT runs the head at its block's slots (and, for the draw under max_prob, at the committing
+    rows): tokens, confidences, NFE and row NFE those of the logits path, both kinds of generators; fn never called."""
+    from flowlm.samplers import SemiARConfidenceSampler
+    from tests.samplers.oracles import LogitsSemiAR
+
+    model = random_mdm().denoiser()
+    calls = []
+    spied = dataclasses.replace(model, fn=lambda x, t: calls.append(1) or model.fn(x, t))
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, 7, (4, 24), generator=g)
+    mask = torch.arange(24) < torch.tensor([[3], [5], [0], [8]])
+    options = {"block_length": 5, "temperature": temperature, "score": score}
+    for gen in (lambda: torch.Generator().manual_seed(4), lambda: [torch.Generator().manual_seed(s) for s in range(4)]):
+        with torch.no_grad():
+            got = SemiARConfidenceSampler(**options)(spied, prompt=prompt, prompt_mask=mask, nfe=10, generator=gen())
+            assert calls == []
+            want = LogitsSemiAR(**options)(spied, prompt=prompt, prompt_mask=mask, nfe=10, generator=gen())
+        assert calls and torch.equal(got.tokens, want.tokens) and got.nfe == want.nfe
+        assert torch.equal(got.row_nfe, want.row_nfe)
+        torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
+        calls.clear()
