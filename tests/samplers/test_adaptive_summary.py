@@ -174,82 +174,41 @@ def test_the_head_in_chunks_decodes_as_the_networks_logits(options, with_head, w
         torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
 
 
+HEAD_SAMPLERS = {  # name → (sampler class, its logits-path oracle, options, NFE budget)
+    "confidence": ("ConfidenceSampler", "LogitsConfidence", {}, 6),
+    "ancestral": ("AncestralSampler", "LogitsAncestral", {}, 12),
+    "ancestral_no_cache": ("AncestralSampler", "LogitsAncestral", {"cache": False}, 12),
+    "semi_ar_sampled": ("SemiARConfidenceSampler", "LogitsSemiAR", {"block_length": 5}, 10),
+    "semi_ar_max_prob": ("SemiARConfidenceSampler", "LogitsSemiAR", {"block_length": 5, "score": "max_prob"}, 10),
+}
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_the_confidence_sampler_reads_the_head_in_chunks_as_the_logits(temperature):
-    """The confidence sampler on the DiT: the head's product at the masked slots only, the draw from the committing
-    rows' (T > 0): tokens and confidences those of the logits path, one generator and per-row generators; the
-    network's fn is never called."""
-    from flowlm.samplers import ConfidenceSampler
-    from tests.samplers.oracles import LogitsConfidence
+@pytest.mark.parametrize("name", HEAD_SAMPLERS)
+def test_the_fixed_step_samplers_read_the_head_at_the_rows_they_need(name, temperature):
+    """On the DiT the confidence sampler runs the head at its masked slots, the ancestral sampler at the rows that
+    unmask (its no-change cache reusing the head's input), semi_ar at its block's slots, each drawing from the rows'
+    head product: tokens, confidences, NFE and row NFE those of the logits path (tests/samplers/oracles.py
+    ``Logits*``), one generator and per-row generators; the network's fn is never called."""
+    import flowlm.samplers as samplers
+    from tests.samplers import oracles
 
-    model = random_mdm().denoiser()
-    calls = []
-    spied = dataclasses.replace(model, fn=lambda x, t: calls.append(1) or model.fn(x, t))
-    g = torch.Generator().manual_seed(3)
-    prompt = torch.randint(0, 7, (4, 24), generator=g)
-    mask = torch.arange(24) < torch.tensor([[3], [5], [0], [8]])
-    for gen in (lambda: torch.Generator().manual_seed(4), lambda: [torch.Generator().manual_seed(s) for s in range(4)]):
-        with torch.no_grad():
-            got = ConfidenceSampler(temperature=temperature)(
-                spied, prompt=prompt, prompt_mask=mask, nfe=6, generator=gen()
-            )
-            assert calls == []
-            want = LogitsConfidence(temperature=temperature)(
-                spied, prompt=prompt, prompt_mask=mask, nfe=6, generator=gen()
-            )
-        assert calls and torch.equal(got.tokens, want.tokens) and got.nfe == want.nfe
-        torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
-        calls.clear()
-
-
-@pytest.mark.parametrize("cache", [True, False])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_the_ancestral_sampler_reads_the_head_at_the_unmasking_rows_only(temperature, cache):
-    """The ancestral sampler on the DiT keeps the head's input and runs the head at the rows that unmask: tokens,
-    confidences, NFE and row NFE those of the logits path (the no-change cache reusing the head's input), one
-    generator and per-row generators; the network's fn is never called."""
-    from flowlm.samplers import AncestralSampler
-    from tests.samplers.oracles import LogitsAncestral
-
+    kind, oracle, options, nfe = HEAD_SAMPLERS[name]
+    head_path, logits_path = getattr(samplers, kind), getattr(oracles, oracle)
     model = random_mdm().denoiser()
     calls = []
     spied = dataclasses.replace(model, fn=lambda x, t: calls.append(1) or model.fn(x, t))
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, 7, (4, 24), generator=g)
     mask = torch.arange(24) < torch.tensor([[3], [5], [0], [8]])
-    for gen in (lambda: torch.Generator().manual_seed(4), lambda: [torch.Generator().manual_seed(s) for s in range(4)]):
-        options = {"temperature": temperature, "cache": cache}
-        with torch.no_grad():
-            got = AncestralSampler(**options)(spied, prompt=prompt, prompt_mask=mask, nfe=12, generator=gen())
-            assert calls == []
-            want = LogitsAncestral(**options)(spied, prompt=prompt, prompt_mask=mask, nfe=12, generator=gen())
-        assert calls and torch.equal(got.tokens, want.tokens) and got.nfe == want.nfe
-        assert torch.equal(got.row_nfe, want.row_nfe)
-        torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
-        calls.clear()
-
-
-@pytest.mark.parametrize("score", ["sampled", "max_prob"])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_the_semi_ar_sampler_reads_the_head_at_its_blocks_slots_only(temperature, score):
-    """semi_ar on the DiT runs the head at its block's slots (and, for the draw under max_prob, at the committing
-    rows): tokens, confidences, NFE and row NFE those of the logits path, both kinds of generators; fn never called."""
-    from flowlm.samplers import SemiARConfidenceSampler
-    from tests.samplers.oracles import LogitsSemiAR
-
-    model = random_mdm().denoiser()
-    calls = []
-    spied = dataclasses.replace(model, fn=lambda x, t: calls.append(1) or model.fn(x, t))
-    g = torch.Generator().manual_seed(6)
-    prompt = torch.randint(0, 7, (4, 24), generator=g)
-    mask = torch.arange(24) < torch.tensor([[3], [5], [0], [8]])
-    options = {"block_length": 5, "temperature": temperature, "score": score}
+    options = {**options, "temperature": temperature}
     for gen in (lambda: torch.Generator().manual_seed(4), lambda: [torch.Generator().manual_seed(s) for s in range(4)]):
         with torch.no_grad():
-            got = SemiARConfidenceSampler(**options)(spied, prompt=prompt, prompt_mask=mask, nfe=10, generator=gen())
+            got = head_path(**options)(spied, prompt=prompt, prompt_mask=mask, nfe=nfe, generator=gen())
             assert calls == []
-            want = LogitsSemiAR(**options)(spied, prompt=prompt, prompt_mask=mask, nfe=10, generator=gen())
+            want = logits_path(**options)(spied, prompt=prompt, prompt_mask=mask, nfe=nfe, generator=gen())
         assert calls and torch.equal(got.tokens, want.tokens) and got.nfe == want.nfe
-        assert torch.equal(got.row_nfe, want.row_nfe)
+        assert (got.row_nfe is None) == (want.row_nfe is None)
+        assert got.row_nfe is None or torch.equal(got.row_nfe, want.row_nfe)
         torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
         calls.clear()
