@@ -159,6 +159,25 @@ def draw_rows(
     return index, log_p
 
 
+def draw_at(
+    source: Tensor,
+    rows: Tensor,
+    temperature: float,
+    generator: Generators,
+    *,
+    uniforms: Tensor | None = None,
+    linear: Sequence[Tensor | None] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``draw_rows`` at the flat rows ``rows`` of ``source``: (N, |V|) logits, or with ``linear`` = (W, b) the (N, d)
+    inputs of an output head Linear(d, |V|), whose product is made at those rows only (an MDM sampler reading its
+    network's head in vocabulary chunks, ``MaskedDenoiser.head_fn``). ``uniforms``: per-row generators' u of every
+    row of ``source`` (``row_uniforms``), read at ``rows`` either way."""
+    if linear is None:
+        return draw_rows(source, temperature, generator, rows=rows, uniforms=uniforms)
+    own = None if uniforms is None else uniforms.reshape(-1)[rows]
+    return draw_rows(torch.nn.functional.linear(source[rows], *linear), temperature, generator, uniforms=own)
+
+
 def finite(top: Tensor) -> Tensor:
     """A chunk's max as the shift of its exp: 0 where the whole chunk is −inf (mass exp(−inf) = 0, not −inf + inf)."""
     return torch.where(top == -torch.inf, 0.0, top)

@@ -42,10 +42,9 @@ from abc import abstractmethod
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from flowlm.ops.draws import check_generators, draw_rows, row_uniforms
+from flowlm.ops.draws import check_generators, draw_at, row_uniforms
 from flowlm.ops.summary import PositionSummary, chunked_head_summary, chunked_summary
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
 from flowlm.samplers.block_cache import BlockCachedReader, check_cache
@@ -145,17 +144,6 @@ class AdaptiveMDMSampler(PlannedSampler):
         flat = chunked_head_summary(features, weight, bias, margin=self.score == "margin", entropy=self.reads_entropy())
         return self.spread_stats(flat, at, shape)
 
-    def draw_at(
-        self, rows: Tensor, by_row: Tensor, linear: list[Tensor | None] | None, per_row: Tensor | None, generator
-    ) -> tuple[Tensor, Tensor]:
-        """A draw at T at the flat positions ``rows`` and its log p: from the logits' rows (``by_row`` (B·L, |V|)), or
-        with ``linear`` = (W, b) from the features' rows (``by_row`` (B·L, d)) through the head, at those rows only;
-        ``per_row``: the uniforms of per-row generators (B, L)."""
-        if linear is None:
-            return draw_rows(by_row, self.temperature, generator, rows=rows, uniforms=per_row)
-        u = None if per_row is None else per_row.reshape(-1)[rows]
-        return draw_rows(F.linear(by_row[rows], *linear), self.temperature, generator, uniforms=u)
-
     def reads_entropy(self) -> bool:
         """Whether the rank or the rule reads the entropy."""
         return self.score == "entropy" or self.rule_reads_entropy
@@ -219,7 +207,7 @@ class AdaptiveMDMSampler(PlannedSampler):
             row_nfe += masked.any(-1)
             per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
             if drawn_first:  # the rule reads the drawn token's p: the draw at every eligible position first
-                drawn, log_p = self.draw_at(at, by_row, linear, per_row, generator)
+                drawn, log_p = draw_at(by_row, at, self.temperature, generator, uniforms=per_row, linear=linear)
                 stats = stats._replace(
                     confidence=spread(log_p.exp(), at, x.shape, 0.0), token=spread(drawn, at, x.shape, 0)
                 )
@@ -238,7 +226,7 @@ class AdaptiveMDMSampler(PlannedSampler):
             candidate, p_candidate = stats.token, stats.confidence.float()
             if self.temperature > 0 and not drawn_first:  # the draw at the committing positions only
                 rows = commit.view(-1).nonzero().squeeze(1)  # T > 0: the call's second host read
-                drawn, log_p = self.draw_at(rows, by_row, linear, per_row, generator)
+                drawn, log_p = draw_at(by_row, rows, self.temperature, generator, uniforms=per_row, linear=linear)
                 candidate = candidate.view(-1).index_copy(0, rows, drawn).view_as(x)
                 p_candidate = p_candidate.view(-1).index_copy(0, rows, log_p.exp().float()).view_as(x)
             x = torch.where(commit, candidate, x)

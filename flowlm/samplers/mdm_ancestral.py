@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flowlm.ops.draws import draw_rows, draw_uniforms, row_uniforms
+from flowlm.ops.draws import draw_at, draw_uniforms, row_uniforms
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
 from flowlm.samplers.guidance import GuidedSampler
 
@@ -69,28 +69,18 @@ class AncestralSampler(GuidedSampler):
             unmask = masked & (u < p_unmask)
             rows = unmask.nonzero(as_tuple=True)  # the step's one host read (how many positions unmask)
             n_unmask = rows[0].numel()
-            if n_unmask and head is not None:  # the head's product at the unmasking rows only
-                flat = rows[0] * x.shape[1] + rows[1]
-                picked = F.linear(logits.reshape(-1, logits.shape[-1])[flat], *linear)
+            if n_unmask:
+                flat = rows[0] * x.shape[1] + rows[1]  # the rows of the call's output viewed as (B·L, ·)
+                source = logits.reshape(-1, logits.shape[-1])  # logits, or with ``head`` the head's input
+                through = None if head is None else linear  # the head's product at the unmasking rows only
                 if self.temperature == 0:
-                    picked = picked.float()
-                    draw = picked.argmax(-1)
-                    p_draw = (picked.gather(-1, draw[:, None]).squeeze(-1) - picked.logsumexp(-1)).exp()
-                else:
-                    own = None if categorical is None else categorical.reshape(-1)[flat]
-                    draw, log_p = draw_rows(picked, self.temperature, generator, uniforms=own)
-                    p_draw = log_p.exp().float()
-                x = x.index_put(rows, draw.to(x.dtype))
-                confidence = confidence.index_put(rows, p_draw)
-            elif n_unmask:
-                if self.temperature == 0:
-                    picked = logits[rows].float()
+                    picked = (source[flat] if through is None else F.linear(source[flat], *through)).float()
                     draw = picked.argmax(-1)
                     p_draw = (picked.gather(-1, draw[:, None]).squeeze(-1) - picked.logsumexp(-1)).exp()
                 else:  # read in column tiles from the logits themselves: no (n, |V|) gather, cast or second pass
-                    flat = rows[0] * x.shape[1] + rows[1]  # the rows of logits viewed as (B·L, |V|)
-                    by_row = logits.reshape(-1, logits.shape[-1])
-                    draw, log_p = draw_rows(by_row, self.temperature, generator, rows=flat, uniforms=categorical)
+                    draw, log_p = draw_at(
+                        source, flat, self.temperature, generator, uniforms=categorical, linear=through
+                    )
                     p_draw = log_p.exp().float()
                 x = x.index_put(rows, draw.to(x.dtype))
                 confidence = confidence.index_put(rows, p_draw)

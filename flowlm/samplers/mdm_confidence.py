@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from flowlm.ops.compiled import compilable, tails_enabled
-from flowlm.ops.draws import draw_rows, pick_tokens, row_uniforms
+from flowlm.ops.draws import draw_at, pick_tokens, row_uniforms
 from flowlm.ops.summary import chunked_head_summary, chunked_max_log_prob
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
 from flowlm.samplers.guidance import GuidedSampler
@@ -98,13 +97,15 @@ class ConfidenceSampler(GuidedSampler):
                     top = order[:, :k_max]  # every committing slot of a row is among its first k_max
                     per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
                     at = flat.gather(1, top).view(-1)
-                    if head is None:
-                        by_row = logits.reshape(-1, logits.shape[-1])
-                        drawn, log_p = draw_rows(by_row, self.temperature, generator, rows=at, uniforms=per_row)
-                    else:  # the committing rows' logits through the head, at those rows only
-                        u = None if per_row is None else per_row.reshape(-1)[at]
-                        rows = F.linear(by_feature[at], *linear)
-                        drawn, log_p = draw_rows(rows, self.temperature, generator, uniforms=u)
+                    source = logits.reshape(-1, logits.shape[-1]) if head is None else by_feature
+                    drawn, log_p = draw_at(
+                        source,
+                        at,
+                        self.temperature,
+                        generator,
+                        uniforms=per_row,
+                        linear=None if head is None else linear,
+                    )
                     candidate = candidate.scatter(1, top, drawn.view(top.shape))
                     p_candidate = score.scatter(1, top, log_p.float().view(top.shape))
                 x, confidence = commit_slots(x, confidence, slot, commit, candidate, p_candidate)

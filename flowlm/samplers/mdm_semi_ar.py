@@ -6,10 +6,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from flowlm.ops.draws import draw_rows, row_uniforms
+from flowlm.ops.draws import draw_at, row_uniforms
 from flowlm.ops.summary import chunked_head_summary
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput, Sampler
 from flowlm.samplers.block_cache import BlockCachedReader, check_cache
@@ -175,10 +174,7 @@ class SemiARConfidenceSampler(GuidedSampler):
         per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
 
         def draw(rows: Tensor) -> tuple[Tensor, Tensor]:  # at the flat positions ``rows``
-            if linear is None:
-                return draw_rows(by_row, self.temperature, generator, rows=rows, uniforms=per_row)
-            own = None if per_row is None else per_row.reshape(-1)[rows]
-            return draw_rows(F.linear(by_row[rows], *linear), self.temperature, generator, uniforms=own)
+            return draw_at(by_row, rows, self.temperature, generator, uniforms=per_row, linear=linear)
 
         if draw_all:
             drawn, log_p = draw(flat)
