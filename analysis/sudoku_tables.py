@@ -59,6 +59,8 @@ REQUIRED = [*KEY, "seed", "date"]  # a results CSV's header holds these (callbac
 NUMERIC = ["nfe_budget", "seed", "eval_seed", *MEASURES, *TRAINING]  # blank or a number in every row
 DATE_FORMAT = "%Y-%m-%dT%H:%M:%SZ"  # callbacks/results_csv.py's `date`
 ROWS_CSV = "rows.csv"  # the report's merged rows: the results schema, so never read back (report_folders)
+# Rows of an earlier protocol, kept for the record and out of the tables (results/sudoku/superseded/README.md).
+SUPERSEDED = "superseded"
 
 
 def report_folders(folder: Path) -> set[Path]:
@@ -73,9 +75,11 @@ def read_results(folder: str | Path, *, skip: Iterable[str | Path] = ()) -> pd.D
     read: the folders in ``skip`` (the report's own ``out``), any folder holding a report (report_folders), and, each
     named in a ResultsCSVWarning, a file that is empty, not UTF-8 or whose header is not the results schema, and the
     rows of a file with a wrong field count (a cut line), a non-number in a numeric column (a decimal comma) or a
-    date not in DATE_FORMAT. ``attrs["skipped"]``: 'path (why)' of each."""
+    date not in DATE_FORMAT. ``attrs["skipped"]``: 'path (why)' of each. A folder named SUPERSEDED below ``folder``
+    holds rows of an earlier protocol: not read (read it as ``folder`` itself to see them)."""
     folder = Path(folder)
     skip = [Path(s).resolve() for s in skip]
+    skip += [p.resolve() for p in folder.rglob(SUPERSEDED) if p.is_dir()] if folder.is_dir() else []
     reports = report_folders(folder) if folder.is_dir() else set()
     files = [
         f

@@ -60,6 +60,19 @@ class RunCheckpoint(ModelCheckpoint):
     # The hook arguments of a batch whose saves wait for the validation that follows it.
     _after_validation: tuple | None = None
 
+    @property
+    def state_key(self) -> str:
+        """Lightning's key with the file-name pattern in it: two of these in one trainer may share an interval (the
+        Sudoku tables' ``curve`` checkpoints beside the resume checkpoint), which Lightning's key alone refuses."""
+        return self._generate_state_key(
+            monitor=self.monitor,
+            mode=self.mode,
+            every_n_train_steps=self._every_n_train_steps,
+            every_n_epochs=self._every_n_epochs,
+            train_time_interval=self._train_time_interval,
+            filename=self.filename,
+        )
+
     def setup(self, trainer, pl_module, stage: str) -> None:
         """Resolve the folder (Lightning), route the trainer's file saves through ``AtomicCheckpointIO``, and remove
         temporary files of killed saves (rank 0)."""

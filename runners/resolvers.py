@@ -100,16 +100,30 @@ def short_hash(text: object) -> str:
     return hashlib.sha1(str(text).encode()).hexdigest()[:10]
 
 
-def sudoku_table_nfe(conditional: bool, box_rows: int, box_cols: int, difficulty: str | None) -> list[int]:
+def sudoku_table_nfe(
+    conditional: bool, box_rows: int, box_cols: int, difficulty: str | None, family: str | None = None
+) -> list[int]:
     """The NFE budgets of the papers' Sudoku tables (docs/results.md): conditional 4 (PR's R = 4, N = 1) and the
-    number of empty cells (full); unconditional 1, 3, 9, 27 and n² (the paper's 1 / 3 / 9 / 27 / 81 on 9×9)."""
+    number of empty cells (full); unconditional 1, 3, 9, 27 and n² (the paper's 1 / 3 / 9 / 27 / 81 on 9×9). An MDM
+    (``family`` mdm) on a conditional task also gets one call per position it generates (n² + n − 1: clue copies and
+    separators included), the regime of the paper's MDLM row at 128 NFE on 9×9's 89 positions: at most one token per
+    call (issue 47)."""
     from flowlm.tasks.sudoku import SudokuSpec, clues_for  # here: the package imports torch (`--help` needs none)
 
     spec = SudokuSpec(int(box_rows), int(box_cols))
     cells = spec.n**2
     if not conditional:
         return sorted({*(b for b in (1, 3, 9, 27) if b < cells), cells})
-    return sorted({4, cells - clues_for(spec, str(difficulty))})
+    one_per_call = {cells + spec.n - 1} if family == "mdm" else set()
+    return sorted({4, cells - clues_for(spec, str(difficulty)), *one_per_call})
+
+
+def steps_share(total: int, share: float) -> int:
+    """``share`` of ``total`` optimizer steps, rounded: a warm-up scaled with the budget as the released recipe's
+    (2 500 of 20 000 steps: 0.125)."""
+    if int(total) < 0 or not 0.0 <= float(share) <= 1.0:
+        raise ValueError(f"steps_share needs total >= 0 and share in [0, 1], got {total!r} and {share!r}")
+    return round(int(total) * float(share))
 
 
 # One folder name of a run's path (``name``, each ``/``-separated part of ``run_name``): word characters and
@@ -167,6 +181,8 @@ OmegaConf.register_new_resolver("flowlm.hash", short_hash, replace=True)
 OmegaConf.register_new_resolver(
     "flowlm.or_default", lambda value, default: default if value is None else value, replace=True
 )
+# `${flowlm.steps_share:${trainer.max_steps},0.125}`: hparams_search=sudoku_tables's warm-up, scaled with the budget.
+OmegaConf.register_new_resolver("flowlm.steps_share", steps_share, replace=True)
 # `${flowlm.sudoku_table_nfe:...}`: the budgets of hparams_search=sudoku_tables, from the task's data config.
 OmegaConf.register_new_resolver(
     "flowlm.sudoku_table_nfe", lambda *args: OmegaConf.create(sudoku_table_nfe(*args)), replace=True

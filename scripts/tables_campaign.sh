@@ -5,8 +5,9 @@
 #
 #   scripts/tables_campaign.sh start      # clone this checkout to $CAMPAIGN/code, train the plan below in the
 #                                         # background (nohup, nice 10); a relaunch resumes the unfinished model;
-#                                         # each MDM, once trained, is re-evaluated with the fast decoders
-#                                         # (eval=sudoku_mdm_fast, sampling only: its <exp>_seed<n>_eval.csv)
+#                                         # each model, once trained, is sampled offline (its <exp>_seed<n>_eval.csv):
+#                                         # its curve (scripts/sudoku_curve.sh: the checkpoints at each eighth of
+#                                         # the budget) and, for an MDM, the fast decoders (scripts/mdm_fast_eval.sh)
 #   scripts/tables_campaign.sh status     # each model: done / running (its last step and val loss) / waiting
 #   scripts/tables_campaign.sh collect    # copy finished CSVs into results/sudoku/, regenerate the report
 #   scripts/tables_campaign.sh update     # the campaign's clone takes this checkout's new commits (next model on)
@@ -20,7 +21,8 @@
 # Its folders live outside the work tree (which may be laid anew): $FLOWLM_CAMPAIGN, default ../flowlm_campaign
 # beside the checkout: code/ (the clone it trains from, so editing the checkout never changes a running campaign),
 # runs/, data/, results/, done/ (one marker per finished model), campaign.log and one log per model in logs/.
-# One campaign at a time: `start` takes campaign.lock (an exclusive flock, as runners/common.py takes a run folder's
+# Committed rows are read from $FLOWLM_COMMITTED (default: this checkout's results/sudoku; its report/ and
+# superseded/ folders are not rows of the tables). One campaign at a time: `start` takes campaign.lock (an exclusive flock, as runners/common.py takes a run folder's
 # run.lock) and hands it to its runner, whose every process inherits it; a second `start` is refused, naming the
 # running one, until the last of them has ended. `status` only reads.
 # If the machine was replaced (the folders are gone), `start` begins again with the first unfinished model; the
@@ -33,18 +35,25 @@ CAMPAIGN="$(realpath -m "${FLOWLM_CAMPAIGN:-$ROOT/../flowlm_campaign}")"  # made
 LOCK="$CAMPAIGN/campaign.lock"
 PYTHON="${FLOWLM_PYTHON:-$ROOT/.venv/bin/python}"
 THREADS="${FLOWLM_THREADS:-$(nproc)}"
+COMMITTED="${FLOWLM_COMMITTED:-$ROOT/results/sudoku}"
 
-# The plan, in order (experiment:seed), issue 35: (a) easy seed 0, the MDM first as every other easy model's
-# source; (b) unconditional seed 0; (c) easy seeds 1 and 2 of the MDM and the MDM-initialised FMLM+;
-# (d) medium and hard seed 0. Override with FLOWLM_CAMPAIGN_PLAN="exp:seed exp:seed ...".
+# The plan, in order (experiment:seed), issue 47's fixed-budget protocol: (a) the headline pair, the easy MDM and
+# FMLM+ from scratch, seeds 0–4 (the easy MDM of seed 0 first: its curve checks the budget); (b) the unconditional
+# pair, seeds 0–2; (c) the easy strategy rows (MDM-initialised, distilled, MLFM), seeds 0–2; (d) medium and hard,
+# seed 0. Override with FLOWLM_CAMPAIGN_PLAN="exp:seed exp:seed ...".
 PLAN_DEFAULT="
-sudoku_mdm_easy:0 sudoku_fmlm_plus_distill_easy:0 sudoku_mlfm_easy:0 sudoku_fmlm_plus_scratch_easy:0
-sudoku_mdm_uncond:0 sudoku_fmlm_plus_init_uncond:0 sudoku_fmlm_plus_distill_uncond:0 sudoku_fmlm_plus_scratch_uncond:0
-sudoku_mdm_easy:1 sudoku_fmlm_plus_init_easy:1 sudoku_mdm_easy:2 sudoku_fmlm_plus_init_easy:2
-sudoku_mdm_medium:0 sudoku_fmlm_plus_init_medium:0 sudoku_fmlm_plus_distill_medium:0 sudoku_mlfm_medium:0
-sudoku_fmlm_plus_scratch_medium:0
-sudoku_mdm_hard:0 sudoku_fmlm_plus_init_hard:0 sudoku_fmlm_plus_distill_hard:0 sudoku_mlfm_hard:0
-sudoku_fmlm_plus_scratch_hard:0
+sudoku_mdm_easy:0 sudoku_fmlm_plus_scratch_easy:0 sudoku_mdm_easy:1 sudoku_fmlm_plus_scratch_easy:1
+sudoku_mdm_easy:2 sudoku_fmlm_plus_scratch_easy:2 sudoku_mdm_easy:3 sudoku_fmlm_plus_scratch_easy:3
+sudoku_mdm_easy:4 sudoku_fmlm_plus_scratch_easy:4
+sudoku_mdm_uncond:0 sudoku_fmlm_plus_scratch_uncond:0 sudoku_mdm_uncond:1 sudoku_fmlm_plus_scratch_uncond:1
+sudoku_mdm_uncond:2 sudoku_fmlm_plus_scratch_uncond:2
+sudoku_fmlm_plus_init_easy:0 sudoku_fmlm_plus_distill_easy:0 sudoku_mlfm_easy:0
+sudoku_fmlm_plus_init_easy:1 sudoku_fmlm_plus_distill_easy:1 sudoku_mlfm_easy:1
+sudoku_fmlm_plus_init_easy:2 sudoku_fmlm_plus_distill_easy:2 sudoku_mlfm_easy:2
+sudoku_mdm_medium:0 sudoku_fmlm_plus_scratch_medium:0 sudoku_fmlm_plus_init_medium:0
+sudoku_fmlm_plus_distill_medium:0 sudoku_mlfm_medium:0
+sudoku_mdm_hard:0 sudoku_fmlm_plus_scratch_hard:0 sudoku_fmlm_plus_init_hard:0 sudoku_fmlm_plus_distill_hard:0
+sudoku_mlfm_hard:0
 "
 PLAN="${FLOWLM_CAMPAIGN_PLAN:-$PLAN_DEFAULT}"
 
@@ -53,7 +62,9 @@ source_of() {  # the experiment a model is built from (its config's `source:` li
 }
 
 committed_csv() {  # the committed results CSV of experiment $1, seed $2, if there is one
-    find "$ROOT/results/sudoku" -path "$ROOT/results/sudoku/report" -prune -o -name "$1_seed$2.csv" -print | head -n 1
+    [[ -d "$COMMITTED" ]] || return 0
+    find "$COMMITTED" \( -path "$COMMITTED/report" -o -path "$COMMITTED/superseded" \) -prune -o -name "$1_seed$2.csv" \
+        -print | head -n 1
 }
 
 is_done() { [[ -e "$CAMPAIGN/done/$1_seed$2" ]]; }
@@ -92,29 +103,34 @@ train_one() {  # train (or resume) one model from the campaign's clone; the mark
     fi
 }
 
-fast_eval_due() {  # whether the MDM $1 at seed $2 is finished and its fast decoders are still to be evaluated
-    [[ "$1" == sudoku_mdm_* ]] && is_done "$1" "$2" && ! is_done "$1" "$2_eval" \
+eval_due() {  # whether the model $1 at seed $2 is finished and its offline evaluations are still to be run
+    is_done "$1" "$2" && ! is_done "$1" "$2_eval" \
         && { [[ -z "$(committed_csv "$1" "$2_eval")" ]] || is_redo "$1" "$2_eval"; }
 }
 
-fast_eval_one() {  # issue 35 item 3: a finished MDM re-evaluated with the field's fast decoders (mdm_fast_eval.sh)
-    local exp="$1" seed="$2"
-    echo "$(date -u +%FT%TZ) start $exp seed $seed: fast decoders"
-    if [[ ! -f "$CAMPAIGN/code/scripts/mdm_fast_eval.sh" ]]; then  # the clone's, as its code: a clone from before it
-        echo "$(date -u +%FT%TZ) FAILED $exp seed $seed: the campaign's clone has no scripts/mdm_fast_eval.sh: 'update'"
-        return 1
-    fi
-    if (cd "$CAMPAIGN/code" && env PYTHONPATH="$CAMPAIGN/code" FLOWLM_PYTHON="$PYTHON" FLOWLM_RUNS="$CAMPAIGN/runs" \
+eval_script() {  # run the clone's evaluation script $1 on the run of $2 at seed $3 (sampling only)
+    (cd "$CAMPAIGN/code" && env PYTHONPATH="$CAMPAIGN/code" FLOWLM_PYTHON="$PYTHON" FLOWLM_RUNS="$CAMPAIGN/runs" \
         FLOWLM_DATA="$CAMPAIGN/data" OMP_NUM_THREADS="$THREADS" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 MPLBACKEND=Agg \
-        nice -n 10 bash "$CAMPAIGN/code/scripts/mdm_fast_eval.sh" "$CAMPAIGN/runs/$exp/cpu/seed$seed" \
-        "$CAMPAIGN/results/sudoku") >>"$CAMPAIGN/logs/${exp}_seed${seed}_eval.log" 2>&1; then
-        touch "$CAMPAIGN/done/${exp}_seed${seed}_eval"
-        rm -f "$CAMPAIGN/redo/${exp}_seed${seed}_eval"
-        echo "$(date -u +%FT%TZ) done $exp seed $seed: fast decoders"
-    else
-        echo "$(date -u +%FT%TZ) FAILED $exp seed $seed: fast decoders, see $CAMPAIGN/logs/${exp}_seed${seed}_eval.log"
-        return 1
-    fi
+        nice -n 10 bash "$CAMPAIGN/code/scripts/$1" "$CAMPAIGN/runs/$2/cpu/seed$3" "$CAMPAIGN/results/sudoku")
+}
+
+eval_one() {  # a finished model sampled offline: its curve (issue 47), then an MDM's fast decoders (issue 35)
+    local exp="$1" seed="$2" script scripts=(sudoku_curve.sh)
+    [[ "$exp" == sudoku_mdm_* ]] && scripts+=(mdm_fast_eval.sh)
+    echo "$(date -u +%FT%TZ) start $exp seed $seed: evaluations (${scripts[*]})"
+    for script in "${scripts[@]}"; do
+        if [[ ! -f "$CAMPAIGN/code/scripts/$script" ]]; then  # the clone's, as its code: a clone from before it
+            echo "$(date -u +%FT%TZ) FAILED $exp seed $seed: the campaign's clone has no scripts/$script: 'update'"
+            return 1
+        fi
+        if ! eval_script "$script" "$exp" "$seed" >>"$CAMPAIGN/logs/${exp}_seed${seed}_eval.log" 2>&1; then
+            echo "$(date -u +%FT%TZ) FAILED $exp seed $seed: $script, see $CAMPAIGN/logs/${exp}_seed${seed}_eval.log"
+            return 1
+        fi
+    done
+    touch "$CAMPAIGN/done/${exp}_seed${seed}_eval"
+    rm -f "$CAMPAIGN/redo/${exp}_seed${seed}_eval"
+    echo "$(date -u +%FT%TZ) done $exp seed $seed: evaluations"
 }
 
 run_plan() {
@@ -123,7 +139,7 @@ run_plan() {
         i=$((i + 1))
         exp="${item%%:*}" seed="${item##*:}"
         if is_done "$exp" "$seed"; then
-            if fast_eval_due "$exp" "$seed"; then fast_eval_one "$exp" "$seed" || exit 1; fi
+            if eval_due "$exp" "$seed"; then eval_one "$exp" "$seed" || exit 1; fi
             continue
         fi
         if [[ -n "$(committed_csv "$exp" "$seed")" ]] && ! is_redo "$exp" "$seed" && ! needed_later "$exp" "$seed" "$i"; then
@@ -131,7 +147,7 @@ run_plan() {
             continue
         fi
         train_one "$exp" "$seed" || exit 1  # a failure stops the campaign: it is not silently skipped
-        if fast_eval_due "$exp" "$seed"; then fast_eval_one "$exp" "$seed" || exit 1; fi
+        if eval_due "$exp" "$seed"; then eval_one "$exp" "$seed" || exit 1; fi
     done
     echo "$(date -u +%FT%TZ) the plan is finished"
 }
@@ -238,9 +254,7 @@ redo)
         echo "moved what $2 seed $3 left to $aside"
     fi
     mkdir -p "$CAMPAIGN/redo" && touch "$CAMPAIGN/redo/$2_seed$3" && rm -f "$CAMPAIGN/done/$2_seed$3"
-    if [[ "$2" == sudoku_mdm_* ]]; then  # new weights: its fast decoders are evaluated again too
-        touch "$CAMPAIGN/redo/$2_seed$3_eval" && rm -f "$CAMPAIGN/done/$2_seed$3_eval"
-    fi
+    touch "$CAMPAIGN/redo/$2_seed$3_eval" && rm -f "$CAMPAIGN/done/$2_seed$3_eval"  # new weights: sampled again
     if [[ "${4:-}" == --fresh ]]; then echo "$2 seed $3 trains again from the start when its turn in the plan comes"
     else echo "$2 seed $3 trains again when its turn in the plan comes (from its last checkpoint where there is one)"; fi
     ;;
@@ -259,7 +273,7 @@ status)
     for item in $PLAN; do
         exp="${item%%:*}" seed="${item##*:}"
         record="$CAMPAIGN/runs/$exp/cpu/seed$seed/convergence.json"
-        if fast_eval_due "$exp" "$seed"; then state="trained; its fast decoders are evaluated next"
+        if eval_due "$exp" "$seed"; then state="trained; its curve and evaluations are sampled next"
         elif is_done "$exp" "$seed"; then state="done"
         elif [[ -f "$record" ]]; then
             state="$("$PYTHON" -c 'import json,sys; r=json.load(open(sys.argv[1])); v=r["final_val_loss"]; print("running: step {}, val loss {}, {:.0f} min".format(r["steps"], v if v is None else round(v, 4), r["wall_s"] / 60))' "$record")" || state="running (record unreadable)"

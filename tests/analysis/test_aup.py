@@ -113,7 +113,7 @@ def test_an_adaptive_sampler_sits_at_its_mean_nfe_on_the_speed_quality_plot(tmp_
 def test_the_committed_results_csvs_still_load_and_get_a_tpf():
     """Most CSVs under results/ predate the TPF and NFE-spread columns (later ones have them): read, aggregated, TPF
     from the layout where a row has none."""
-    rows = read_results(RESULTS, skip=[RESULTS / "report"])
+    rows = read_results(RESULTS / "superseded")  # the rows of the convergence protocol (issue 47)
     assert len(rows) and ("tpf" not in rows.columns or rows["tpf"].isna().any())
     agg = aggregate(rows)
     fixed = agg[(agg["sampler"] == "confidence") & (agg["difficulty"] == "easy") & (agg["nfe_budget"] == 4)]
@@ -151,3 +151,10 @@ def test_the_mdms_best_decoder_is_judged_by_its_own_line_and_prs_mean_nfe():
     fast = table[table["claim"].str.contains("best decoder")].set_index("compared")["verdict"]
     assert fast["FMLM+ init PR@4 (3.0 NFE) 80.0 vs MDM threshold@18 (2.9 NFE) 60.0"].startswith("inconclusive")
     assert fast["FMLM+ scratch PR@4 — vs MDM eb gamma=1.0@18 (3.8 NFE) 70.0"] == "not measured"  # PR's cap, 4
+
+
+def test_rows_of_a_superseded_protocol_are_not_read_into_the_tables(tmp_path):
+    write_rows(tmp_path / "easy" / "new.csv", [row("MDM", "scratch", "ancestral", 4, 0, 50.0)])
+    write_rows(tmp_path / "superseded" / "easy" / "old.csv", [row("MDM", "scratch", "ancestral", 4, 0, 90.0)])
+    assert read_results(tmp_path)["accuracy"].tolist() == [50.0]
+    assert read_results(tmp_path / "superseded")["accuracy"].tolist() == [90.0]  # readable on its own

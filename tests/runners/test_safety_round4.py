@@ -182,7 +182,7 @@ def test_a_row_written_before_rows_named_their_seed_is_replaced_by_the_default_s
     from callbacks.results_csv import COLUMNS
     from runners.evaluate import earlier_rows
 
-    committed = next(Path(__file__).parents[2].glob("results/sudoku/*/*_seed0_eval.csv"))
+    committed = next(Path(__file__).parents[2].glob("results/sudoku/superseded/*/*_seed0_eval.csv"))
     old = _eval_rows(committed)
     assert old and "eval_seed" not in old[0]
     path = tmp_path / committed.name

@@ -16,11 +16,22 @@ from pathlib import Path
 from flowlm.project import PROJECT_DIR
 
 SCRIPT = Path(PROJECT_DIR) / "scripts" / "tables_campaign.sh"
-COMMITTED = "sudoku_mdm_easy:0"  # results/sudoku/sudoku_easy_6x6/sudoku_mdm_easy_seed0{,_eval}.csv are committed
-FAST_EVAL = (  # the evaluation at the training run's budgets, puzzles and sampling seed (its run_config.yaml)
+COMMITTED = "sudoku_mdm_easy:0"  # committed_rows(): sudoku_mdm_easy_seed0{,_eval}.csv
+CURVE = (  # the curve's checkpoint, sampled with the run's samplers, budgets, puzzles and seed (its run_config.yaml)
+    "evaluate {exp}/cpu/seed{seed}/checkpoints/curve-step0000001.ckpt eval=sudoku_{family} seed={seed} "
+    "eval.nfe=[4,18] eval.max_batches=2 eval.seed={seed}"
+)
+FAST = (  # an MDM's fast decoders at the training run's budgets, puzzles and sampling seed
     "evaluate sudoku_mdm_easy/cpu/seed{seed}/checkpoints/last.ckpt eval=sudoku_mdm_fast seed={seed} "
     "eval.nfe=[4,18] eval.max_batches=2 eval.seed={seed}"
 )
+
+
+def evaluations(seed: int, exp: str = "sudoku_mdm_easy") -> list[str]:
+    """What the campaign samples once ``exp`` at ``seed`` is trained: its curve, then an MDM's fast decoders."""
+    family = "mdm" if exp.startswith("sudoku_mdm") else "flow"
+    curve = CURVE.format(exp=exp, seed=seed, family=family)
+    return [curve, FAST.format(seed=seed)] if family == "mdm" else [curve]
 
 
 # The stand-in for the campaign's python: a training records the experiment and seed it was asked for and writes the
@@ -30,7 +41,7 @@ STAND_IN = """#!/bin/bash
 if [[ "$1" == -c ]]; then exec {python} "$@"; fi
 if [[ "$*" == *runners.evaluate* ]]; then
     [[ -e {tmp}/fail_eval ]] && exit 1
-    echo "$*" | grep -o "runs/[a-z_]*/cpu/seed[0-9]*/checkpoints/last.ckpt eval=sudoku_mdm_fast .*eval.seed=[0-9]*" \
+    echo "$*" | grep -o "runs/[a-z_]*/cpu/seed[0-9]*/checkpoints/[a-z0-9-]*.ckpt eval=[a-z_]* .*eval.seed=[0-9]*" \
         | sed "s|^runs/|evaluate |" >> {tmp}/trained.txt
     exit 0
 fi
@@ -38,8 +49,10 @@ exp=$(echo "$*" | grep -o "experiment=[a-z_]*" | cut -d= -f2)
 seed=$(echo "$*" | grep -o "seed=[0-9]*" | cut -d= -f2)
 echo "experiment=$exp seed=$seed" >> {tmp}/trained.txt
 run="$FLOWLM_RUNS/$exp/cpu/seed$seed"
-mkdir -p "$run/checkpoints" && touch "$run/checkpoints/last.ckpt"
-printf "seed: $seed\\neval:\\n  nfe: [4, 18]\\n  max_batches: 2\\n  seed: $seed\\n" > "$run/run_config.yaml"
+family=$([[ $exp == sudoku_mdm* ]] && echo mdm || echo flow)
+mkdir -p "$run/checkpoints" && touch "$run/checkpoints/last.ckpt" "$run/checkpoints/curve-step0000001.ckpt"
+printf "seed: $seed\\nfamily: $family\\ntrainer: {{max_steps: 2}}\\n" > "$run/run_config.yaml"
+printf "eval:\\n  nfe: [4, 18]\\n  max_batches: 2\\n  seed: $seed\\n" >> "$run/run_config.yaml"
 if [[ -e {tmp}/block ]]; then  # a long training: it runs while `block` exists; SIGTERM ends it once `linger` is gone
     echo $$ >> {tmp}/trainers.txt
     trap 'while [[ -e {tmp}/linger ]]; do sleep 0.1; done; exit 143' TERM
@@ -55,8 +68,15 @@ def campaign_env(tmp_path: Path, plan: str) -> dict[str, str]:
     python.chmod(0o755)
     code = tmp_path / "campaign" / "code"
     if not code.exists():
-        (code / "scripts").mkdir(parents=True)  # the clone's evaluation script, which the campaign runs
+        (code / "scripts").mkdir(parents=True)  # the clone's evaluation scripts, which the campaign runs
         shutil.copy(SCRIPT.with_name("mdm_fast_eval.sh"), code / "scripts")
+        shutil.copy(SCRIPT.with_name("sudoku_curve.sh"), code / "scripts")
+    committed = tmp_path / "committed"
+    if not committed.exists():  # the committed rows: seed 0 of the easy MDM (and, superseded, seed 7's)
+        for folder, name in [("easy", "sudoku_mdm_easy_seed0"), ("superseded/easy", "sudoku_mdm_easy_seed7")]:
+            for suffix in ("", "_eval"):
+                (committed / folder).mkdir(parents=True, exist_ok=True)
+                (committed / folder / f"{name}{suffix}.csv").write_text("rows\n")
         subprocess.run(["git", "init", "-q", str(code)], check=True)
         subprocess.run(
             ["git", "-C", str(code), "commit", "-q", "--allow-empty", "-m", "x"],
@@ -74,6 +94,7 @@ def campaign_env(tmp_path: Path, plan: str) -> dict[str, str]:
         "FLOWLM_CAMPAIGN": str(tmp_path / "campaign"),
         "FLOWLM_PYTHON": str(python),
         "FLOWLM_CAMPAIGN_PLAN": plan,
+        "FLOWLM_COMMITTED": str(committed),
     }
 
 
@@ -89,8 +110,9 @@ def campaign(
 def test_committed_rows_are_skipped_unless_redone(tmp_path):
     done, trained = campaign(tmp_path, "run")
     assert done.returncode == 0, done.stderr
-    # seed 0's rows (and its fast decoders' rows) are committed; seed 7 trains, then its fast decoders are evaluated
-    assert trained == ["experiment=sudoku_mdm_easy seed=7", FAST_EVAL.format(seed=7)]
+    # seed 0's rows (and its evaluations' rows) are committed; seed 7's only superseded: it trains, then its curve
+    # and its fast decoders are sampled
+    assert trained == ["experiment=sudoku_mdm_easy seed=7", *evaluations(7)]
     assert "skip sudoku_mdm_easy seed 0" in done.stdout
     assert (tmp_path / "campaign" / "done" / "sudoku_mdm_easy_seed7").exists()
 
@@ -99,7 +121,7 @@ def test_committed_rows_are_skipped_unless_redone(tmp_path):
     again, trained = campaign(tmp_path, "run")
     assert again.returncode == 0, again.stderr
     # seed 7 is done; seed 0 trains again, and its fast decoders are evaluated again on the new weights
-    assert trained[2:] == ["experiment=sudoku_mdm_easy seed=0", FAST_EVAL.format(seed=0)]
+    assert trained[3:] == ["experiment=sudoku_mdm_easy seed=0", *evaluations(0)]
     assert not (tmp_path / "campaign" / "redo" / "sudoku_mdm_easy_seed0").exists()  # done: no longer asked for
 
     bad, _ = campaign(tmp_path, "redo", "sudoku_mdm_easy", "zero")
@@ -124,30 +146,35 @@ def test_redo_names_a_bad_experiment_and_the_valid_ones(tmp_path):
     assert not (tmp_path / "campaign" / "redo").exists()
 
 
-def test_a_failed_fast_evaluation_stops_the_campaign_and_is_retried_alone(tmp_path):
-    """An MDM's fast decoders are evaluated once it is trained; a failure stops the plan (the FMLM+ built from it
-    waits), and the relaunch evaluates again without retraining; a model that is no MDM gets no such evaluation."""
+def test_a_failed_evaluation_stops_the_campaign_and_is_retried_alone(tmp_path):
+    """A model's curve (and an MDM's fast decoders) are sampled once it is trained; a failure stops the plan (the
+    FMLM+ built from it waits), and the relaunch evaluates again without retraining; a model that is no MDM gets its
+    curve only."""
     plan = "sudoku_mdm_easy:7 sudoku_fmlm_plus_init_easy:7"
     (tmp_path / "fail_eval").touch()
     failed, trained = campaign(tmp_path, "run", plan=plan)
     assert failed.returncode == 1
-    assert "FAILED sudoku_mdm_easy seed 7: fast decoders" in failed.stdout
+    assert "FAILED sudoku_mdm_easy seed 7: sudoku_curve.sh" in failed.stdout
     assert trained == ["experiment=sudoku_mdm_easy seed=7"]
     status, _ = campaign(tmp_path, "status", plan=plan)
-    assert "trained; its fast decoders are evaluated next" in status.stdout
+    assert "trained; its curve and evaluations are sampled next" in status.stdout
 
     (tmp_path / "fail_eval").unlink()
     again, trained = campaign(tmp_path, "run", plan=plan)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert trained[1:] == [FAST_EVAL.format(seed=7), "experiment=sudoku_fmlm_plus_init_easy seed=7"]
+    assert trained[1:] == [
+        *evaluations(7),
+        "experiment=sudoku_fmlm_plus_init_easy seed=7",
+        *evaluations(7, "sudoku_fmlm_plus_init_easy"),
+    ]
     assert (tmp_path / "campaign" / "done" / "sudoku_mdm_easy_seed7_eval").exists()
     third, trained = campaign(tmp_path, "run", plan=plan)
-    assert third.returncode == 0 and len(trained) == 3  # nothing left to do
+    assert third.returncode == 0 and len(trained) == 5  # nothing left to do
 
 
 def test_redo_fresh_moves_a_damaged_run_aside_and_trains_it_from_the_start(tmp_path):
     """`redo EXP SEED --fresh`: the run folder, sweep folder, logs and CSVs go to discarded/ (nothing is deleted), and
-    the model trains again, then its fast decoders; refused while the campaign runs."""
+    the model trains again, then its evaluations; refused while the campaign runs."""
     plan = "sudoku_mdm_easy:7"
     first, _ = campaign(tmp_path, "run", plan=plan)
     assert first.returncode == 0, first.stdout + first.stderr
@@ -171,7 +198,7 @@ def test_redo_fresh_moves_a_damaged_run_aside_and_trains_it_from_the_start(tmp_p
     assert (aside / "seed7" / "run_config.yaml").exists() and (aside / "sudoku_mdm_easy_seed7.csv").exists()
     again, trained = campaign(tmp_path, "run", plan=plan)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert trained[2:] == ["experiment=sudoku_mdm_easy seed=7", FAST_EVAL.format(seed=7)]
+    assert trained[3:] == ["experiment=sudoku_mdm_easy seed=7", *evaluations(7)]
 
 
 def test_the_fast_evaluation_repeats_the_runs_settings_null_included(tmp_path):
@@ -202,6 +229,41 @@ def test_the_fast_evaluation_repeats_the_runs_settings_null_included(tmp_path):
         "eval.seed=2",
         f"results_csv={tmp_path / 'results'}",
         "trainer=gpu",
+    ]
+
+
+def test_the_curve_samples_each_kept_checkpoint_but_the_final_one_with_the_runs_settings(tmp_path):
+    """scripts/sudoku_curve.sh: every curve-step checkpoint before the run's last step (whose rows the training run
+    wrote), in step order, with the run's family's samplers and its budgets, puzzles and seeds; a run that kept none
+    is refused in one line."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").touch()
+    (run / "run_config.yaml").write_text(
+        "seed: 3\nfamily: flow\ntrainer:\n  max_steps: 16\n"
+        "eval:\n  nfe: [4, 18]\n  max_batches: null\n  seed: 3\n  skip_unfit_budgets: true\n"
+    )
+    python = tmp_path / "python"  # runs the settings snippet, prints the evaluation's command line
+    python.write_text(f'#!/bin/bash\nif [[ "$1" == -c ]]; then exec {sys.executable} "$@"; fi\necho "$*"\n')
+    python.chmod(0o755)
+    script = [str(SCRIPT.with_name("sudoku_curve.sh")), str(run), str(tmp_path / "results")]
+    env = {**os.environ, "FLOWLM_PYTHON": str(python)}
+    refused = subprocess.run(["bash", *script], env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "kept no curve checkpoint" in refused.stderr
+    for step in (16, 4, 12, 8):
+        (run / "checkpoints" / f"curve-step{step:07d}.ckpt").touch()
+    done = subprocess.run(["bash", *script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    commands = [line.split() for line in done.stdout.splitlines() if line.startswith("-m runners.evaluate")]
+    assert [c[2] for c in commands] == [f"ckpt_path={run}/checkpoints/curve-step{s:07d}.ckpt" for s in (4, 8, 12)]
+    assert commands[0][3:] == [
+        "eval=sudoku_flow",
+        "seed=3",
+        "eval.nfe=[4,18]",
+        "eval.max_batches=null",
+        "eval.seed=3",
+        "eval.skip_unfit_budgets=true",
+        f"results_csv={tmp_path / 'results'}",
     ]
 
 

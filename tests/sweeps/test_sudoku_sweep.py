@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from flowlm.project import CONF_DIR
-from runners.resolvers import sudoku_table_nfe
+from runners.resolvers import steps_share, sudoku_table_nfe
 from tests.sweeps.test_sweeps import run_sweep
 
 # debug=fast without its NFE list (the sweep's budgets are what the tiny sweep checks), spelled out
@@ -33,6 +33,18 @@ def test_the_budgets_of_the_tables():
     assert sudoku_table_nfe(False, 2, 3, None) == [1, 3, 9, 27, 36]
     assert sudoku_table_nfe(False, 3, 3, None) == [1, 3, 9, 27, 81]  # the paper's budgets on 9×9
     assert sudoku_table_nfe(False, 2, 2, None) == [1, 3, 9, 16]
+    # an MDM also at one call per generated position (cells + separators): the paper's MDLM @128 on 89 positions
+    assert sudoku_table_nfe(True, 2, 3, "easy", "mdm") == [4, 18, 41]
+    assert sudoku_table_nfe(True, 3, 3, "easy", "mdm") == [4, 41, 89]
+    assert sudoku_table_nfe(True, 2, 3, "easy", "fmlm") == [4, 18]
+    assert sudoku_table_nfe(False, 2, 3, None, "mdm") == [1, 3, 9, 27, 36]  # n² calls: one cell each
+
+
+def test_the_warm_up_is_the_released_share_of_the_budget():
+    assert steps_share(20_000, 0.125) == 2_500  # scripts/train/sudoku.sh: 2 500 of 20 000 steps
+    assert steps_share(6_000, 0.125) == 750
+    with pytest.raises(ValueError, match="share"):
+        steps_share(6_000, 1.5)
 
 
 def _compose(overrides, hydra: bool = False):
@@ -53,11 +65,20 @@ def check_job(name: str, job, experiments: list[str], i: int, nfe_of) -> None:
     samplers = {"mdm": {"ancestral", "confidence"}, "fmlm": {"pr", "a_priori"}}
     samplers["mlfm"] = {"mlfm", "mlfm_ccfg", "mlfm_ccfg_otp"}
     OmegaConf.resolve(job)
-    assert job.trainer.max_steps == 6000 and job.callbacks.convergence.stop is True, name
+    # the fixed-budget protocol: the released optimizer and schedule, no early stop, a checkpoint every eighth
+    assert job.trainer.max_steps == job.budget == 6000 and job.callbacks.convergence.stop is False, name
+    assert job.method.optim.lr == 3e-4 and job.method.optim.warmup_steps == 750, name
+    assert job.method.optim.weight_decay == 0.0 and list(job.method.optim.betas) == [0.9, 0.999], name
+    assert (job.callbacks.ema.decay, job.callbacks.ema.warmup) == (0.9999, True), name
+    assert job.trainer.precision == "bf16-mixed" and job.trainer.gradient_clip_val == 1.0, name
+    curve = job.callbacks.curve
+    assert (curve.every_n_train_steps, curve.save_top_k, curve.save_last) == (750, -1, False), name
+    assert curve.dirpath == job.callbacks.checkpoint.dirpath and curve.filename.startswith("curve-"), name
+    assert job.data.num_val == 2000 and job.eval.max_batches is None, name
     assert job.callbacks.results_csv.dir.endswith("sudoku") and job.sweep.run_dirs == "experiment", name
     assert (job.data.box_rows, job.data.box_cols) == (2, 3), name
     assert set(job.eval.samplers) == samplers[_family(name)], name
-    assert list(job.eval.nfe) == nfe_of(job.data.conditional, 2, 3, job.data.difficulty), name
+    assert list(job.eval.nfe) == nfe_of(job.data.conditional, 2, 3, job.data.difficulty, _family(name)), name
     source = job.method.get("init_from") or job.method.get("teacher")
     if source:  # the MDM it is built on trains earlier in the sweep, in the folder the path names
         mdm = next(e for e in experiments if _family(e) == "mdm" and _task(e) == _task(name))
@@ -90,18 +111,22 @@ def test_a_tiny_tables_sweep_trains_in_order_and_writes_the_csvs(tmp_path, monke
             "hparams_search=sudoku_tables_quick",
             "experiment=sudoku_mdm_easy,sudoku_fmlm_plus_init_easy",
             "compile=false",  # compiling costs ≈ 20 s a model; this tests the order and the CSVs
-            *FAST_KEEP_NFE,
+            "budget=16",  # the warm-up (2 steps) and the curve's checkpoints (every 2) follow it
+            *(o for o in FAST_KEEP_NFE if not o.startswith(("trainer.max_steps", "method.optim.warmup"))),
         ],
         tmp_path,
     )
     runs = tmp_path / "runs"
-    assert (runs / "sudoku_mdm_easy" / "cpu" / "seed0" / "checkpoints" / "last.ckpt").exists()
+    checkpoints = runs / "sudoku_mdm_easy" / "cpu" / "seed0" / "checkpoints"
+    assert (checkpoints / "last.ckpt").exists()
+    curve = sorted(p.name for p in checkpoints.glob("curve-*.ckpt"))
+    assert curve == [f"curve-step{s:07d}.ckpt" for s in range(2, 17, 2)]
     files = sorted((tmp_path / "results" / "sudoku" / "sudoku_easy_6x6").glob("*.csv"))
     assert [f.name for f in files] == ["sudoku_fmlm_plus_init_easy_seed0.csv", "sudoku_mdm_easy_seed0.csv"]
     with files[0].open() as f:
         rows = list(csv.DictReader(f))
     assert {(r["sampler"], r["nfe_budget"]) for r in rows} == {(s, b) for s in ("pr", "a_priori") for b in ("4", "18")}
-    assert {r["budget_steps"] for r in rows} == {"4"}  # its 2 steps + the MDM's 2
+    assert {r["budget_steps"] for r in rows} == {"32"}  # its 16 steps + the MDM's 16
 
 
 def test_a_budget_a_sampler_refuses_is_skipped_only_when_asked():

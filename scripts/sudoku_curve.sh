@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# A trained Sudoku model's accuracy-versus-training curve (issue 47 item 2; docs/results.md#the-protocol): each
+# checkpoint the tables sweep kept at an eighth of the budget (checkpoints/curve-step*.ckpt, the final one excepted:
+# the training run sampled its final weights itself) sampled offline with `flowlm-eval`, with the run's own samplers
+# (eval=sudoku_<family>), NFE budgets, puzzles and seeds read from its run_config.yaml. The rows go to
+# <results>/<task>/<name>_seed<n>_eval.csv, one per checkpoint step (the rows' eval_step), which the report plots.
+# Used by scripts/tables_campaign.sh after each model; a rerun replaces a step's rows, nothing else.
+#
+#   scripts/sudoku_curve.sh RUN_DIR RESULTS_DIR [OVERRIDE ...]   # e.g. runs/sudoku_mdm_easy/cpu/seed0 results/sudoku
+#
+# $FLOWLM_PYTHON is the interpreter (default: the checkout's .venv); run from the code to evaluate with (its cwd).
+set -euo pipefail
+[[ $# -ge 2 ]] || { echo "usage: $0 RUN_DIR RESULTS_DIR [OVERRIDE ...]" >&2; exit 2; }
+run="$1" results="$2"
+shift 2
+PYTHON="${FLOWLM_PYTHON:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}"
+[[ -f "$run/run_config.yaml" && -f "$run/checkpoints/last.ckpt" ]] \
+    || { echo "$0: $run holds no finished run (run_config.yaml and checkpoints/last.ckpt)" >&2; exit 2; }
+# the run's evaluation settings, and its final step (its own rows; the curve's checkpoint there is not sampled again)
+read -r final settings < <("$PYTHON" -c '
+import json, sys, yaml
+c = yaml.safe_load(open(sys.argv[1]))
+e = c["eval"]
+print(c["trainer"]["max_steps"],
+      "eval=sudoku_%s seed=%s eval.nfe=[%s] eval.max_batches=%s eval.seed=%s eval.skip_unfit_budgets=%s"
+      % (c["family"], c["seed"], ",".join(map(str, e["nfe"])), json.dumps(e["max_batches"]), e["seed"],
+         json.dumps(bool(e.get("skip_unfit_budgets")))))' "$run/run_config.yaml")
+[[ "$final" =~ ^[0-9]+$ ]] || { echo "$0: $run/run_config.yaml could not be read (above)" >&2; exit 2; }
+found=0
+for ckpt in "$run"/checkpoints/curve-step*.ckpt; do
+    [[ -f "$ckpt" ]] || continue
+    step="$(basename "$ckpt" .ckpt)" step="$((10#${step#curve-step}))"
+    ((step < final)) || continue
+    found=$((found + 1))
+    echo "$(date -u +%FT%TZ) curve: step $step of $final"
+    # shellcheck disable=SC2086  # $settings is six overrides
+    "$PYTHON" -m runners.evaluate "ckpt_path=$ckpt" $settings "results_csv=$results" "$@"
+done
+((found > 0)) || { echo "$0: $run kept no curve checkpoint (checkpoints/curve-step*.ckpt) before step $final" >&2; exit 2; }
+echo "$(date -u +%FT%TZ) curve: $found checkpoint(s) of $run sampled"
