@@ -6,6 +6,7 @@ Reads top to bottom: time embedding → rotary → KV cache → block → final 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import NamedTuple
 
@@ -188,22 +189,38 @@ _FLEX: dict[str, object] = {}
 
 def flex_capped_attention(q: Tensor, k: Tensor, v: Tensor, *, cap: float, is_causal: bool) -> Tensor:
     """``capped_attention`` through FlexAttention with a tanh ``score_mod``, compiled once per process (the fused
-    kernel on a GPU; FlexAttention has no backward on CPU). Not measured on a GPU yet: benchmarks/gpu_check.py
-    compares it with ``written_capped_attention`` (values and time)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    kernel on a GPU; FlexAttention has no backward on CPU). Compiled with automatic dynamic shapes: a second sequence
+    length (lm-eval's rows batched by length, a new sampling shape) recompiles once for symbolic lengths instead of
+    once per length (``dynamic=False`` hit the recompile limit after 8 lengths and fell back to the unfused path).
+    The causal block mask is built once per (query, key) length and device (``causal_block_mask``), not in every
+    block of every forward. Not measured on a GPU yet: benchmarks/gpu_check.py compares it with
+    ``written_capped_attention`` (values and time)."""
+    from torch.nn.attention.flex_attention import flex_attention
 
     if "fn" not in _FLEX:
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+        _FLEX["fn"] = torch.compile(flex_attention)
+    block_mask = causal_block_mask(q.shape[-2], k.shape[-2], q.device) if is_causal else None
+    return _FLEX["fn"](q, k, v, score_mod=tanh_cap(float(cap)), block_mask=block_mask)
+
+
+@functools.lru_cache(maxsize=8)
+def tanh_cap(cap: float):
+    """FlexAttention's ``score_mod`` for cap · tanh(score / cap), one function per cap (a new function object per
+    call would be a new guard for the compiled kernel)."""
 
     def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return cap * torch.tanh(score / cap)
 
-    block_mask = None
-    if is_causal:
-        block_mask = create_block_mask(
-            lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, q.shape[-2], k.shape[-2], device=q.device
-        )
-    return _FLEX["fn"](q, k, v, score_mod=score_mod, block_mask=block_mask)
+    return score_mod
+
+
+@functools.lru_cache(maxsize=32)
+def causal_block_mask(q_len: int, k_len: int, device: torch.device):
+    """FlexAttention's causal block mask for ``q_len`` queries over ``k_len`` keys on ``device``, built once per
+    shape (each build launches hundreds of kernels)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, q_len, k_len, device=device)
 
 
 class KVCache:
