@@ -1,60 +1,74 @@
 #!/usr/bin/env bash
-# The whole Sudoku tables sweep on one GPU (issue 35): seeds 0–2 of all 19 models of hparams_search=sudoku_tables,
-# the same protocol and CSVs as the CPU campaign (scripts/tables_campaign.sh), many runs side by side on one card.
+# The Sudoku tables on one GPU (issues 35, 47, 51): every model of hparams_search=sudoku_tables under its fixed-budget
+# protocol (docs/results.md#the-protocol), by default at the paper's scale — 9×9 boards, the `mini` DiT, batch 256,
+# the released 20 000 steps (scale=paper budget=20000) — writing the same CSVs as the CPU campaign
+# (scripts/tables_campaign.sh), several runs side by side on one card.
 #
 #   bash benchmarks/gpu_tables.sh                       # on a GPU machine (CUDA build of torch in .venv, README)
-#   bash benchmarks/gpu_tables.sh --out "$OUT/tables"   # where runs/ and results/ go (default runs/gpu_tables)
-#   bash benchmarks/gpu_tables.sh --seeds "0" --jobs 8  # fewer seeds, fewer runs at once
-#   bash benchmarks/gpu_tables.sh --dry-run             # no GPU: CPU, 3 models × 1 seed × 20 steps, every code path
+#   bash benchmarks/gpu_tables.sh --out "$OUT/tables"   # where runs/, results/ and logs/ go (default runs/gpu_tables)
+#   bash benchmarks/gpu_tables.sh --scale cpu           # the CPU campaign's models (6×6, tiny, 6 000 steps) on a GPU
+#   bash benchmarks/gpu_tables.sh --seeds "0" --jobs 4 --budget-s 3000   # fewer seeds or runs at once, a time limit
+#   bash benchmarks/gpu_tables.sh --dry-run             # no GPU: CPU, 3 models × 1 seed × 16 steps, every code path,
+#                                                       # and the measured seconds a step of each, scaled to the plan
 #
-# Order: phase 1 trains the four MDMs of every seed at once; phase 2 every run built from them (FMLM+ initialised
-# and distilled, MLFM) and the FMLM+ from scratch, --jobs at a time, after the finished MDMs' fast decoders
-# (scripts/mdm_fast_eval.sh, sampling only: <model>_seed<n>_eval.csv), as the CPU campaign evaluates them. A relaunch
-# resumes every unfinished run (each has a deterministic folder); a finished run is only re-evaluated. The results CSVs land in <out>/results/sudoku/<task>/:
-# copy them into the repository's results/sudoku/ and run `flowlm-report --config-name report_sudoku`; each row
-# records its precision (bf16-mixed here) and device, and the report says when a table mixes machines.
+# Order: phase 1 trains the MDMs of every seed; phase 2 samples each finished MDM offline (its curve, then its fast
+# decoders: scripts/sudoku_curve.sh, scripts/mdm_fast_eval.sh, as the campaign does) and trains every run built from
+# them (FMLM+ initialised and distilled, MLFM) and the FMLM+ from scratch, each sampled likewise once finished.
+# A relaunch resumes: each run has a deterministic folder and continues from its last checkpoint; a finished run or
+# evaluation (marked in <out>/done/) is not repeated. The script prints the resume command when time runs out.
+# Shared by the jobs: one inductor compile cache (<out>/inductor_cache: the second process of a shape compiles from
+# it), one MLflow tracking server (scripts/mlflow_server.sh on 127.0.0.1, its SQLite store written by one process:
+# sixteen jobs writing one SQLite file directly wait on its lock), and the data cache.
+# The results CSVs land in <out>/results/sudoku/<task>/: copy them into the repository's results/sudoku/ and run
+# `flowlm-report --config-name report_sudoku`; each row records its precision (bf16-mixed) and device.
 #
-# Size (an estimate, not yet measured on a GPU): the CPU campaign's runs converge in ≈ 1 150 steps (MDM) and
-# ≈ 3 650 (FMLM+ initialised), ≤ 6 000 by the rule's cap. The tiny DiT's step (≈ 23 GFLOP at batch 128 for an MDM,
-# ≈ 1.7× that for FMLM+) is ≈ 0.1 ms of H200 compute, so a step costs its launch and Python overhead: ≈ 10–15 ms (MDM)
-# and ≈ 25 ms (FMLM+) a step with one process. Serially one seed is ≈ 25 min (4 MDMs ≈ 1.5 min, 15 derived and
-# scratch runs ≈ 23 min at ≈ 4 000 steps); 16 processes share the card (16 CPU cores, each run ≈ 1 GiB of GPU
-# memory), so three seeds take ≈ 10 min when the overhead parallelises ≈ 8×. A 600 s limit (--budget-s) stops it
-# otherwise; a second launch continues where it stopped.
+# Size at the paper's scale (an estimate from FLOPs, not measured on a GPU): the `mini` DiT (25 M parameters) at
+# batch 256 × 180 tokens is ≈ 7 TFLOP a training step (6 N tokens, attention aside) for an MDM, ≈ 1.7× that for an
+# FMLM+ (its teacher passes); at ≈ 300 TFLOP/s of bf16 (a third of an H100's dense peak) a step is ≈ 25 ms (MDM) and
+# ≈ 40 ms (FMLM+): 20 000 steps ≈ 8 and 14 min, the curve's sampling ≈ 1 min more. One seed of the 19 models is
+# ≈ 4 h on one card (compute-bound: running them side by side does not shorten it), three seeds ≈ 12 h. At
+# --scale cpu the step is launch-bound (≈ 10–25 ms), 6 000 steps ≈ 1–3 min a model, one seed ≈ 45 min serially,
+# ≈ 10 min with 16 jobs. `--dry-run` measures the seconds a step on this machine and prints the plan's estimate.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 [ -x "$PY" ] || PY="$(command -v python3)"
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-1}" MPLBACKEND=Agg
 
-out="runs/gpu_tables" seeds="0 1 2" jobs=16 budget=600 dry=0
+out="runs/gpu_tables" seeds="0 1 2" jobs=16 limit=600 dry=0 scale=paper
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
     --seeds) seeds="$2"; shift 2 ;;
     --jobs) jobs="$2"; shift 2 ;;
-    --budget-s) budget="$2"; shift 2 ;;
+    --budget-s) limit="$2"; shift 2 ;;
+    --scale) scale="$2"; shift 2 ;;
     --dry-run) dry=1; shift ;;
     *) echo "gpu_tables: unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
-case "$jobs$budget" in *[!0-9]*) echo "gpu_tables: --jobs and --budget-s take whole numbers" >&2; exit 2 ;; esac
+case "$jobs$limit" in *[!0-9]*|"") echo "gpu_tables: --jobs and --budget-s take whole numbers" >&2; exit 2 ;; esac
 for s in $seeds; do
   case "$s" in *[!0-9]*) echo "gpu_tables: --seeds takes whole numbers, got '$s'" >&2; exit 2 ;; esac
 done
+case "$scale" in
+  paper) scale_args=(scale=paper budget=20000) ;;  # the released Sudoku script's 20 000 steps (warm-up 2 500)
+  cpu) scale_args=(scale=cpu) ;;                   # the campaign's 6 000 steps
+  *) echo "gpu_tables: --scale takes paper or cpu, got '$scale'" >&2; exit 2 ;;
+esac
 
 tasks="easy medium hard uncond"
 mdms="" derived=""
 for t in $tasks; do mdms="$mdms sudoku_mdm_$t"; done
 for t in $tasks; do
-  derived="$derived sudoku_fmlm_plus_init_$t sudoku_fmlm_plus_distill_$t sudoku_fmlm_plus_scratch_$t"
+  derived="$derived sudoku_fmlm_plus_scratch_$t sudoku_fmlm_plus_init_$t sudoku_fmlm_plus_distill_$t"
   [ "$t" = uncond ] || derived="$derived sudoku_mlfm_$t"
 done
-extra=(trainer=gpu) eval_extra=(trainer=gpu)
+extra=(trainer=gpu "${scale_args[@]}") eval_extra=(trainer=gpu)
 if [ "$dry" = 1 ]; then
-  mdms="sudoku_mdm_easy" derived="sudoku_fmlm_plus_init_easy sudoku_mlfm_easy" seeds="0" jobs=2
+  mdms="sudoku_mdm_easy" derived="sudoku_fmlm_plus_init_easy sudoku_mlfm_easy" seeds="0" jobs=2 scale=cpu
   out="${out%/}_dry_run"
-  extra=(trainer=cpu trainer.max_steps=20 trainer.val_check_interval=10 data.num_train=512 data.num_val=64)
+  extra=(trainer=cpu scale=cpu budget=16 trainer.val_check_interval=8 data.num_train=512 data.num_val=64)
   eval_extra=(trainer=cpu)
 else
   if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
@@ -65,50 +79,85 @@ else
 fi
 mkdir -p "$out/logs" "$out/done"
 out="$(cd "$out" && pwd)"
-deadline=$(($(date +%s) + budget))
+deadline=$(($(date +%s) + limit))
+export TORCHINDUCTOR_CACHE_DIR="$out/inductor_cache"
 
-run_one() {  # experiment seed: train (or resume) one run, its log in <out>/logs/
-  local left=$((deadline - $(date +%s)))
-  if [ "$left" -le 10 ]; then echo "skipped (budget spent): $1 seed $2"; return 0; fi
-  local source
+# One tracking server for every job (its SQLite store has a single writer); stopped when this script ends.
+port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+FLOWLM_RUNS="$out/runs" MLFLOW_PORT="$port" bash scripts/mlflow_server.sh >"$out/logs/mlflow_server.log" 2>&1 &
+server=$!
+trap 'kill "$server" 2>/dev/null || true' EXIT
+for _ in $(seq 60); do
+  "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
+    "http://127.0.0.1:$port/health" 2>/dev/null && break
+  kill -0 "$server" 2>/dev/null || { echo "gpu_tables: the tracking server did not start: $out/logs/mlflow_server.log" >&2; exit 1; }
+  sleep 1
+done
+export MLFLOW_TRACKING_URI="http://127.0.0.1:$port"
+extra+=(logger=mlflow_server)
+
+run_one() {  # experiment seed: train (or resume) one run, then sample it offline; its logs in <out>/logs/
+  local left=$((deadline - $(date +%s))) source
+  if [ "$left" -le 10 ]; then echo "skipped (time limit): $1 seed $2"; return 0; fi
   source="$(sed -n 's/^source: *\([A-Za-z0-9_]*\).*/\1/p' "conf/experiment/$1.yaml")"
   if [ -n "$source" ] && [ ! -e "$out/done/${source}_seed$2" ]; then
     echo "skipped: $1 seed $2 (its source $source did not finish)"; return 0
   fi
-  if timeout "$left" env FLOWLM_RUNS="$out/runs" FLOWLM_DATA="$out/data" FLOWLM_RESULTS="$out/results" \
-    OMP_NUM_THREADS=1 "$PY" -m runners.train -m hparams_search=sudoku_tables "experiment=$1" "seed=$2" \
-    "hydra.sweep.dir=$out/multirun/$1_seed$2" "${extra[@]}" >"$out/logs/$1_seed$2.log" 2>&1; then
-    touch "$out/done/$1_seed$2"
-    echo "done: $1 seed $2"
-  else
-    echo "NOT finished (rc $?): $1 seed $2 — see $out/logs/$1_seed$2.log"
+  if [ ! -e "$out/done/$1_seed$2" ]; then
+    local t0=$SECONDS
+    if timeout "$left" env FLOWLM_RUNS="$out/runs" FLOWLM_DATA="$out/data" FLOWLM_RESULTS="$out/results" \
+      OMP_NUM_THREADS=1 "$PY" -m runners.train -m hparams_search=sudoku_tables "experiment=$1" "seed=$2" \
+      "hydra.sweep.dir=$out/multirun/$1_seed$2" "${extra[@]}" >"$out/logs/$1_seed$2.log" 2>&1; then
+      touch "$out/done/$1_seed$2"
+      echo "done: $1 seed $2 ($((SECONDS - t0)) s)"
+    else
+      echo "NOT finished (rc $?): $1 seed $2 — see $out/logs/$1_seed$2.log"; return 0
+    fi
   fi
+  eval_one "$1" "$2"
 }
-eval_one() {  # experiment seed: a finished MDM's fast decoders (scripts/mdm_fast_eval.sh), its log in <out>/logs/
-  local left=$((deadline - $(date +%s)))
-  if [ "$left" -le 10 ]; then echo "skipped (budget spent): $1 seed $2, fast decoders"; return 0; fi
-  if [ ! -e "$out/done/$1_seed$2" ]; then echo "skipped: $1 seed $2, fast decoders (it did not finish)"; return 0; fi
-  if [ -e "$out/done/$1_seed$2_eval" ]; then return 0; fi
-  if timeout "$left" env FLOWLM_PYTHON="$PY" FLOWLM_RUNS="$out/runs" FLOWLM_DATA="$out/data" OMP_NUM_THREADS=1 \
-    bash scripts/mdm_fast_eval.sh "$out/runs/$1/cpu/seed$2" "$out/results/sudoku" "${eval_extra[@]}" \
-    >"$out/logs/$1_seed$2_eval.log" 2>&1; then
-    touch "$out/done/$1_seed$2_eval"
-    echo "done: $1 seed $2, fast decoders"
-  else
-    echo "NOT finished (rc $?): $1 seed $2, fast decoders — see $out/logs/$1_seed$2_eval.log"
-  fi
+eval_one() {  # experiment seed: a finished run's curve, then an MDM's fast decoders (sampling only)
+  [ -e "$out/done/$1_seed$2_eval" ] && return 0
+  local script scripts=(sudoku_curve.sh) left
+  [[ "$1" == sudoku_mdm_* ]] && scripts+=(mdm_fast_eval.sh)
+  for script in "${scripts[@]}"; do
+    left=$((deadline - $(date +%s)))
+    if [ "$left" -le 10 ]; then echo "skipped (time limit): $1 seed $2, $script"; return 0; fi
+    if ! timeout "$left" env FLOWLM_PYTHON="$PY" FLOWLM_RUNS="$out/runs" FLOWLM_DATA="$out/data" OMP_NUM_THREADS=1 \
+      bash "scripts/$script" "$out/runs/$1/$scale/seed$2" "$out/results/sudoku" "${eval_extra[@]}" \
+      >>"$out/logs/$1_seed$2_eval.log" 2>&1; then
+      echo "NOT finished (rc $?): $1 seed $2, $script — see $out/logs/$1_seed$2_eval.log"; return 0
+    fi
+  done
+  touch "$out/done/$1_seed$2_eval"
+  echo "done: $1 seed $2, evaluations"
 }
 export -f run_one eval_one
-export out deadline PY
+export out deadline PY scale
 export EXTRA="${extra[*]}" EVAL_EXTRA="${eval_extra[*]}"
 
-phase() {  # name, then "function experiment seed" lines on stdin: run them --jobs at a time, in that order
+phase() {  # name, then "experiment seed" lines on stdin: run them --jobs at a time, in that order
   echo "== $1 ($(date -u +%T))"
-  xargs -P "$jobs" -L 1 bash -c 'extra=($EXTRA) eval_extra=($EVAL_EXTRA); "$0" "$1" "$2"'
+  xargs -P "$jobs" -L 1 bash -c 'extra=($EXTRA) eval_extra=($EVAL_EXTRA); run_one "$0" "$1"'
 }
-for s in $seeds; do for e in $mdms; do echo "run_one $e $s"; done; done | phase "phase 1: the MDMs"
-{  # the fast decoders first: short, and not left to a budget the derived runs spent
-  for s in $seeds; do for e in $mdms; do echo "eval_one $e $s"; done; done
-  for s in $seeds; do for e in $derived; do echo "run_one $e $s"; done; done
-} | phase "phase 2: the MDMs' fast decoders, then the runs built from them"
+for s in $seeds; do for e in $mdms; do echo "$e $s"; done; done | phase "phase 1: the MDMs"
+for s in $seeds; do for e in $derived; do echo "$e $s"; done; done | phase "phase 2: the runs built from them, scratch"
+unfinished=0
+for s in $seeds; do for e in $mdms $derived; do
+  [ -e "$out/done/${e}_seed${s}_eval" ] || unfinished=$((unfinished + 1))
+done; done
 echo "== results: $out/results/sudoku ($(find "$out/results" -name '*.csv' 2>/dev/null | wc -l) CSV files)"
+if [ "$dry" = 1 ]; then  # seconds a step measured here (the runs' own wall time, evaluations included)
+  "$PY" - "$out/runs" <<'EOF'
+import json, sys
+from pathlib import Path
+
+for record in sorted(Path(sys.argv[1]).glob("*/cpu/seed*/convergence.json")):
+    r = json.loads(record.read_text())
+    print(f"{record.parts[-4]}: {r['steps']} steps in {r['wall_s']:.0f} s ({r['wall_s'] / max(r['steps'], 1):.2f} s a step, "
+          "compile and evaluation included)")
+EOF
+fi
+if [ "$unfinished" -gt 0 ]; then
+  echo "== $unfinished model(s) not finished; to resume: bash $0 --out $out --scale $scale --seeds \"$seeds\" --jobs $jobs"
+fi
