@@ -34,6 +34,7 @@ import flowlm.backbones.dit as dit
 from flowlm.objectives.fmlm_plus import BOUNDARY, DIAGONAL, DISTILL, OFF_DIAGONAL
 from flowlm.project import CONF_DIR
 from runners.common import build
+from runners.train import accumulation_for
 
 GIB = 2**30
 LIMIT_GIB = 80.0  # an 80 GB H100 / A100
@@ -170,11 +171,12 @@ class Estimate:
         )
 
 
-def composed(experiment: str, devices: int, *extra: str):
-    """The experiment's paper-scale config on ``devices`` GPUs (trainer=ddp; one device: trainer=gpu)."""
-    trainer = ["trainer=ddp", f"trainer.devices={devices}"] if devices > 1 else ["trainer=gpu"]
+def composed(experiment: str, devices: int, *extra: str, trainer: str | None = None):
+    """The experiment's paper-scale config on ``devices`` GPUs (``trainer``, default ddp; one device: gpu)."""
+    trainer = trainer or ("ddp" if devices > 1 else "gpu")
+    chosen = [f"trainer={trainer}"] + ([f"trainer.devices={devices}"] if trainer != "gpu" else [])
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose("train", overrides=[f"experiment={experiment}", "scale=paper", *trainer, *extra])
+        return compose("train", overrides=[f"experiment={experiment}", "scale=paper", *chosen, *extra])
 
 
 def data_shape(cfg) -> tuple[int, int]:
@@ -193,8 +195,8 @@ def estimate(experiment: str, devices: int, micro_batch: int | None = None, *ext
     (default: the shipped config's ``micro_batch_size``, else the global batch over the devices)."""
     cfg = composed(experiment, devices, *extra)
     global_batch = int(cfg.data.batch_size)
-    micro = micro_batch or cfg.get("micro_batch_size") or global_batch // devices
-    accumulation = global_batch // (devices * micro)
+    micro = min(micro_batch or cfg.get("micro_batch_size") or global_batch, global_batch // devices)
+    accumulation = accumulation_for(global_batch, devices, micro)
     vocab, length = data_shape(cfg)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake, fused_attention():

@@ -14,7 +14,17 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from memory_estimates import LIMIT_GIB, PAPER_RUNS, LiveBytes, estimate, fused_attention, quantile_rows  # noqa: E402
+from memory_estimates import (  # noqa: E402
+    LIMIT_GIB,
+    PAPER_RUNS,
+    LiveBytes,
+    composed,
+    estimate,
+    fused_attention,
+    quantile_rows,
+)
+
+from runners.train import accumulation_for  # noqa: E402
 
 HEADROOM_GIB = 4.0  # the CUDA context (≈ 0.5–1 GiB) and the caching allocator's fragmentation, not estimated
 # The largest step of each task (FMLM+: its teacher targets are (jump rows, L, |V|) tensors; MDM and AR run the same
@@ -33,6 +43,19 @@ def test_a_paper_training_step_fits_an_80_gib_gpu(experiment, devices):
     got = estimate(experiment, devices)
     assert max(got.peak_gib, got.val_peak_gib) < LIMIT_GIB - HEADROOM_GIB, got
     assert got.accumulation * got.micro_batch * devices == {"sudoku": 256}.get(experiment.split("_")[0], 512)
+
+
+@pytest.mark.parametrize("experiment", ["owt_fmlm_plus_scratch", "tinygsm_mdm", "tinystories_fmlm_plus_distill"])
+def test_the_paper_configs_compose_for_1_4_and_8_gpus(experiment):
+    """DDP and FSDP2 on 1, 4 and 8 GPUs: the shipped micro batch divides each device's share, the accumulation keeps
+    the global batch, and a device's rows per forward (hence its peak) do not grow with fewer devices."""
+    for trainer in ("ddp", "fsdp2"):
+        for devices in (1, 4, 8):
+            cfg = composed(experiment, devices, trainer=trainer)
+            assert cfg.trainer.devices == devices
+            accumulation = accumulation_for(cfg.data.batch_size, devices, cfg.micro_batch_size)  # as train() does
+            rows = cfg.data.batch_size // (devices * accumulation)  # per device per forward
+            assert rows * devices * accumulation == cfg.data.batch_size and rows <= cfg.micro_batch_size
 
 
 @pytest.mark.slow
