@@ -189,12 +189,12 @@ class MetaCuda(TorchDispatchMode):
             name == "copy_" and args[0].device.type != "meta"
         )
         if to_host:
-            self._sync(f"{name} (device→host)")
+            read = self._replayed(self._sync(f"{name} (device→host)"), None)  # the twin's values, where it read
+            src = args[1] if name == "copy_" else args[0]
+            values = read if isinstance(read, torch.Tensor) and read.shape == src.shape else torch.zeros(src.shape)
             if name == "copy_":
-                return args[0].zero_()
-            src = args[0]
-            dtype = kwargs.get("dtype") or src.dtype
-            return torch.zeros(src.shape, dtype=dtype, device=_target(args, kwargs))
+                return args[0].copy_(values)
+            return values.to(dtype=kwargs.get("dtype") or src.dtype, device=_target(args, kwargs))
         self.launches[name] += 1
         return func(*args, **kwargs)
 
@@ -272,11 +272,21 @@ def _stand_in(func, name, args, kwargs, n: int | None):
 
 class HostReads(TorchDispatchMode):
     """The CPU twin of a ``MetaCuda`` run: the same call on the CPU, recording what each line's sync read (a scalar,
-    the length of a data-dependent shape), for the meta run to replay, so loops run as long as on real data."""
+    the length of a data-dependent shape, the values ``.tolist()`` / ``.cpu()`` / ``.numpy()`` copy out), for the meta
+    run to replay, so loops run as long as on real data and host decisions see real values."""
 
     def __init__(self) -> None:
         super().__init__()
         self.values: defaultdict[str, list] = defaultdict(list)
+        self._copies = _HostCopies(self.values)
+
+    def __enter__(self) -> HostReads:
+        self._copies.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self._copies.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -286,6 +296,23 @@ class HostReads(TorchDispatchMode):
             self.values[_caller(traceback.extract_stack()[:-1])].append(out)
         elif _data_shaped(name, args, kwargs):
             self.values[_caller(traceback.extract_stack()[:-1])].append(_selected(name, args, out))
+        return out
+
+
+class _HostCopies(TorchFunctionMode):
+    """The twin's copies out (no aten op on the CPU): each ``tolist`` / ``cpu`` / ``numpy`` result, by line."""
+
+    _METHODS = {torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy}
+
+    def __init__(self, values: defaultdict[str, list]) -> None:
+        super().__init__()
+        self.values = values
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self._METHODS and isinstance(args[0], torch.Tensor):
+            copied = out.clone() if isinstance(out, torch.Tensor) else torch.as_tensor(out, dtype=args[0].dtype)
+            self.values[_caller(traceback.extract_stack()[:-1])].append(copied)
         return out
 
 
