@@ -142,7 +142,11 @@ def _fit(cfg, trainer, module, datamodule, evaluation, ckpt_path, logger) -> dic
 
 def accumulation_for(global_batch: int, world_size: int, micro_batch_size: int) -> int:
     """Gradient-accumulation steps that make ``world_size`` devices × ``micro_batch_size`` rows add up to the
-    global batch (the same effective batch, data order and random draws on 1 or 8 GPUs)."""
+    global batch (the same effective batch, data order and random draws on 1 or 8 GPUs). ``micro_batch_size`` is a
+    cap: devices whose share of the global batch is no larger take it in one forward (a paper config's micro batch
+    then composes for any device count that divides the batch)."""
+    if micro_batch_size >= 1 and global_batch % world_size == 0:
+        micro_batch_size = min(micro_batch_size, global_batch // world_size)
     per_step = world_size * micro_batch_size
     if micro_batch_size < 1 or global_batch % per_step:
         raise ValueError(

@@ -178,11 +178,14 @@ def mdm_elbo_exact(model: MaskedDenoiser, tokens: Tensor, pinned: Tensor, scored
             continue
         if n > MAX_ENUMERATED:
             raise ValueError(f"{n} scored positions: the enumeration stops at {MAX_ENUMERATED} (2^n network rows)")
-        bits = (torch.arange(1, 2**n, device=tokens.device)[:, None] >> torch.arange(n, device=tokens.device)) & 1
+        # the subsets and their weights are built on the host (reading k off the device cost 2^n − 1 syncs a row)
+        bits = (torch.arange(1, 2**n)[:, None] >> torch.arange(n)) & 1
+        k = bits.sum(-1).double()
+        combs = torch.tensor([math.comb(n, j) for j in range(n + 1)], dtype=torch.float64)
+        weights = (1.0 / (k * combs[bits.sum(-1)])).to(tokens.device, non_blocking=True)
+        k, bits = k.to(tokens.device, non_blocking=True), bits.to(tokens.device, non_blocking=True)
         masked = torch.zeros((bits.shape[0], tokens.shape[1]), dtype=torch.bool, device=tokens.device)
         masked[:, where] = bits.bool()
-        k = bits.sum(-1).double()
-        weights = 1.0 / (k * torch.tensor([math.comb(n, int(j)) for j in k], dtype=torch.float64, device=k.device))
         rows = tokens[b].expand(bits.shape[0], -1)
         x = _visible(rows, pinned[b], scored[b], masked, model.mask_id)
         times = k / n  # read by no network here

@@ -94,6 +94,8 @@ def test_micro_batch_size_derives_accumulation():
 
     assert accumulation_for(512, 8, 16) == 4
     assert accumulation_for(16, 1, 16) == 1
+    assert accumulation_for(512, 8, 128) == 1  # a cap: 64 rows per device need no accumulation
+    assert accumulation_for(512, 1, 128) == 4
     with pytest.raises(ValueError, match="micro_batch_size that divides 64"):
         accumulation_for(512, 8, 24)
     with pytest.raises(ValueError, match="not divisible by the world size 3"):
