@@ -14,6 +14,7 @@
 # Order: phase 1 trains the MDMs of every seed; phase 2 samples each finished MDM offline (its curve, then its fast
 # decoders: scripts/sudoku_curve.sh, scripts/mdm_fast_eval.sh, as the campaign does) and trains every run built from
 # them (FMLM+ initialised and distilled, MLFM) and the FMLM+ from scratch, each sampled likewise once finished.
+# A run still going at the time limit (--budget-s) gets SIGTERM (it saves its checkpoint), SIGKILL 30 s later.
 # A relaunch resumes: each run has a deterministic folder and continues from its last checkpoint; a finished run or
 # evaluation (marked in <out>/done/) is not repeated. The script prints the resume command when time runs out.
 # Shared by the jobs: one inductor compile cache (<out>/inductor_cache: the second process of a shape compiles from
@@ -105,7 +106,7 @@ run_one() {  # experiment seed: train (or resume) one run, then sample it offlin
   fi
   if [ ! -e "$out/done/$1_seed$2" ]; then
     local t0=$SECONDS
-    if timeout "$left" env FLOWLM_RUNS="$out/runs" FLOWLM_DATA="$out/data" FLOWLM_RESULTS="$out/results" \
+    if timeout -k 30 "$left" env FLOWLM_RUNS="$out/runs" FLOWLM_DATA="$out/data" FLOWLM_RESULTS="$out/results" \
       OMP_NUM_THREADS=1 "$PY" -m runners.train -m hparams_search=sudoku_tables "experiment=$1" "seed=$2" \
       "hydra.sweep.dir=$out/multirun/$1_seed$2" "${extra[@]}" >"$out/logs/$1_seed$2.log" 2>&1; then
       touch "$out/done/$1_seed$2"
@@ -123,9 +124,9 @@ eval_one() {  # experiment seed: a finished run's curve, then an MDM's fast deco
   for script in "${scripts[@]}"; do
     left=$((deadline - $(date +%s)))
     if [ "$left" -le 10 ]; then echo "skipped (time limit): $1 seed $2, $script"; return 0; fi
-    if ! timeout "$left" env FLOWLM_PYTHON="$PY" FLOWLM_RUNS="$out/runs" FLOWLM_DATA="$out/data" OMP_NUM_THREADS=1 \
-      bash "scripts/$script" "$out/runs/$1/$scale/seed$2" "$out/results/sudoku" "${eval_extra[@]}" \
-      >>"$out/logs/$1_seed$2_eval.log" 2>&1; then
+    if timeout -k 30 "$left" env FLOWLM_PYTHON="$PY" FLOWLM_RUNS="$out/runs" FLOWLM_DATA="$out/data" \
+      OMP_NUM_THREADS=1 bash "scripts/$script" "$out/runs/$1/$scale/seed$2" "$out/results/sudoku" "${eval_extra[@]}" \
+      >>"$out/logs/$1_seed$2_eval.log" 2>&1; then :; else
       echo "NOT finished (rc $?): $1 seed $2, $script — see $out/logs/$1_seed$2_eval.log"; return 0
     fi
   done
