@@ -88,12 +88,20 @@ port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); 
 FLOWLM_RUNS="$out/runs" MLFLOW_PORT="$port" bash scripts/mlflow_server.sh >"$out/logs/mlflow_server.log" 2>&1 &
 server=$!
 trap 'kill "$server" 2>/dev/null || true' EXIT
-for _ in $(seq 60); do
-  "$PY" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
-    "http://127.0.0.1:$port/health" 2>/dev/null && break
-  kill -0 "$server" 2>/dev/null || { echo "gpu_tables: the tracking server did not start: $out/logs/mlflow_server.log" >&2; exit 1; }
-  sleep 1
-done
+# Ready when /health answers (a minute or more on a loaded machine); no job starts before, none at all without it.
+"$PY" - "http://127.0.0.1:$port/health" "$server" <<'EOF' || { echo "gpu_tables: the tracking server did not start: $out/logs/mlflow_server.log" >&2; exit 1; }
+import os, sys, time, urllib.request
+
+deadline = time.monotonic() + 600
+while time.monotonic() < deadline:
+    try:
+        urllib.request.urlopen(sys.argv[1], timeout=5)
+        sys.exit(0)
+    except OSError:
+        os.kill(int(sys.argv[2]), 0)  # the server ended: ProcessLookupError, exit 1
+        time.sleep(1)
+sys.exit(1)
+EOF
 export MLFLOW_TRACKING_URI="http://127.0.0.1:$port"
 extra+=(logger=mlflow_server)
 
