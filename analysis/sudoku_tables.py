@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 
+from analysis import plots
 from analysis.aup import aup_lines
 from analysis.report import REPORT_HTML, REPORT_MD, Report, Section, _inline, _render_html, _render_markdown
 from analysis.tables import reference_numbers
@@ -56,9 +57,10 @@ class ResultsCSVWarning(UserWarning):
 
 
 REQUIRED = [*KEY, "seed", "date"]  # a results CSV's header holds these (callbacks/results_csv.py COLUMNS)
-NUMERIC = ["nfe_budget", "seed", "eval_seed", *MEASURES, *TRAINING]  # blank or a number in every row
+NUMERIC = ["nfe_budget", "seed", "eval_seed", "eval_step", "samples", *MEASURES, *TRAINING]  # blank or a number
 DATE_FORMAT = "%Y-%m-%dT%H:%M:%SZ"  # callbacks/results_csv.py's `date`
 ROWS_CSV = "rows.csv"  # the report's merged rows: the results schema, so never read back (report_folders)
+STEP = "eval_step"  # the training step of the weights a row sampled (the curve's checkpoints, the final weights)
 # Rows of an earlier protocol, kept for the record and out of the tables (results/sudoku/superseded/README.md).
 SUPERSEDED = "superseded"
 
@@ -75,7 +77,8 @@ def read_results(folder: str | Path, *, skip: Iterable[str | Path] = ()) -> pd.D
     read: the folders in ``skip`` (the report's own ``out``), any folder holding a report (report_folders), and, each
     named in a ResultsCSVWarning, a file that is empty, not UTF-8 or whose header is not the results schema, and the
     rows of a file with a wrong field count (a cut line), a non-number in a numeric column (a decimal comma) or a
-    date not in DATE_FORMAT. ``attrs["skipped"]``: 'path (why)' of each. A folder named SUPERSEDED below ``folder``
+    date not in DATE_FORMAT. ``attrs["skipped"]``: 'path (why)' of each. A (row, seed) is measured once per
+    checkpoint (``eval_step``, the run's ``steps`` where blank): the curve's points are rows of their own. A folder named SUPERSEDED below ``folder``
     holds rows of an earlier protocol: not read (read it as ``folder`` itself to see them)."""
     folder = Path(folder)
     skip = [Path(s).resolve() for s in skip]
@@ -103,11 +106,14 @@ def read_results(folder: str | Path, *, skip: Iterable[str | Path] = ()) -> pd.D
     rows = pd.concat(frames, ignore_index=True)
     rows["sampler_settings"] = rows["sampler_settings"].fillna("{}").map(current_settings)
     rows["converged"] = rows["converged"].astype(str).str.lower().eq("true")
+    # the checkpoint's step: a row written before the curves (eval_step blank) was the run's final weights
+    step = pd.to_numeric(rows["eval_step"], errors="coerce") if STEP in rows else pd.Series(float("nan"), rows.index)
+    rows[STEP] = step.fillna(pd.to_numeric(rows["steps"], errors="coerce"))
     # one row per model seed: the model's own draws (eval_seed blank, in older CSVs, or the seed) over an evaluation
     # at another seed (flowlm-eval seed=N, whose rows name it), then the latest
     own = rows["eval_seed"].isna() | (rows["eval_seed"] == rows["seed"]) if "eval_seed" in rows else True
     rows = rows.assign(_own=own).sort_values(["_own", "date"], kind="stable")
-    rows = rows.drop_duplicates([*KEY, "seed"], keep="last").drop(columns="_own").reset_index(drop=True)
+    rows = rows.drop_duplicates([*KEY, "seed", STEP], keep="last").drop(columns="_own").reset_index(drop=True)
     rows.attrs["skipped"] = skipped
     return rows
 
@@ -190,10 +196,19 @@ def _is_number(value: str) -> bool:
     return "_" not in value  # float() reads '1_0'; pandas does not
 
 
+def final_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows of each run's final weights (``eval_step`` equal to the run's ``steps``, or either blank): the
+    tables' and verdicts' rows; the earlier checkpoints' rows are the accuracy-versus-training curve's points."""
+    step = pd.to_numeric(rows[STEP], errors="coerce") if STEP in rows else pd.Series(float("nan"), rows.index)
+    steps = pd.to_numeric(rows["steps"], errors="coerce") if "steps" in rows else step * float("nan")
+    return rows[step.isna() | steps.isna() | (step >= steps)]
+
+
 def aggregate(rows: pd.DataFrame) -> pd.DataFrame:
-    """One line per KEY: mean, std (ddof 1; 0 for one seed) and seed count of every measure (``tpf`` completed by
-    ``with_tpf``); training facts as means, ``converged`` as the number of converged seeds."""
-    rows = with_tpf(rows)
+    """One line per KEY over the final weights' rows (``final_rows``: a curve's point never joins a cell): mean, std
+    (ddof 1; 0 for one seed) and seed count of every measure (``tpf`` completed by ``with_tpf``); training facts as
+    means, ``converged`` as the number of converged seeds."""
+    rows = with_tpf(final_rows(rows).reset_index(drop=True))
     grouped = rows.groupby(KEY, sort=False, dropna=False)
     out = grouped.size().rename("n").to_frame()
     for m in MEASURES + TRAINING:
@@ -409,6 +424,97 @@ def aup_table(agg: pd.DataFrame) -> pd.DataFrame:
                     }
                 )
     return pd.DataFrame(lines, columns=columns)
+
+
+# ---------------------------------------------------------------- accuracy versus training
+CURVE_SAMPLERS = {"MDM": ("ancestral", "confidence"), "FMLM+": ("pr",)}  # the headline lines' samplers
+LAST_QUARTER = 0.75  # the gain over the last quarter of the steps: final point minus the point at ≤ 3/4 of them
+BUDGET_GAIN = 1.0  # the budget is accepted where the easy MDM gains less than this (points) at one token per call
+
+
+def curve_nfe(board: str, difficulty: str) -> dict[str, tuple[int, ...]]:
+    """The headline NFE budgets of the curves per method: conditional, the MDM at one call per generated position
+    (the paper's MDLM regime) and at 4, PR at 4 (R = 4, N = 1); unconditional, the MDM at one call per cell and at
+    9, PR at 9 (the paper's headline budget) and 4 (its 9 tokens a call mapped to 36 cells)."""
+    if difficulty == "uncond":
+        return {"MDM": (empty_cells(board, difficulty), 9), "FMLM+": (9, LOW_NFE)}
+    return {"MDM": (generated_positions(board, difficulty), LOW_NFE), "FMLM+": (LOW_NFE,)}
+
+
+def curve_points(rows: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy (conditional) / % valid (unconditional) against the training step (``eval_step``: the model's own
+    steps) of the headline lines (``curve_nfe``, ``CURVE_SAMPLERS``): per task × model × sampler × NFE × step, the
+    mean, min and max over seeds and the seeds; the final weights' rows are the last point."""
+    columns = ["task", "board", "model", "method", "variant", "sampler", "nfe_budget", "step", "mean", "min", "max"]
+    columns += ["n", "seeds"]
+    lines = []
+    for (d, board, method, variant, sampler, nfe), part in rows.groupby(
+        ["difficulty", "board", "method", "variant", "sampler", "nfe_budget"], sort=False
+    ):
+        if sampler not in CURVE_SAMPLERS.get(method, ()) or nfe not in curve_nfe(board, d).get(method, ()):
+            continue
+        values = pd.to_numeric(part["valid_pct" if d == "uncond" else "accuracy"], errors="coerce")
+        for step, at in values.groupby(pd.to_numeric(part[STEP], errors="coerce"), sort=True):
+            at = at.dropna()
+            if at.empty:
+                continue
+            seeds = sorted(int(x) for x in part.loc[at.index, "seed"])
+            lines.append(
+                [d, board, _label(method, variant), method, variant, sampler, int(nfe), int(step), at.mean(), at.min(),
+                 at.max(), len(at), ",".join(map(str, seeds))]
+            )  # fmt: skip
+    order = {d: i for i, d in enumerate([*DIFFICULTIES, "uncond"])}
+    table = pd.DataFrame(lines, columns=columns)
+    return table.sort_values(
+        ["task", "model", "sampler", "nfe_budget", "step"], key=lambda c: c.map(order) if c.name == "task" else c
+    ).reset_index(drop=True)
+
+
+def curve_gains(points: pd.DataFrame) -> pd.DataFrame:
+    """One line per curve: its final step and value, the point at the last checkpoint at or before 3/4 of the final
+    step (``LAST_QUARTER``), and the gain between them in points (NaN where the curve has no such point)."""
+    columns = ["task", "board", "model", "sampler", "NFE", "points", "final step", "final", "step at 3/4", "at 3/4"]
+    columns += ["gain"]
+    lines = []
+    keys = ["task", "board", "model", "sampler", "nfe_budget"]
+    for (task, board, model, sampler, nfe), curve in points.groupby(keys, sort=False):
+        final = curve.iloc[-1]
+        earlier = curve[curve["step"] <= LAST_QUARTER * final["step"]]
+        quarter = earlier.iloc[-1] if len(earlier) else None
+        lines.append(
+            [task, board, model, sampler, nfe, len(curve), int(final["step"]), final["mean"],
+             None if quarter is None else int(quarter["step"]), None if quarter is None else quarter["mean"],
+             float("nan") if quarter is None else final["mean"] - quarter["mean"]]
+        )  # fmt: skip
+    return pd.DataFrame(lines, columns=columns)
+
+
+def curve_table(gains: pd.DataFrame) -> pd.DataFrame:
+    """``curve_gains`` for the report: values to one decimal, the gain signed ('—' without a point at 3/4)."""
+    table = gains.drop(columns="board")
+    table["final"] = table["final"].map(lambda v: f"{v:.1f}")
+    table["at 3/4"] = table["at 3/4"].map(lambda v: "" if pd.isna(v) else f"{v:.1f}")
+    table["step at 3/4"] = table["step at 3/4"].map(lambda v: "" if pd.isna(v) else f"{int(v)}")
+    table["gain"] = table["gain"].map(lambda v: "—" if pd.isna(v) else f"{v:+.1f}")
+    return table.rename(columns={"gain": "gain over the last quarter (points)"})
+
+
+def budget_check(gains: pd.DataFrame) -> str:
+    """Whether the training budget is accepted: the easy MDM's curves at one call per generated position gain less
+    than BUDGET_GAIN points over the last quarter of the steps (issue 47); one sentence."""
+    easy = gains[(gains["task"] == "easy") & (gains["model"] == "MDM")]
+    one = [nfe == generated_positions(board, "easy") for nfe, board in zip(easy["NFE"], easy["board"], strict=True)]
+    easy = easy[pd.Series(one, index=easy.index, dtype=bool)].dropna(subset=["gain"])
+    rule = (
+        f"the easy MDM's curves at one call per generated position gain < {BUDGET_GAIN:g} point over the last quarter"
+    )
+    if easy.empty:
+        return f"Budget check ({rule}): not measured yet (no easy MDM curve with a point at 3/4 of its steps)."
+    said = ", ".join(f"{r.sampler} {r.gain:+.1f}" for r in easy.itertuples())
+    ok = bool((easy["gain"] < BUDGET_GAIN).all())
+    return f"Budget check ({rule}): {said} → " + (
+        "accepted." if ok else "NOT accepted: the models were still learning."
+    )
 
 
 # ---------------------------------------------------------------- verdicts
@@ -661,6 +767,15 @@ def build_sudoku_report(
         "aup": aup_table(agg),
         "verdicts": verdicts(agg),
     }
+    points = curve_points(rows)
+    gains = curve_gains(points)
+    tables["curves"] = curve_table(gains)
+    points.to_csv(out / "curve_points.csv", index=False)
+    report.data.append(out / "curve_points.csv")
+    figure = None
+    if len(points):
+        figure = plots.training_curves(points, out / "curves.png", "Accuracy versus training (headline lines)")
+        report.figures.append(figure)
     rows.drop(columns=["file"]).to_csv(out / ROWS_CSV, index=False)
     agg.to_csv(out / "aggregate.csv", index=False)
     report.data += [out / ROWS_CSV, out / "aggregate.csv"]
@@ -672,6 +787,7 @@ def build_sudoku_report(
         "conditional": machines_note(rows[rows["difficulty"].isin(DIFFICULTIES)]),
         "unconditional": machines_note(rows[rows["difficulty"] == "uncond"]),
         "calibration": machines_note(rows),
+        "curves": "",  # the rows' machines are named under the tables
         "aup": "",  # TPF does not depend on the machine; the accuracies' mix is named under their own tables
         "verdicts": machines_note(rows),
     }
@@ -736,6 +852,19 @@ def build_sudoku_report(
                 tables["calibration"],
             ),
             notes["calibration"],
+        ),
+        (
+            Section(
+                "Accuracy versus training",
+                "Accuracy (conditional) / % valid (unconditional) of the headline lines against the model's own "
+                "training step: each checkpoint kept at an eighth of the budget, sampled offline (the rows' "
+                "`eval_step`; the final weights' rows are the last point), mean over seeds, band: min–max "
+                f"(curve_points.csv). Per curve, the gain over the last quarter of the steps: the final point less the "
+                f"last checkpoint at ≤ 3/4 of the final step. {budget_check(gains)}",
+                tables["curves"],
+                image=figure,
+            ),
+            "",
         ),
         (
             Section(
