@@ -11,7 +11,15 @@ import pytest
 
 from analysis import plots
 from analysis.aup import aup, aup_lines, curve
-from analysis.sudoku_tables import aggregate, aup_table, best_within_nfe, read_results, verdicts, with_tpf
+from analysis.sudoku_tables import (
+    aggregate,
+    aup_table,
+    best_within_nfe,
+    conditional_table,
+    read_results,
+    verdicts,
+    with_tpf,
+)
 from analysis.tables import aup_table as report_aup_table
 from callbacks.results_csv import COLUMNS, write_rows
 from tests.analysis.test_sudoku_tables import row
@@ -155,6 +163,8 @@ def test_the_mdms_best_decoder_is_judged_by_its_own_line_and_prs_mean_nfe():
     assert fast[init + " · NFE 2.9 (seed max 2.9)"].startswith("reproduces (one paired seed: the Wilson 95 %")
     scratch = "FMLM+ scratch PR@4 — vs MDM eb gamma=1.0@18 (3.8 NFE) 70.0 [64.0–75.2] · NFE 3.8 (seed max 3.8)"
     assert fast[scratch] == "not measured"  # PR's cap, 4
+    cond = conditional_table(agg).set_index(["model", "sampler"])
+    assert cond.loc[("FMLM+ init", "pr"), "easy @4"] == "80.0 [74.8–84.5] · NFE 3.0 (seed max 3.0)"  # spent, not 4
 
 
 def test_rows_of_a_superseded_protocol_are_not_read_into_the_tables(tmp_path):
