@@ -707,14 +707,17 @@ def curve_points(rows: pd.DataFrame) -> pd.DataFrame:
 
 def curve_gains(points: pd.DataFrame) -> pd.DataFrame:
     """One line per curve: its final step and value, the point at the last checkpoint at or before 3/4 of the final
-    step (``LAST_QUARTER``), and the gain between them in points (NaN where the curve has no such point)."""
+    step (``LAST_QUARTER``) measured on the same seeds, and the gain between them in points (NaN where the curve has
+    no such point)."""
     columns = ["task", "board", "model", "sampler", "NFE", "points", "final step", "final", "step at 3/4", "at 3/4"]
     columns += ["gain"]
     lines = []
     keys = ["task", "board", "model", "sampler", "nfe_budget"]
     for (task, board, model, sampler, nfe), curve in points.groupby(keys, sort=False):
         final = curve.iloc[-1]
-        earlier = curve[curve["step"] <= LAST_QUARTER * final["step"]]
+        # the same seeds at both points: seeds whose runs ended at other steps (an earlier protocol's early stop) are
+        # no one curve
+        earlier = curve[(curve["step"] <= LAST_QUARTER * final["step"]) & (curve["seeds"] == final["seeds"])]
         quarter = earlier.iloc[-1] if len(earlier) else None
         lines.append(
             [task, board, model, sampler, nfe, len(curve), int(final["step"]), final["mean"],

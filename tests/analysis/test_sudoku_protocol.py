@@ -90,6 +90,18 @@ def test_curve_points_and_the_gain_over_the_last_quarter(curves):
     assert budget_check(flat).endswith("ancestral +0.4 → accepted.")
 
 
+def test_seeds_that_ended_at_other_steps_make_no_gain(tmp_path):
+    """Rows of an earlier protocol: seed 0 stopped at 3 650 steps, seed 1 at 1 000; their final points are no one
+    curve, and no gain is read across them."""
+    rows = [
+        row("FMLM+", "scratch", "pr", 4, 0, 89.5, eval_step=3650, steps=3650),
+        row("FMLM+", "scratch", "pr", 4, 1, 40.0, eval_step=1000, steps=1000),
+    ]
+    write_rows(tmp_path / "r" / "rows.csv", rows)
+    gains = curve_gains(curve_points(read_results(tmp_path / "r")))
+    assert gains["points"].tolist() == [2] and gains["gain"].isna().all()
+
+
 def test_a_curve_is_not_plotted_from_lines_off_the_headline(curves):
     """Curves of the headline budgets only: the MDM at 41 and 4, PR at 4 (conditional); a sampler at another budget
     is no curve."""
