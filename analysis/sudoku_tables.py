@@ -120,7 +120,8 @@ def read_results(folder: str | Path, *, skip: Iterable[str | Path] = ()) -> pd.D
     rows["converged"] = rows["converged"].astype(str).str.lower().eq("true")
     # the checkpoint's step: a row written before the curves (eval_step blank) was the run's final weights
     step = pd.to_numeric(rows["eval_step"], errors="coerce") if STEP in rows else pd.Series(float("nan"), rows.index)
-    rows[STEP] = step.fillna(pd.to_numeric(rows["steps"], errors="coerce"))
+    steps = pd.to_numeric(rows["steps"], errors="coerce") if "steps" in rows else step * float("nan")
+    rows[STEP] = step.fillna(steps)
     # one row per model seed: the model's own draws (eval_seed blank, in older CSVs, or the seed) over an evaluation
     # at another seed (flowlm-eval seed=N, whose rows name it), then the latest
     own = rows["eval_seed"].isna() | (rows["eval_seed"] == rows["seed"]) if "eval_seed" in rows else True

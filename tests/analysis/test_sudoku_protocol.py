@@ -75,6 +75,15 @@ def test_the_tables_use_the_final_weights_only(curves):
     assert (line["accuracy_mean"], line["n"]) == (pytest.approx((89.0 + 89.6 + 95.0) / 3), 3)
 
 
+def test_a_csv_from_before_the_step_columns_is_one_final_row(tmp_path):
+    """A results CSV without `eval_step` and `steps` (the schema's earliest): its rows are their runs' final ones."""
+    old = pd.DataFrame([row("MDM", "scratch", "ancestral", 41, 0, 80.0)]).drop(columns=["eval_step", "steps"])
+    (tmp_path / "r").mkdir()
+    old.to_csv(tmp_path / "r" / "old.csv", index=False)
+    rows = read_results(tmp_path / "r")
+    assert len(final_rows(rows)) == 1 and aggregate(rows)["accuracy_mean"].tolist() == [80.0]
+
+
 def test_curve_points_and_the_gain_over_the_last_quarter(curves):
     points = curve_points(read_results(curves))
     mdm = points[points["sampler"] == "ancestral"].set_index("step")
