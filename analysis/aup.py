@@ -14,7 +14,14 @@ DROP = 5.0  # points more than this many accuracy points below the lowest-TPF po
 ACCURACY_METRICS = ("accuracy", "valid_pct", "exact_match")  # percentages, higher is better: AUP is defined on these
 
 
-def aup(tpf: Sequence[float], accuracy: Sequence[float], *, y_max: float | None = None, alpha: float = ALPHA) -> float:
+def aup(
+    tpf: Sequence[float],
+    accuracy: Sequence[float],
+    *,
+    y_max: float | None = None,
+    alpha: float = ALPHA,
+    drop: float | None = DROP,
+) -> float:
     """AUP of the points (ρ_i, y_i): ρ the tokens per forward (> 0), y the accuracy in % ([0, 100]).
 
     Sorted so that ρ_1 < ρ_2 < … < ρ_m (an equal ρ twice is an error: merge such points first); kept are the points
@@ -23,7 +30,8 @@ def aup(tpf: Sequence[float], accuracy: Sequence[float], *, y_max: float | None 
         AUP = ρ_1 y_1 + ½ Σ_{i=2}^{m} (ρ_i − ρ_{i−1}) (y_i W(y_i) + y_{i−1} W(y_{i−1}))
 
     as d3LLM defines it (its blog's AUP section: α = 3, y_max the highest accuracy any method reached on the task,
-    the first rectangle unweighted). ``y_max`` defaults to this curve's best; it may not lie below it.
+    the first rectangle unweighted). ``y_max`` defaults to this curve's best; it may not lie below it. ``drop``
+    None keeps every point (lines scored over the same budgets: a cut would leave one line its slow end alone).
     """
     rho, y = np.asarray(tpf, dtype=float), np.asarray(accuracy, dtype=float)
     if rho.ndim != 1 or rho.shape != y.shape or rho.size == 0:
@@ -41,7 +49,7 @@ def aup(tpf: Sequence[float], accuracy: Sequence[float], *, y_max: float | None 
     best = float(y.max()) if y_max is None else float(y_max)
     if best < y.max():
         raise ValueError(f"y_max {best} lies below this curve's best accuracy {y.max()}")
-    keep = y >= y[0] - DROP
+    keep = y >= y[0] - drop if drop is not None else np.ones_like(y, dtype=bool)
     rho, y = rho[keep], y[keep]
     weighted = y * weight(y, best, alpha)
     return float(rho[0] * y[0] + 0.5 * np.sum(np.diff(rho) * (weighted[1:] + weighted[:-1])))
@@ -62,10 +70,10 @@ def curve(tpf: pd.Series, accuracy: pd.Series) -> tuple[np.ndarray, np.ndarray]:
     return merged.index.to_numpy(float), merged.to_numpy(float)
 
 
-def aup_lines(points: pd.DataFrame, keys: Sequence[str], metric: str) -> pd.DataFrame:
+def aup_lines(points: pd.DataFrame, keys: Sequence[str], metric: str, *, drop: float | None = DROP) -> pd.DataFrame:
     """AUP per line of ``points`` (grouped by ``keys``; columns ``tpf`` and ``metric``: one point each), with y_max the
     best ``metric`` over all of ``points`` (one task). Columns: keys, ``points``, ``tpf_min``, ``tpf_max``, ``aup``
-    (NaN for a line without TPF, e.g. results logged before TPF was)."""
+    (NaN for a line without TPF, e.g. results logged before TPF was); ``drop`` as in ``aup``."""
     columns = [*keys, "points", "tpf_min", "tpf_max", "aup"]
     if metric not in ACCURACY_METRICS:
         raise ValueError(f"AUP is defined on accuracies in % ({ACCURACY_METRICS}), not {metric!r}")
@@ -76,7 +84,7 @@ def aup_lines(points: pd.DataFrame, keys: Sequence[str], metric: str) -> pd.Data
     lines = []
     for key, part in points.assign(tpf=tpf).groupby(list(keys), sort=False, dropna=False):
         rho, y = curve(part["tpf"], part[metric])
-        value = aup(rho, y, y_max=y_max) if len(rho) else math.nan
+        value = aup(rho, y, y_max=y_max, drop=drop) if len(rho) else math.nan
         low, high = (rho.min(), rho.max()) if len(rho) else (math.nan, math.nan)
         lines.append([*(key if isinstance(key, tuple) else (key,)), len(rho), low, high, value])
     return pd.DataFrame(lines, columns=columns)

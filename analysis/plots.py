@@ -154,6 +154,30 @@ def calibration(scored: pd.DataFrame, path: Path, title: str, nfe_budget: int) -
     return _save(fig, path)
 
 
+def training_curves(points: pd.DataFrame, path: Path, title: str) -> Path:
+    """Accuracy (conditional) / % valid (unconditional) against the training step, one panel per task: one line per
+    model × sampler × NFE budget (``analysis.sudoku_tables.curve_points``: columns task, model, sampler, nfe_budget,
+    step, mean, min, max, n), the mean over seeds with the seeds' min–max as a band."""
+    tasks = list(dict.fromkeys(points["task"]))
+    fig, axes = plt.subplots(1, max(len(tasks), 1), figsize=(5.2 * max(len(tasks), 1), 4.4), dpi=120, squeeze=False)
+    colors = plt.get_cmap("tab10")
+    for ax, task in zip(axes[0], tasks, strict=False):
+        part = points[points["task"] == task]
+        for i, ((model, sampler, nfe), line) in enumerate(part.groupby(["model", "sampler", "nfe_budget"], sort=False)):
+            line = line.sort_values("step")
+            style = dict(color=colors(i % 10), marker=MARKERS[i % len(MARKERS)], ms=4, lw=1.5)
+            ax.plot(line["step"], line["mean"], label=f"{model} · {sampler} @{nfe} (n={int(line['n'].max())})", **style)
+            ax.fill_between(line["step"], line["min"], line["max"], color=style["color"], alpha=0.18, lw=0)
+        ax.set_title(str(task))
+        ax.set_xlabel("training step (the model's own)")
+        ax.set_ylabel(LABELS["valid_pct" if task == "uncond" else "accuracy"] + " — mean, band: min–max over seeds")
+        ax.set_ylim(-2, 102)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
 def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, bbox_inches="tight")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 
+from analysis import plots
 from analysis.aup import aup_lines
 from analysis.report import REPORT_HTML, REPORT_MD, Report, Section, _inline, _render_html, _render_markdown
 from analysis.tables import reference_numbers
@@ -45,6 +47,16 @@ LOW_NFE = 4  # the released PR setting: R = 4, N = 1
 MODELS = [("MDM", "scratch"), ("FMLM+", "scratch"), ("FMLM+", "distill"), ("FMLM+", "init"), ("MLFM", "init")]
 SAMPLERS = ["ancestral", "confidence", "pr", "a_priori", "mlfm", "mlfm_ccfg", "mlfm_ccfg_otp"]
 PAPER_METHOD = {"MDLM": "MDM", "FMLM+": "FMLM+"}  # reference.yaml's model → the suite's method
+PAPER_VARIANT = "scratch"  # the paper's Sudoku FMLM+ (the released script sets no init nor teacher): the headline
+VARIANTS = ("scratch", "distill", "init")  # FMLM+'s rows: the paper's variant first, then the strategy rows
+ADAPTIVE = ("threshold", "threshold_margin", "eb")  # decoders whose budget is a cap: rows of their own
+PAPER_CELLS = 81  # the cells of the paper's 9×9 unconditional board (its tokens per call: 81 / NFE)
+PROPORTIONS = ("accuracy", "valid_pct")  # percentages of puzzles / grids: Wilson intervals from the pooled count
+# Rows written before the `samples` column: the fixed-budget protocol (issue 47, from commit adf19c9 on) samples every
+# val puzzle (2 000); earlier rows sampled the CPU scale's two evaluation batches (2 × 128 puzzles, 2 × 256 grids).
+PROTOCOL_START = "2026-12-06T07:47:26Z"
+DEFAULT_SAMPLES = 2000
+EARLIER_SAMPLES = {"conditional": 256, "uncond": 512}
 
 
 class NoResultsError(ValueError):
@@ -56,9 +68,10 @@ class ResultsCSVWarning(UserWarning):
 
 
 REQUIRED = [*KEY, "seed", "date"]  # a results CSV's header holds these (callbacks/results_csv.py COLUMNS)
-NUMERIC = ["nfe_budget", "seed", "eval_seed", *MEASURES, *TRAINING]  # blank or a number in every row
+NUMERIC = ["nfe_budget", "seed", "eval_seed", "eval_step", "samples", *MEASURES, *TRAINING]  # blank or a number
 DATE_FORMAT = "%Y-%m-%dT%H:%M:%SZ"  # callbacks/results_csv.py's `date`
 ROWS_CSV = "rows.csv"  # the report's merged rows: the results schema, so never read back (report_folders)
+STEP = "eval_step"  # the training step of the weights a row sampled (the curve's checkpoints, the final weights)
 # Rows of an earlier protocol, kept for the record and out of the tables (results/sudoku/superseded/README.md).
 SUPERSEDED = "superseded"
 
@@ -75,8 +88,10 @@ def read_results(folder: str | Path, *, skip: Iterable[str | Path] = ()) -> pd.D
     read: the folders in ``skip`` (the report's own ``out``), any folder holding a report (report_folders), and, each
     named in a ResultsCSVWarning, a file that is empty, not UTF-8 or whose header is not the results schema, and the
     rows of a file with a wrong field count (a cut line), a non-number in a numeric column (a decimal comma) or a
-    date not in DATE_FORMAT. ``attrs["skipped"]``: 'path (why)' of each. A folder named SUPERSEDED below ``folder``
-    holds rows of an earlier protocol: not read (read it as ``folder`` itself to see them)."""
+    date not in DATE_FORMAT. ``attrs["skipped"]``: 'path (why)' of each. A (row, seed) is measured once per
+    checkpoint (``eval_step``, the run's ``steps`` where blank): the curve's points are rows of their own. A folder
+    named SUPERSEDED below ``folder`` holds rows of an earlier protocol: not read (read it as ``folder`` itself to see
+    them)."""
     folder = Path(folder)
     skip = [Path(s).resolve() for s in skip]
     skip += [p.resolve() for p in folder.rglob(SUPERSEDED) if p.is_dir()] if folder.is_dir() else []
@@ -103,11 +118,15 @@ def read_results(folder: str | Path, *, skip: Iterable[str | Path] = ()) -> pd.D
     rows = pd.concat(frames, ignore_index=True)
     rows["sampler_settings"] = rows["sampler_settings"].fillna("{}").map(current_settings)
     rows["converged"] = rows["converged"].astype(str).str.lower().eq("true")
+    # the checkpoint's step: a row written before the curves (eval_step blank) was the run's final weights
+    step = pd.to_numeric(rows["eval_step"], errors="coerce") if STEP in rows else pd.Series(float("nan"), rows.index)
+    steps = pd.to_numeric(rows["steps"], errors="coerce") if "steps" in rows else step * float("nan")
+    rows[STEP] = step.fillna(steps)
     # one row per model seed: the model's own draws (eval_seed blank, in older CSVs, or the seed) over an evaluation
     # at another seed (flowlm-eval seed=N, whose rows name it), then the latest
     own = rows["eval_seed"].isna() | (rows["eval_seed"] == rows["seed"]) if "eval_seed" in rows else True
     rows = rows.assign(_own=own).sort_values(["_own", "date"], kind="stable")
-    rows = rows.drop_duplicates([*KEY, "seed"], keep="last").drop(columns="_own").reset_index(drop=True)
+    rows = rows.drop_duplicates([*KEY, "seed", STEP], keep="last").drop(columns="_own").reset_index(drop=True)
     rows.attrs["skipped"] = skipped
     return rows
 
@@ -190,37 +209,86 @@ def _is_number(value: str) -> bool:
     return "_" not in value  # float() reads '1_0'; pandas does not
 
 
+def final_rows(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows of each run's final weights (``eval_step`` equal to the run's ``steps``, or either blank): the
+    tables' and verdicts' rows; the earlier checkpoints' rows are the accuracy-versus-training curve's points."""
+    step = pd.to_numeric(rows[STEP], errors="coerce") if STEP in rows else pd.Series(float("nan"), rows.index)
+    steps = pd.to_numeric(rows["steps"], errors="coerce") if "steps" in rows else step * float("nan")
+    return rows[step.isna() | steps.isna() | (step >= steps)]
+
+
 def aggregate(rows: pd.DataFrame) -> pd.DataFrame:
-    """One line per KEY: mean, std (ddof 1; 0 for one seed) and seed count of every measure (``tpf`` completed by
-    ``with_tpf``); training facts as means, ``converged`` as the number of converged seeds."""
-    rows = with_tpf(rows)
-    grouped = rows.groupby(KEY, sort=False, dropna=False)
-    out = grouped.size().rename("n").to_frame()
-    for m in MEASURES + TRAINING:
-        if m in rows:
-            values = pd.to_numeric(rows[m], errors="coerce")
-            out[f"{m}_mean"] = values.groupby([rows[k] for k in KEY], sort=False, dropna=False).mean()
-            out[f"{m}_std"] = values.groupby([rows[k] for k in KEY], sort=False, dropna=False).std().fillna(0.0)
-    # the most NFE one seed spent on average (an adaptive sampler's spend varies by seed): "within a budget" means
-    # within it on every seed (best_within_nfe)
-    out["nfe_seed_max"] = (
-        pd.to_numeric(rows["nfe"], errors="coerce").groupby([rows[k] for k in KEY], sort=False, dropna=False).max()
+    """One line per KEY over the final weights' rows (``final_rows``: a curve's point never joins a cell): mean, std
+    (ddof 1; 0 for one seed) and seed count of every measure; per proportion (PROPORTIONS) the pooled count over
+    seeds (``<m>_hits`` of ``<m>_total`` samples: ``samples_of``) and the per-seed values (``<m>_by_seed``, JSON);
+    ``tpf_mean`` the cells filled per call (``cells_per_call``); training facts as means; ``nfe_seed_max`` the most
+    NFE one seed spent on average; ``samples_assumed`` the rows whose sample count is a default."""
+    rows = final_rows(rows).reset_index(drop=True)
+    samples, recorded = samples_of(rows)
+    rows = rows.assign(_samples=samples, _assumed=~recorded)
+    lines = []
+    for key, part in rows.groupby(KEY, sort=False, dropna=False):
+        line = dict(zip(KEY, key, strict=True))
+        line["n"] = len(part)
+        for m in MEASURES + TRAINING:
+            if m in part:
+                values = pd.to_numeric(part[m], errors="coerce")
+                line[f"{m}_mean"] = values.mean()
+                line[f"{m}_std"] = 0.0 if values.count() < 2 else values.std()
+        nfe = pd.to_numeric(part["nfe"], errors="coerce")
+        line["tpf_mean"] = cells_per_call(line["board"], line["difficulty"], nfe, part["_samples"])
+        line["tpf_std"] = 0.0
+        # the most NFE one seed spent on average (an adaptive sampler's spend varies by seed): "within a budget"
+        # means within it on every seed (best_within_nfe)
+        line["nfe_seed_max"] = nfe.max()
+        for m in PROPORTIONS:
+            values = pd.to_numeric(part[m], errors="coerce") if m in part else pd.Series(float("nan"), part.index)
+            got = values.notna()
+            line[f"{m}_hits"] = int((values[got] / 100 * part.loc[got, "_samples"]).round().sum())
+            line[f"{m}_total"] = int(part.loc[got, "_samples"].sum())
+            line[f"{m}_by_seed"] = json.dumps(
+                {int(s): float(v) for s, v in zip(part["seed"][got], values[got], strict=True)}
+            )
+        line["samples_assumed"] = int(part["_assumed"].sum())
+        if "confidence_kind" in part:  # the sampler's declared kind (flowlm/samplers), one per sampler
+            line["confidence_kind"] = part["confidence_kind"].iloc[0]
+        line["seeds"] = ",".join(str(v) for v in sorted(part["seed"].unique()))
+        lines.append(line)
+    return pd.DataFrame(lines)
+
+
+def samples_of(rows: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """Per row, the puzzles / grids its percentages count (the ``samples`` column) and whether the row recorded it;
+    a row without it (CSVs before the column) counts DEFAULT_SAMPLES when written under the fixed-budget protocol
+    (from PROTOCOL_START on: every val puzzle, 2 000), else EARLIER_SAMPLES (the CPU scale's two evaluation batches:
+    256 puzzles, 512 grids)."""
+    given = (
+        pd.to_numeric(rows["samples"], errors="coerce") if "samples" in rows else pd.Series(float("nan"), rows.index)
     )
-    out["converged"] = grouped["converged"].sum()
-    if "confidence_kind" in rows:  # the sampler's declared kind (flowlm/samplers), one per sampler
-        out["confidence_kind"] = grouped["confidence_kind"].first()
-    out["seeds"] = grouped["seed"].agg(lambda s: ",".join(str(v) for v in sorted(s.unique())))
-    return out.reset_index()
+    earlier = rows["date"].astype(str) < PROTOCOL_START
+    old = rows["difficulty"].map(lambda d: EARLIER_SAMPLES["uncond" if d == "uncond" else "conditional"])
+    default = old.where(earlier, DEFAULT_SAMPLES)
+    return given.fillna(default).astype(int), given.notna()
+
+
+def cells_per_call(board: str, difficulty: str, nfe: pd.Series, samples: pd.Series) -> float:
+    """Tokens per forward as the tables count it: the cells a row fills (``empty_cells``: not the clue copies and
+    separators it also writes) over the mean NFE, a ratio of sums over the seeds' rows (NaN without NFE)."""
+    ok = nfe.notna() & (nfe > 0)
+    if not ok.any():
+        return float("nan")
+    weights = samples[ok].astype(float)
+    return empty_cells(board, difficulty) * float(weights.sum()) / float((nfe[ok] * weights).sum())
 
 
 def with_tpf(rows: pd.DataFrame) -> pd.DataFrame:
-    """``rows`` with tokens per forward in every row: the logged ``tpf`` (the mean over rows of generated positions
-    / NFE spent), else, for rows of CSVs written before TPF was, generated positions / mean NFE: the same for
-    fixed-step samplers, at most the logged mean for adaptive ones (Jensen: mean(g / n) ≥ g / mean(n))."""
-    generated = pd.Series([generated_positions(b, d) for b, d in zip(rows["board"], rows["difficulty"], strict=True)])
-    derived = generated.set_axis(rows.index) / pd.to_numeric(rows["nfe"], errors="coerce").where(lambda v: v > 0)
-    logged = pd.to_numeric(rows["tpf"], errors="coerce") if "tpf" in rows else derived * float("nan")
-    return rows.assign(tpf=logged.fillna(derived))
+    """``rows`` with tokens per forward in every row: the cells it fills (``empty_cells``) over its mean NFE, the
+    rows' ratio of sums. The logged ``tpf`` counts every generated position (clue copies and separators included)
+    and averages per row: it is not what the tables show."""
+    cells = pd.Series([empty_cells(b, d) for b, d in zip(rows["board"], rows["difficulty"], strict=True)])
+    return rows.assign(
+        tpf=cells.set_axis(rows.index) / pd.to_numeric(rows["nfe"], errors="coerce").where(lambda v: v > 0)
+    )
 
 
 def generated_positions(board: str, difficulty: str) -> int:
@@ -239,20 +307,88 @@ def empty_cells(board: str, difficulty: str) -> int:
     return n * n - clues_for(SimpleNamespace(n=n), difficulty)  # clues_for reads only the board size
 
 
+Z95 = 1.959964  # the normal quantile of a two-sided 95 % interval
+# t quantiles (two-sided 95 %, by degrees of freedom) for the paired intervals; between entries the next lower df's
+# (wider): scipy is not a dependency of the suite
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+       11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086,
+       25: 2.060, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}  # fmt: skip
+
+
+def t95(df: int) -> float:
+    """The two-sided 95 % quantile of Student's t at ``df`` ≥ 1 degrees of freedom (T95; normal beyond 120)."""
+    if df < 1:
+        raise ValueError(f"a t interval needs at least 1 degree of freedom, got {df}")
+    return T95[max(k for k in T95 if k <= df)] if df <= 120 else Z95
+
+
+def wilson(hits: int, total: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of ``hits`` successes in ``total`` trials, in % (95 % by default)."""
+    if total <= 0:
+        raise ValueError(f"a Wilson interval needs at least one trial, got {total}")
+    p = hits / total
+    denominator = 1 + z**2 / total
+    centre = (p + z**2 / (2 * total)) / denominator
+    half = z * math.sqrt(p * (1 - p) / total + z**2 / (4 * total**2)) / denominator
+    return 100 * max(centre - half, 0.0), 100 * min(centre + half, 1.0)
+
+
 @dataclass(frozen=True)
 class Cell:
-    """One aggregated value: mean, std over seeds, seed count."""
+    """One aggregated value: mean, std over seeds, seed count; for a proportion the pooled count (``hits`` of
+    ``total`` samples over the seeds) and the per-seed values; the NFE spent (mean over seeds, the most one seed
+    spent) and the budget."""
 
     mean: float
     std: float
     n: int
+    hits: int | None = None
+    total: int | None = None
+    by_seed: tuple[tuple[int, float], ...] = ()
+    nfe: float | None = None
+    nfe_max: float | None = None
+    budget: float | None = None
+
+    def interval(self) -> tuple[float, float] | None:
+        """The Wilson 95 % interval of the pooled count, in % (None for a measure that is no proportion)."""
+        return None if not self.total else wilson(int(self.hits or 0), int(self.total))
 
     def format(self, decimals: int = 1) -> str:
-        """'mean ± std' with ``decimals``; the mean alone for one seed (whose std is no spread)."""
-        return f"{self.mean:.{decimals}f} ± {self.std:.{decimals}f}" if self.n > 1 else f"{self.mean:.{decimals}f}"
+        """'mean ± std [Wilson 95 %]' with ``decimals``; the mean alone for one seed (whose std is no spread)."""
+        text = f"{self.mean:.{decimals}f} ± {self.std:.{decimals}f}" if self.n > 1 else f"{self.mean:.{decimals}f}"
+        ci = self.interval()
+        return text + (f" [{ci[0]:.{decimals}f}–{ci[1]:.{decimals}f}]" if ci else "")
+
+    def spent(self) -> str:
+        """' · NFE 3.6 (seed max 3.9)' where the NFE spent differs from the budget (an adaptive cell), else ''."""
+        if self.nfe is None or self.budget is None or pd.isna(self.nfe) or abs(self.nfe - self.budget) < 0.05:
+            return ""
+        return f" · NFE {self.nfe:.1f} (seed max {self.nfe_max:.1f})"
+
+    def seeds(self) -> dict[int, float]:
+        """The per-seed values."""
+        return dict(self.by_seed)
 
     def __str__(self) -> str:
         return self.format(1)
+
+
+def _cell_of(line: pd.Series, metric: str) -> Cell:
+    """The Cell of one aggregated line's ``metric``."""
+    pooled = metric in PROPORTIONS and line.get(f"{metric}_total")
+    by_seed = json.loads(line[f"{metric}_by_seed"]) if pooled else {}
+    number = lambda key: None if key not in line or pd.isna(line[key]) else float(line[key])  # noqa: E731
+    return Cell(
+        float(line[f"{metric}_mean"]),
+        float(line[f"{metric}_std"]),
+        int(line["n"]),
+        hits=int(line[f"{metric}_hits"]) if pooled else None,
+        total=int(line[f"{metric}_total"]) if pooled else None,
+        by_seed=tuple(sorted((int(s), float(v)) for s, v in by_seed.items())),
+        nfe=number("nfe_mean"),
+        nfe_max=number("nfe_seed_max"),
+        budget=number("nfe_budget"),
+    )
 
 
 def cell(agg: pd.DataFrame, metric: str, **where) -> Cell | None:
@@ -263,12 +399,19 @@ def cell(agg: pd.DataFrame, metric: str, **where) -> Cell | None:
     pick = pick.dropna(subset=[f"{metric}_mean"]) if f"{metric}_mean" in pick else pick.iloc[0:0]
     if pick.empty:
         return None
-    row = pick.iloc[0]
-    return Cell(float(row[f"{metric}_mean"]), float(row[f"{metric}_std"]), int(row["n"]))
+    return _cell_of(pick.iloc[0], metric)
 
 
 def _label(method: str, variant: str) -> str:
     return method if method in ("MDM", "MLFM") else f"{method} {variant}"
+
+
+def role(method: str, variant: str) -> str:
+    """A model's place in the tables: the paper's variant of FMLM+ (from scratch: the headline), the MDM baseline,
+    or one of the suite's strategy rows (initialised, distilled, MLFM)."""
+    if method == "MDM":
+        return "baseline"
+    return "headline (the paper's variant)" if (method, variant) == ("FMLM+", PAPER_VARIANT) else "strategy row"
 
 
 def _models(agg: pd.DataFrame) -> list[tuple[str, str, str]]:
@@ -278,28 +421,25 @@ def _models(agg: pd.DataFrame) -> list[tuple[str, str, str]]:
     return order + sorted(present - set(order))
 
 
-def _training(agg: pd.DataFrame, **where) -> str:
-    """'budget steps (own steps), wall, final val loss, converged k/n' of a model on one task."""
-    pick = agg
-    for key, value in where.items():
-        pick = pick[pick[key] == value]
-    if pick.empty or "budget_steps_mean" not in pick:
-        return ""
-    r = pick.iloc[0]
-    own = "" if r["budget_steps_mean"] == r["steps_mean"] else f" ({r['steps_mean']:.0f} own)"
-    flag = "converged" if r["converged"] == r["n"] else f"NOT converged in {int(r['n'] - r['converged'])}/{r['n']}"
-    return (
-        f"{r['budget_steps_mean']:.0f} steps{own}, {r['wall_s_mean'] / 60:.1f} min, "
-        f"val loss {r['final_val_loss_mean']:.3f}, {flag}"
-    )
+def _fixed(agg: pd.DataFrame) -> pd.DataFrame:
+    """The lines of fixed-step samplers (the adaptive decoders have their own table: adaptive_table)."""
+    return agg[~agg["sampler"].isin(ADAPTIVE)]
+
+
+def _shown(got: Cell | None) -> str:
+    return "" if got is None else str(got) + got.spent()
 
 
 def conditional_table(agg: pd.DataFrame) -> pd.DataFrame:
-    """Accuracy %: one line per model × sampler; per difficulty NFE 4, NFE = empty cells, and the training facts.
-    The papers' rows (9×9) first, labelled with their scale."""
-    cond = agg[agg["difficulty"].isin(DIFFICULTIES)]
+    """Accuracy % [Wilson 95 %] of the fixed-step samplers: one line per model × sampler; per difficulty NFE 4, NFE =
+    the empty cells and NFE = the generated positions (one call each: the MDM's, the paper's MDLM regime), the NFE
+    spent where it differs from the budget. The papers' rows (9×9) first, their NFE named (MDLM's 128 on 89
+    positions under one call per position)."""
+    cond = _fixed(agg[agg["difficulty"].isin(DIFFICULTIES)])
     board = cond["board"].iloc[0] if len(cond) else "6x6"
-    full = {d: empty_cells(board, d) for d in DIFFICULTIES}
+    budgets = {d: (LOW_NFE, empty_cells(board, d), generated_positions(board, d)) for d in DIFFICULTIES}
+    names = {d: (f"{d} @4", f"{d} @{b[1]} (empty cells)", f"{d} @{b[2]} (one call per position)")
+             for d, b in budgets.items()}  # fmt: skip
     lines = []
     for d in DIFFICULTIES:  # the papers' rows: the same layout, their NFE named where it is not 4
         for ref in reference_numbers()[f"sudoku_{d}"]["rows"]:
@@ -307,52 +447,143 @@ def conditional_table(agg: pd.DataFrame) -> pd.DataFrame:
                 (x for x in lines if x["model"] == ref["model"] and x["sampler"] == (ref["sampler"] or "")), None
             )
             if line is None:
-                line = {"source": reference_numbers()[f"sudoku_{d}"]["label"], "model": ref["model"]}
+                line = {"source": reference_numbers()[f"sudoku_{d}"]["label"], "model": ref["model"], "role": "paper"}
                 line["sampler"] = ref["sampler"] or ""
                 lines.append(line)
             for nfe, value in ref["values"].items():
-                column = f"{d} @4" if nfe == LOW_NFE else f"{d} @full"
+                column = names[d][0] if nfe == LOW_NFE else names[d][2]
                 line[column] = f"{value:.1f}" + ("" if nfe == LOW_NFE else f" (NFE {nfe})")
     for method, variant, sampler in _models(cond):
-        line = {"source": f"measured, {board}", "model": _label(method, variant), "sampler": sampler}
+        line = {"source": f"measured, {board}", "model": _label(method, variant), "role": role(method, variant)}
+        line["sampler"] = sampler
         for d in DIFFICULTIES:
-            for column, nfe in ((f"{d} @4", LOW_NFE), (f"{d} @full", full[d])):
-                got = cell(
-                    cond, "accuracy", method=method, variant=variant, sampler=sampler, difficulty=d, nfe_budget=nfe
-                )
-                line[column] = "" if got is None else str(got)
-            line[f"{d} training"] = _training(cond, method=method, variant=variant, difficulty=d)
+            for column, nfe in zip(names[d], budgets[d], strict=True):
+                where = dict(method=method, variant=variant, sampler=sampler, difficulty=d, nfe_budget=nfe)
+                line[column] = _shown(cell(cond, "accuracy", **where))
         lines.append(line)
-    columns = ["source", "model", "sampler"]
-    columns += [f"{d} {c}" for d in DIFFICULTIES for c in ("@4", "@full", "training")]
-    table = pd.DataFrame(lines, columns=columns).fillna("")
-    return table.rename(columns={f"{d} @full": f"{d} @{full[d]} (full)" for d in DIFFICULTIES})
+    columns = ["source", "model", "role", "sampler", *(c for d in DIFFICULTIES for c in names[d])]
+    return pd.DataFrame(lines, columns=columns).fillna("")
+
+
+def adaptive_table(agg: pd.DataFrame) -> pd.DataFrame:
+    """The adaptive decoders (ADAPTIVE: threshold, margin, EB) in rows of their own, one per task × model ×
+    sampler × settings × cap: the NFE spent (mean over seeds; the most one seed spent), cells per call, and accuracy
+    / % valid [Wilson 95 %]."""
+    columns = ["task", "model", "sampler", "cap", "NFE spent (mean; seed max)", "TPF", "accuracy / % valid"]
+    lines = []
+    for d in [*DIFFICULTIES, "uncond"]:
+        part = agg[(agg["difficulty"] == d) & agg["sampler"].isin(ADAPTIVE)]
+        metric = "valid_pct" if d == "uncond" else "accuracy"
+        for _, line in part.sort_values(["method", "variant", "sampler", "nfe_budget"]).iterrows():
+            got = _cell_of(line, metric) if not pd.isna(line.get(f"{metric}_mean")) else None
+            lines.append(
+                {
+                    "task": d,
+                    "model": _label(line["method"], line["variant"]),
+                    "sampler": _sampler_label(agg[agg["difficulty"] == d], line),
+                    "cap": int(line["nfe_budget"]),
+                    "NFE spent (mean; seed max)": f"{line['nfe_mean']:.2f}; {line['nfe_seed_max']:.2f}",
+                    "TPF": "" if pd.isna(line["tpf_mean"]) else f"{line['tpf_mean']:.2f}",
+                    "accuracy / % valid": "" if got is None else str(got),
+                }
+            )
+    return pd.DataFrame(lines, columns=columns)
+
+
+def tokens_per_call_nfe(paper_nfe: int, board: str = "6x6") -> int:
+    """The fewest calls on this unconditional board that fill no more cells a call than ``paper_nfe`` did on the
+    paper's 81 (9 a call at NFE 9 ↔ 36 / 4 on 6×6; its 27 a call at NFE 3 ↔ 2 calls, 18 a call): never more
+    parallel than the paper's setting."""
+    return max(1, math.ceil(empty_cells(board, "uncond") * paper_nfe / PAPER_CELLS - 1e-9))
 
 
 def unconditional_table(agg: pd.DataFrame) -> pd.DataFrame:
-    """Per model × sampler and NFE 1 / 3 / 9 / 27 / 36: '% valid · distinct valid · % copies of training grids'; the
-    papers' % valid (9×9, NFE 81 under 36) first."""
-    unc = agg[agg["difficulty"] == "uncond"]
+    """Budgets mapped absolutely: per fixed-step model × sampler and NFE 1 / 3 / 9 / 27 / 36, '% valid [Wilson 95 %]
+    · distinct valid · % copies of training grids'; the papers' % valid at the same NFE (their 81 under 36)."""
+    unc = _fixed(agg[agg["difficulty"] == "uncond"])
     ref = reference_numbers()["sudoku_uncond"]
     lines = []
     for row in ref["rows"]:
-        line = {"source": ref["label"], "model": row["model"], "sampler": row["sampler"]}
+        line = {"source": ref["label"], "model": row["model"], "role": "paper", "sampler": row["sampler"]}
         for nfe in UNCOND_NFE:
             value = row["values"].get(PAPER_NFE[nfe])
             line[f"NFE {nfe}"] = "" if value is None else f"{value:.1f}" + ("" if nfe == PAPER_NFE[nfe] else " (81)")
         lines.append(line)
     board = unc["board"].iloc[0] if len(unc) else "6x6"
     for method, variant, sampler in _models(unc):
-        line = {"source": f"measured, {board}", "model": _label(method, variant), "sampler": sampler}
+        line = {"source": f"measured, {board}", "model": _label(method, variant), "role": role(method, variant)}
+        line["sampler"] = sampler
         for nfe in UNCOND_NFE:
             where = dict(method=method, variant=variant, sampler=sampler, nfe_budget=nfe)
             valid = cell(unc, "valid_pct", **where)
             distinct, copies = cell(unc, "distinct_valid", **where), cell(unc, "train_copy_pct", **where)
-            line[f"NFE {nfe}"] = "" if valid is None else f"{valid} · {distinct.mean:.0f} · {copies.mean:.1f}"
-        line["training"] = _training(unc, method=method, variant=variant)
+            line[f"NFE {nfe}"] = (
+                "" if valid is None else f"{valid} · {distinct.mean:.0f} · {copies.mean:.1f}{valid.spent()}"
+            )
         lines.append(line)
-    columns = ["source", "model", "sampler", *(f"NFE {n}" for n in UNCOND_NFE), "training"]
+    columns = ["source", "model", "role", "sampler", *(f"NFE {n}" for n in UNCOND_NFE)]
     return pd.DataFrame(lines, columns=columns).fillna("")
+
+
+def tokens_per_call_table(agg: pd.DataFrame) -> pd.DataFrame:
+    """Budgets mapped by tokens per call: one column per paper NFE (1 / 3 / 9 / 27 / 81 on 81 cells), the papers' %
+    valid at it and the measured % valid [Wilson 95 %] at the 6×6 NFE filling as many cells a call
+    (tokens_per_call_nfe; blank where that budget was not measured)."""
+    unc = _fixed(agg[agg["difficulty"] == "uncond"])
+    board = unc["board"].iloc[0] if len(unc) else "6x6"
+    cells = empty_cells(board, "uncond")
+    ref = reference_numbers()["sudoku_uncond"]
+    paper = sorted({int(n) for row in ref["rows"] for n in row["values"]})
+    names = {
+        p: f"paper NFE {p} ({PAPER_CELLS / p:.3g} a call) ↔ NFE {tokens_per_call_nfe(p, board)} "
+        f"({cells / tokens_per_call_nfe(p, board):.3g} a call)"
+        for p in paper
+    }
+    lines = []
+    for row in ref["rows"]:
+        line = {"source": ref["label"], "model": row["model"], "role": "paper", "sampler": row["sampler"]}
+        line.update({names[p]: f"{v:.1f}" for p, v in row["values"].items()})
+        lines.append(line)
+    for method, variant, sampler in _models(unc):
+        line = {"source": f"measured, {board}", "model": _label(method, variant), "role": role(method, variant)}
+        line["sampler"] = sampler
+        for p in paper:
+            where = dict(method=method, variant=variant, sampler=sampler, nfe_budget=tokens_per_call_nfe(p, board))
+            line[names[p]] = _shown(cell(unc, "valid_pct", **where))
+        lines.append(line)
+    return pd.DataFrame(lines, columns=["source", "model", "role", "sampler", *names.values()]).fillna("")
+
+
+def training_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per task × model × seed, the final weights' training facts: own steps, total steps (an MDM-based model counts
+    its MDM's), wall time and final val loss (the convergence rule is a recorded diagnostic, not shown here)."""
+    columns = ["task", "model", "seed", "own steps", "total steps", "wall (min)", "final val loss"]
+    final = final_rows(rows)
+    lines = []
+    order = {d: i for i, d in enumerate([*DIFFICULTIES, "uncond"])}
+    keys = ["difficulty", "method", "variant", "seed"]
+    for (d, method, variant, seed), part in sorted(
+        final.groupby(keys, sort=False), key=lambda kv: (order.get(kv[0][0], 9), _model_rank(kv[0][1:3]), kv[0][3])
+    ):
+        number = lambda c, part=part: pd.to_numeric(part[c], errors="coerce").dropna()  # noqa: E731
+        own, total, wall, loss = number("steps"), number("budget_steps"), number("wall_s"), number("final_val_loss")
+        lines.append(
+            {
+                "task": d,
+                "model": _label(method, variant),
+                "seed": int(seed),
+                "own steps": "" if own.empty else f"{own.max():.0f}",
+                "total steps": "" if total.empty else f"{total.max():.0f}",
+                "wall (min)": "" if wall.empty else f"{wall.max() / 60:.1f}",
+                "final val loss": "" if loss.empty else f"{loss.iloc[0]:.4f}",
+            }
+        )
+    return pd.DataFrame(lines, columns=columns)
+
+
+def _model_rank(model: tuple[str, str]) -> int:
+    """A model's place in MODELS (unknown ones last)."""
+    return MODELS.index(model) if model in MODELS else len(MODELS)
 
 
 def calibration_table(agg: pd.DataFrame) -> pd.DataFrame:
@@ -380,24 +611,43 @@ def calibration_table(agg: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(lines, columns=["task", "model", "sampler", "confidence", "@4", "@full"])
 
 
+def aup_budgets(board: str, difficulty: str) -> tuple[int, ...]:
+    """The NFE budgets every line of a task is scored over (AUP): conditional 4 and the empty cells (every model
+    has both; the MDM's one call per position is the MDM's alone), unconditional 1 / 3 / 9 / 27 / 36."""
+    return UNCOND_NFE if difficulty == "uncond" else (LOW_NFE, empty_cells(board, difficulty))
+
+
 def aup_table(agg: pd.DataFrame) -> pd.DataFrame:
-    """AUP (analysis/aup.py) per task × model × sampler (× settings, where a sampler ran with several) over its NFE
-    budgets: accuracy (conditional) or % valid (unconditional) against tokens per forward, means over seeds; y_max =
-    the task's best line."""
-    columns = ["task", "model", "sampler", "points", "TPF", "AUP"]
+    """AUP (analysis/aup.py) per task × model × sampler (× settings, where a sampler ran with several) over the same
+    budgets for every line (aup_budgets: an adaptive decoder's points at those caps, where its TPF is what it
+    spent): accuracy (conditional) or % valid (unconditional) against cells per call (``tpf_mean``), means over
+    seeds, y_max = the task's best point; every point kept (``AUP``) and d3LLM's 5-point cut (``AUP, d3LLM cut``),
+    which leaves a line whose few-NFE points fall 5 below its slowest with that point alone. ``comparable``: 'yes',
+    or the budgets a line lacks."""
+    columns = ["task", "model", "sampler", "points", "TPF", "AUP", "AUP, d3LLM cut", "comparable"]
     lines = []
     for d in [*DIFFICULTIES, "uncond"]:
         metric = "valid_pct" if d == "uncond" else "accuracy"
         part = agg[agg["difficulty"] == d]
         if part.empty or f"{metric}_mean" not in part:
             continue
+        budgets = aup_budgets(part["board"].iloc[0], d)
+        part = part[part["nfe_budget"].isin(budgets)]
         points = part.rename(columns={f"{metric}_mean": metric, "tpf_mean": "tpf"}).dropna(subset=[metric])
-        got = aup_lines(points, ["method", "variant", "sampler", "sampler_settings"], metric)
+        keys = ["method", "variant", "sampler", "sampler_settings"]
+        every = aup_lines(points, keys, metric, drop=None)
+        cut = aup_lines(points, keys, metric).set_index(keys)["aup"]
         for method, variant, sampler in _models(points):
-            mine = got[(got["method"] == method) & (got["variant"] == variant) & (got["sampler"] == sampler)]
+            mine = every[(every["method"] == method) & (every["variant"] == variant) & (every["sampler"] == sampler)]
             labels = settings_labels(list(mine["sampler_settings"]))
             for line in mine.itertuples(index=False):
                 label = labels[line.sampler_settings]
+                own = points[
+                    (points["method"] == method) & (points["variant"] == variant) & (points["sampler"] == sampler)
+                    & (points["sampler_settings"] == line.sampler_settings)
+                ]  # fmt: skip
+                missing = [b for b in budgets if b not in set(own["nfe_budget"])]
+                d3 = cut.get((method, variant, sampler, line.sampler_settings), math.nan)
                 lines.append(
                     {
                         "task": d,
@@ -406,9 +656,105 @@ def aup_table(agg: pd.DataFrame) -> pd.DataFrame:
                         "points": line.points,
                         "TPF": "" if pd.isna(line.tpf_min) else f"{line.tpf_min:.3g}–{line.tpf_max:.3g}",
                         "AUP": "" if pd.isna(line.aup) else f"{line.aup:.1f}",
+                        "AUP, d3LLM cut": "" if pd.isna(d3) else f"{d3:.1f}",
+                        "comparable": "yes" if not missing else "no: no point at NFE " + ", ".join(map(str, missing)),
                     }
                 )
     return pd.DataFrame(lines, columns=columns)
+
+
+# ---------------------------------------------------------------- accuracy versus training
+CURVE_SAMPLERS = {"MDM": ("ancestral", "confidence"), "FMLM+": ("pr",)}  # the headline lines' samplers
+LAST_QUARTER = 0.75  # the gain over the last quarter of the steps: final point minus the point at ≤ 3/4 of them
+BUDGET_GAIN = 1.0  # the budget is accepted where the easy MDM gains less than this (points) at one token per call
+
+
+def curve_nfe(board: str, difficulty: str) -> dict[str, tuple[int, ...]]:
+    """The headline NFE budgets of the curves per method: conditional, the MDM at one call per generated position
+    (the paper's MDLM regime) and at 4, PR at 4 (R = 4, N = 1); unconditional, the MDM at one call per cell and at
+    9, PR at 9 (the paper's headline budget) and 4 (its 9 tokens a call mapped to 36 cells)."""
+    if difficulty == "uncond":
+        return {"MDM": (empty_cells(board, difficulty), 9), "FMLM+": (9, LOW_NFE)}
+    return {"MDM": (generated_positions(board, difficulty), LOW_NFE), "FMLM+": (LOW_NFE,)}
+
+
+def curve_points(rows: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy (conditional) / % valid (unconditional) against the training step (``eval_step``: the model's own
+    steps) of the headline lines (``curve_nfe``, ``CURVE_SAMPLERS``): per task × model × sampler × NFE × step, the
+    mean, min and max over seeds and the seeds; the final weights' rows are the last point."""
+    columns = ["task", "board", "model", "method", "variant", "sampler", "nfe_budget", "step", "mean", "min", "max"]
+    columns += ["n", "seeds"]
+    lines = []
+    for (d, board, method, variant, sampler, nfe), part in rows.groupby(
+        ["difficulty", "board", "method", "variant", "sampler", "nfe_budget"], sort=False
+    ):
+        if sampler not in CURVE_SAMPLERS.get(method, ()) or nfe not in curve_nfe(board, d).get(method, ()):
+            continue
+        values = pd.to_numeric(part["valid_pct" if d == "uncond" else "accuracy"], errors="coerce")
+        for step, at in values.groupby(pd.to_numeric(part[STEP], errors="coerce"), sort=True):
+            at = at.dropna()
+            if at.empty:
+                continue
+            seeds = sorted(int(x) for x in part.loc[at.index, "seed"])
+            lines.append(
+                [d, board, _label(method, variant), method, variant, sampler, int(nfe), int(step), at.mean(), at.min(),
+                 at.max(), len(at), ",".join(map(str, seeds))]
+            )  # fmt: skip
+    order = {d: i for i, d in enumerate([*DIFFICULTIES, "uncond"])}
+    table = pd.DataFrame(lines, columns=columns)
+    return table.sort_values(
+        ["task", "model", "sampler", "nfe_budget", "step"], key=lambda c: c.map(order) if c.name == "task" else c
+    ).reset_index(drop=True)
+
+
+def curve_gains(points: pd.DataFrame) -> pd.DataFrame:
+    """One line per curve: its final step and value, the point at the last checkpoint at or before 3/4 of the final
+    step (``LAST_QUARTER``) measured on the same seeds, and the gain between them in points (NaN where the curve has
+    no such point)."""
+    columns = ["task", "board", "model", "sampler", "NFE", "points", "final step", "final", "step at 3/4", "at 3/4"]
+    columns += ["gain"]
+    lines = []
+    keys = ["task", "board", "model", "sampler", "nfe_budget"]
+    for (task, board, model, sampler, nfe), curve in points.groupby(keys, sort=False):
+        final = curve.iloc[-1]
+        # the same seeds at both points: seeds whose runs ended at other steps (an earlier protocol's early stop) are
+        # no one curve
+        earlier = curve[(curve["step"] <= LAST_QUARTER * final["step"]) & (curve["seeds"] == final["seeds"])]
+        quarter = earlier.iloc[-1] if len(earlier) else None
+        lines.append(
+            [task, board, model, sampler, nfe, len(curve), int(final["step"]), final["mean"],
+             None if quarter is None else int(quarter["step"]), None if quarter is None else quarter["mean"],
+             float("nan") if quarter is None else final["mean"] - quarter["mean"]]
+        )  # fmt: skip
+    return pd.DataFrame(lines, columns=columns)
+
+
+def curve_table(gains: pd.DataFrame) -> pd.DataFrame:
+    """``curve_gains`` for the report: values to one decimal, the gain signed ('—' without a point at 3/4)."""
+    table = gains.drop(columns="board")
+    table["final"] = table["final"].map(lambda v: f"{v:.1f}")
+    table["at 3/4"] = table["at 3/4"].map(lambda v: "" if pd.isna(v) else f"{v:.1f}")
+    table["step at 3/4"] = table["step at 3/4"].map(lambda v: "" if pd.isna(v) else f"{int(v)}")
+    table["gain"] = table["gain"].map(lambda v: "—" if pd.isna(v) else f"{v:+.1f}")
+    return table.rename(columns={"gain": "gain over the last quarter (points)"})
+
+
+def budget_check(gains: pd.DataFrame) -> str:
+    """Whether the training budget is accepted: the easy MDM's curves at one call per generated position gain less
+    than BUDGET_GAIN points over the last quarter of the steps (issue 47); one sentence."""
+    easy = gains[(gains["task"] == "easy") & (gains["model"] == "MDM")]
+    one = [nfe == generated_positions(board, "easy") for nfe, board in zip(easy["NFE"], easy["board"], strict=True)]
+    easy = easy[pd.Series(one, index=easy.index, dtype=bool)].dropna(subset=["gain"])
+    rule = (
+        f"the easy MDM's curves at one call per generated position gain < {BUDGET_GAIN:g} point over the last quarter"
+    )
+    if easy.empty:
+        return f"Budget check ({rule}): not measured yet (no easy MDM curve with a point at 3/4 of its steps)."
+    said = ", ".join(f"{r.sampler} {r.gain:+.1f}" for r in easy.itertuples())
+    ok = bool((easy["gain"] < BUDGET_GAIN).all())
+    return f"Budget check ({rule}): {said} → " + (
+        "accepted." if ok else "NOT accepted: the models were still learning."
+    )
 
 
 # ---------------------------------------------------------------- verdicts
@@ -416,30 +762,69 @@ REPRODUCES, FAILS, INCONCLUSIVE = "reproduces", "does not reproduce at this scal
 
 
 def verdict(better: Cell | None, worse: Cell | None) -> str:
-    """The claim 'better > worse': reproduces if the means differ by more than the two stds together, does not if
-    they differ the other way by as much, else inconclusive (overlapping ± std); one seed is always inconclusive."""
+    """The claim 'better > worse', from the per-seed differences of the seeds measured on both sides (paired):
+    with two or more, reproduces when the 95 % t-interval of the mean difference lies above 0, does not reproduce
+    when below, inconclusive when it covers 0. With fewer (one paired seed, or none), only where the two cells'
+    Wilson 95 % intervals do not overlap: reproduces / does not reproduce (said so), else inconclusive."""
     if better is None or worse is None:
         return "not measured"
-    if min(better.n, worse.n) < 2:
-        return f"{INCONCLUSIVE} (one seed, no ± std)"
-    margin = better.std + worse.std
-    if better.mean - worse.mean > margin:
-        return REPRODUCES
-    if worse.mean - better.mean > margin:
-        return FAILS
-    return f"{INCONCLUSIVE} (overlapping ± std)"
+    a, b = better.seeds(), worse.seeds()
+    common = sorted(set(a) & set(b))
+    if len(common) >= 2:
+        diffs = [a[s] - b[s] for s in common]
+        mean = sum(diffs) / len(diffs)
+        sd = math.sqrt(sum((x - mean) ** 2 for x in diffs) / (len(diffs) - 1))
+        half = t95(len(diffs) - 1) * sd / math.sqrt(len(diffs))
+        said = f"paired Δ {mean:+.1f} [{mean - half:+.1f}, {mean + half:+.1f}], {len(common)} seeds"
+        if mean - half > 0:
+            return f"{REPRODUCES} ({said})"
+        if mean + half < 0:
+            return f"{FAILS} ({said})"
+        return f"{INCONCLUSIVE} ({said})"
+    seeds = "one paired seed" if common else "no seed on both sides"
+    ci_a, ci_b = better.interval(), worse.interval()
+    if ci_a is None or ci_b is None:
+        return f"{INCONCLUSIVE} ({seeds}, no interval)"
+    if ci_a[0] > ci_b[1]:
+        return f"{REPRODUCES} ({seeds}: the Wilson 95 % intervals do not overlap)"
+    if ci_a[1] < ci_b[0]:
+        return f"{FAILS} ({seeds}: the Wilson 95 % intervals do not overlap)"
+    return f"{INCONCLUSIVE} ({seeds}: the Wilson 95 % intervals overlap)"
+
+
+def fail_verdict(failing: Cell | None, pr: Cell | None, below: float) -> str:
+    """The claim 'failing fails (% valid < ``below``) where PR does not': reproduces when the failing line's Wilson
+    95 % interval lies under ``below`` and PR's above it; does not reproduce when the failing line's lies at or above
+    it (it does not fail) or PR's under it (PR fails too); inconclusive otherwise (an interval straddles it)."""
+    if failing is None or pr is None:
+        return "not measured"
+    f, p = failing.interval(), pr.interval()
+    if f is None or p is None:
+        return f"{INCONCLUSIVE} (no interval)"
+    said = f"Wilson 95 %: {f[0]:.1f}–{f[1]:.1f} vs PR {p[0]:.1f}–{p[1]:.1f}, threshold {below:g} %"
+    if f[1] < below < p[0]:
+        return f"{REPRODUCES} ({said})"
+    if f[0] >= below:
+        return f"{FAILS} (it does not fail: {said})"
+    if p[1] < below:
+        return f"{FAILS} (PR fails too: {said})"
+    return f"{INCONCLUSIVE} ({said})"
 
 
 PAPER, SUITE = "paper", "suite"  # a verdict's scope: where the paper states the claim / the suite's own finding
 # The claims judged, by id; where the papers state each: the `claims` of reference.yaml's tasks.
 CLAIMS = {
-    "pr_beats_mdm": "FMLM+ PR at 4 NFE beats the MDM at full NFE (its better sampler)",
-    "pr_beats_fast_mdm": "FMLM+ PR at 4 NFE beats the MDM's best decoder at ≤ 4 mean NFE (PR's own if lower; "
-    "adaptive ones by their mean NFE, within it on every seed)",
+    "pr_beats_mdm": "FMLM+ PR at 4 NFE beats the paper's MDM row: MDLM (ancestral) at one call per generated position",
+    "pr_beats_mdm_confidence": "FMLM+ PR at 4 NFE beats the MDM's confidence sampler at one call per generated "
+    "position ({nfe} NFE): the suite's stronger baseline",
+    "pr_beats_fast_mdm": "FMLM+ PR at 4 NFE beats the MDM's best decoder at ≤ PR's mean NFE on every seed (fast "
+    "decoders included): the suite's stronger baseline",
     "pr_beats_a_priori": "PR beats the a-priori loop on the same checkpoint at low NFE ({nfe})",
+    "mdm_a_priori_fail": "MDMs and FMLM+ with a-priori confidence fail catastrophically where PR does not ({nfe})",
     "init_distill_scratch": "MDM-initialised > distilled > scratch (PR at {nfe} NFE)",
     "mlfm_guidance": "MLFM: CCFG + OTP > CCFG > no guidance (NFE {nfe})",
 }
+ABSOLUTE, PER_CALL = "absolute", "by tokens per call"  # the unconditional budgets' two mappings
 
 
 def stated(claim: str) -> dict[str, dict]:
@@ -448,14 +833,16 @@ def stated(claim: str) -> dict[str, dict]:
     return {task: ref["claims"][claim] for task, ref in reference_numbers().items() if claim in ref.get("claims", {})}
 
 
-def scope(claim: str, difficulty: str, nfe: int) -> str:
+def scope(claim: str, difficulty: str, nfe: int, *, paper_nfe: int | None = None, variant: str | None = None) -> str:
     """PAPER when the paper states ``claim`` on this task at this NFE (the first compared model's; an unconditional
-    NFE read as the paper's, PAPER_NFE), else SUITE: the suite's own finding, not a reproduction verdict."""
+    NFE read as the paper's, PAPER_NFE, unless ``paper_nfe`` names it) for the paper's FMLM+ (``variant`` None or
+    PAPER_VARIANT), else SUITE: the suite's own finding, not a reproduction verdict (a strategy row's too)."""
     where = stated(claim).get(f"sudoku_{difficulty}")
-    if where is None:
+    if where is None or variant not in (None, PAPER_VARIANT):
         return SUITE
     nfes = next(iter(where["compared"].values()))
-    paper_nfe = PAPER_NFE.get(nfe, nfe) if difficulty == "uncond" else nfe
+    if paper_nfe is None:
+        paper_nfe = PAPER_NFE.get(nfe, nfe) if difficulty == "uncond" else nfe
     return PAPER if nfes is None or paper_nfe in nfes else SUITE
 
 
@@ -464,29 +851,42 @@ def stated_text(claim: str) -> str:
     paper, conditional generation table)'; tasks with the same statement share one entry."""
     tasks_of: dict[str, list[str]] = {}
     for task, where in stated(claim).items():
-        models = " > ".join(
+        models = [
             model + ("" if nfe is None else " @" + "/".join(map(str, nfe))) for model, nfe in where["compared"].items()
-        )
-        tasks_of.setdefault(f"{models} ({where['source']})", []).append(task)
+        ]
+        if "fails_below" in where:  # the first compared model does not fail; the others do
+            text = f"{', '.join(models[1:])} < {where['fails_below']:g} % where {models[0]} is not"
+        else:
+            text = " > ".join(models)
+        tasks_of.setdefault(f"{text} ({where['source']})", []).append(task)
     return "; ".join(f"{', '.join(tasks)}: {text}" for text, tasks in tasks_of.items()) or "not stated by the papers"
 
 
+def _line(part: pd.DataFrame, metric: str, method: str, variant: str | None, sampler: str, nfe: int) -> Cell | None:
+    where = dict(method=method, sampler=sampler, nfe_budget=nfe) | ({} if variant is None else {"variant": variant})
+    return cell(part, metric, **where)
+
+
 def verdicts(agg: pd.DataFrame) -> pd.DataFrame:
-    """One line per claim × task (× variant): the claim, the two figures compared, the verdict, its scope (PAPER:
-    judged where the paper states the claim; SUITE: the suite's own finding) and where the paper states it."""
+    """One line per claim × task (× variant, × budget mapping): the claim, the row judged (the paper's FMLM+ or a
+    strategy row), the two figures compared, the verdict, its scope (PAPER: judged where the paper states the claim,
+    on the paper's variant; SUITE: the suite's own finding) and where the paper states it."""
     lines = []
 
-    def add(claim: str, nfe: int, task: str, a_label: str, a: Cell | None, b_label: str, b: Cell | None) -> None:
-        # ``nfe``: the claimed-better side's, which decides the scope
-        if a is None and b is None:
+    def add(claim, nfe, task, a_label, a, b_label, b, *, variant=None, paper_nfe=None, judged=None, keep=False):
+        # ``nfe``: the claimed-better side's, which decides the scope; ``keep``: a line even when neither side was
+        # measured (a budget the paper states the claim at)
+        if a is None and b is None and not keep:
             return
         lines.append(
             {
                 "claim": CLAIMS[claim].format(nfe=nfe),
                 "task": task,
-                "compared": f"{a_label} {a if a else '—'} vs {b_label} {b if b else '—'}",
-                "verdict": verdict(a, b),
-                "scope": scope(claim, task, nfe),
+                "row": "" if variant is None else role("FMLM+", variant),
+                "compared": f"{a_label} {a if a else '—'}{a.spent() if a else ''} vs {b_label} {b if b else '—'}"
+                + (b.spent() if b else ""),
+                "verdict": judged if judged is not None else verdict(a, b),
+                "scope": scope(claim, task, nfe, paper_nfe=paper_nfe, variant=variant),
                 "stated": stated_text(claim),
             }
         )
@@ -496,40 +896,63 @@ def verdicts(agg: pd.DataFrame) -> pd.DataFrame:
         if part.empty:
             continue
         metric = "valid_pct" if d == "uncond" else "accuracy"
-        full = empty_cells(part["board"].iloc[0], d)
-        at = lambda m, v, s, nfe, part=part, metric=metric: cell(
-            part, metric, method=m, variant=v, sampler=s, nfe_budget=nfe
-        )  # noqa: E731
+        board = part["board"].iloc[0]
+        full, one = empty_cells(board, d), generated_positions(board, d)
+        at = lambda m, v, s, nfe, part=part, metric=metric: _line(part, metric, m, v, s, nfe)  # noqa: E731
         if d != "uncond":
-            mdm = [c for c in (at("MDM", "scratch", s, full) for s in ("ancestral", "confidence")) if c]
-            best = max(mdm, key=lambda c: c.mean) if mdm else None
-            for v in ("scratch", "distill", "init"):
-                add("pr_beats_mdm", LOW_NFE, d, f"FMLM+ {v} PR@4", at("FMLM+", v, "pr", LOW_NFE), f"MDM@{full}", best)
-            for v in ("scratch", "distill", "init"):
+            for v in VARIANTS:
                 pr = at("FMLM+", v, "pr", LOW_NFE)
+                label = f"FMLM+ {v} PR@4"
+                add("pr_beats_mdm", LOW_NFE, d, label, pr, f"MDM ancestral@{one}", at("MDM", None, "ancestral", one),
+                    variant=v)  # fmt: skip
+                add("pr_beats_mdm_confidence", one, d, label, pr, f"MDM confidence@{one}",
+                    at("MDM", None, "confidence", one), variant=v)  # fmt: skip
                 spent = cell(part, "nfe", method="FMLM+", variant=v, sampler="pr", nfe_budget=LOW_NFE)
                 bound = min(LOW_NFE, spent.mean) if spent is not None else LOW_NFE  # PR's mean NFE (early stop)
                 fast = best_within_nfe(part, metric, "MDM", bound)
                 if fast is not None:
-                    label = f"FMLM+ {v} PR@4" + (f" ({bound:.1f} NFE)" if bound < LOW_NFE else "")
-                    add("pr_beats_fast_mdm", LOW_NFE, d, label, pr, fast[0], fast[1])
-        for nfe in (LOW_NFE,) if d != "uncond" else (3, 9):
-            for v in ("scratch", "distill", "init"):
-                add(
-                    "pr_beats_a_priori",
-                    nfe,
-                    d,
-                    f"FMLM+ {v} PR",
-                    at("FMLM+", v, "pr", nfe),
-                    "a-priori",
-                    at("FMLM+", v, "a_priori", nfe),
-                )
+                    add("pr_beats_fast_mdm", LOW_NFE, d, label, pr, fast[0], fast[1], variant=v)
+            for v in VARIANTS:
+                pr, prior = at("FMLM+", v, "pr", LOW_NFE), at("FMLM+", v, "a_priori", LOW_NFE)
+                add("pr_beats_a_priori", LOW_NFE, d, f"FMLM+ {v} PR", pr, "a-priori", prior, variant=v)
+        else:
+            _uncond_verdicts(add, at, board)
         nfe = LOW_NFE if d != "uncond" else 9
         for hi, lo in (("init", "distill"), ("distill", "scratch")):
             add("init_distill_scratch", nfe, d, hi, at("FMLM+", hi, "pr", nfe), lo, at("FMLM+", lo, "pr", nfe))
         for hi, lo in (("mlfm_ccfg_otp", "mlfm_ccfg"), ("mlfm_ccfg", "mlfm")):
             add("mlfm_guidance", full, d, hi, at("MLFM", "init", hi, full), lo, at("MLFM", "init", lo, full))
-    return pd.DataFrame(lines, columns=["claim", "task", "compared", "verdict", "scope", "stated"])
+    return pd.DataFrame(lines, columns=["claim", "task", "row", "compared", "verdict", "scope", "stated"])
+
+
+def _uncond_verdicts(add, at, board: str) -> None:
+    """The unconditional claims at every NFE the paper states them, under both mappings of its budgets: absolute
+    (the same NFE; its 81 as 36) and by tokens per call (tokens_per_call_nfe)."""
+    for claim in ("pr_beats_a_priori", "mdm_a_priori_fail"):
+        where = stated(claim).get("sudoku_uncond")
+        if where is None:
+            continue
+        paper_nfes = next(iter(where["compared"].values())) or []
+        for p in paper_nfes:
+            absolute = next((n for n, q in PAPER_NFE.items() if q == p), None)
+            for mapping, nfe in ((ABSOLUTE, absolute), (PER_CALL, tokens_per_call_nfe(p, board))):
+                if nfe is None:
+                    continue
+                said = f"paper NFE {p} → NFE {nfe}, {mapping}"
+                for v in VARIANTS:
+                    pr = at("FMLM+", v, "pr", nfe)
+                    prior = at("FMLM+", v, "a_priori", nfe)
+                    if claim == "pr_beats_a_priori":
+                        add(claim, said, "uncond", f"FMLM+ {v} PR", pr, "a-priori", prior, variant=v, paper_nfe=p,
+                            keep=v == PAPER_VARIANT)  # fmt: skip
+                        continue
+                    below = float(where["fails_below"])
+                    failing = [(f"FMLM+ {v} a-priori", prior)]
+                    if v == PAPER_VARIANT:  # the paper's MDLM rows, against the paper's FMLM+
+                        failing = [(f"MDM {s}", at("MDM", None, s, nfe)) for s in ("ancestral", "confidence")] + failing
+                    for label, line in failing:
+                        add(claim, said, "uncond", f"{label}@{nfe}", line, f"FMLM+ {v} PR@{nfe}", pr, variant=v,
+                            paper_nfe=p, judged=fail_verdict(line, pr, below), keep=v == PAPER_VARIANT)  # fmt: skip
 
 
 def best_within_nfe(part: pd.DataFrame, metric: str, method: str, nfe: float) -> tuple[str, Cell] | None:
@@ -543,7 +966,7 @@ def best_within_nfe(part: pd.DataFrame, metric: str, method: str, nfe: float) ->
     lines = lines.dropna(subset=[f"{metric}_mean"]) if f"{metric}_mean" in lines else lines[:0]
     best: tuple[str, Cell] | None = None
     for _, line in lines.iterrows():
-        got = Cell(float(line[f"{metric}_mean"]), float(line[f"{metric}_std"]), int(line["n"]))
+        got = _cell_of(line, metric)
         if best is None or got.mean > best[1].mean:
             label = f"{method} {_sampler_label(part, line)}@{line['nfe_budget']} ({line['nfe_mean']:.1f} NFE)"
             best = (label, got)
@@ -579,23 +1002,38 @@ def settings_labels(settings: list[str]) -> dict[str, str]:
 
 def verdict_counts(table: pd.DataFrame) -> dict[str, int]:
     """How many lines reproduce / do not / are inconclusive / were not measured."""
-    kinds = table["verdict"].str.split(" \\(", regex=True).str[0]
-    return {k: int(v) for k, v in kinds.value_counts().items()}
+    kinds = table["verdict"].str.split(" \\(", regex=True).str[0].value_counts()
+    order = [REPRODUCES, FAILS, INCONCLUSIVE, "not measured"]
+    return {k: int(kinds[k]) for k in sorted(kinds.index, key=lambda k: order.index(k) if k in order else 9)}
 
 
 def headline(agg: pd.DataFrame) -> list[str]:
-    """A few figures for the README: FMLM+ init PR@4 and the MDM's best at full NFE per difficulty."""
+    """The headline figures per task: the paper's FMLM+ (from scratch) PR against the paper's MDM row (ancestral at
+    one call per generated position, conditional; the same NFE, unconditional), and the suite's stronger baselines
+    beside it (the confidence sampler at that NFE; conditional, the MDM's best decoder at ≤ 4 NFE)."""
     out = []
-    for d in DIFFICULTIES:
+    for d in [*DIFFICULTIES, "uncond"]:
         part = agg[agg["difficulty"] == d]
         if part.empty:
             continue
-        full = empty_cells(part["board"].iloc[0], d)
-        pr = cell(part, "accuracy", method="FMLM+", variant="init", sampler="pr", nfe_budget=LOW_NFE)
-        mdm = [cell(part, "accuracy", method="MDM", sampler=s, nfe_budget=full) for s in ("ancestral", "confidence")]
-        mdm = [c for c in mdm if c]
-        best = max(mdm, key=lambda c: c.mean) if mdm else None
-        out.append(f"{d}: FMLM+ init PR@4 {pr or '—'} % vs MDM@{full} {best or '—'} %")
+        metric = "valid_pct" if d == "uncond" else "accuracy"
+        board = part["board"].iloc[0]
+        pr_nfe, mdm_nfe = (9, 9) if d == "uncond" else (LOW_NFE, generated_positions(board, d))
+        pr = _line(part, metric, "FMLM+", PAPER_VARIANT, "pr", pr_nfe)
+        paper_row = _line(part, metric, "MDM", None, "ancestral", mdm_nfe)
+        stronger = _line(part, metric, "MDM", None, "confidence", mdm_nfe)
+        text = (
+            f"{d}: FMLM+ scratch PR@{pr_nfe} {pr or '—'} % vs the paper's row, MDM ancestral@{mdm_nfe} "
+            f"{paper_row or '—'} %; the suite's stronger baselines: MDM confidence@{mdm_nfe} {stronger or '—'} %"
+        )
+        if d != "uncond":
+            fast = best_within_nfe(part, metric, "MDM", LOW_NFE)
+            text += f", {fast[0]} {fast[1]} %" if fast else ", no MDM decoder at ≤ 4 NFE measured"
+        else:
+            per_call = tokens_per_call_nfe(9, board)
+            mapped = _line(part, metric, "FMLM+", PAPER_VARIANT, "pr", per_call)
+            text += f"; by tokens per call (the paper's 9 ↔ {per_call}): PR@{per_call} {mapped or 'not measured'}"
+        out.append(text)
     return out
 
 
@@ -643,114 +1081,180 @@ def _render(sections: list[tuple[Section, str]], out: Path, title: str) -> tuple
     return "\n\n".join(markdown) + "\n", page[:end] + "".join(body) + page[end:]
 
 
+def samples_note(rows: pd.DataFrame) -> str:
+    """One sentence on the rows whose sample count is a default (samples_of), '' when every row recorded it."""
+    final = final_rows(rows)
+    counts, recorded = samples_of(final)
+    assumed = counts[~recorded]
+    if assumed.empty:
+        return ""
+    by = ", ".join(f"{n} rows as {k}" for k, n in sorted(assumed.value_counts().items()))
+    return (
+        f" Rows without a recorded `samples` count (CSVs written before the column): {by} (the fixed-budget "
+        f"protocol's {DEFAULT_SAMPLES} val puzzles / grids from {PROTOCOL_START[:10]} on, earlier the CPU scale's "
+        f"{EARLIER_SAMPLES['conditional']} puzzles / {EARLIER_SAMPLES['uncond']} grids)."
+    )
+
+
 def build_sudoku_report(
     results_dir: str | Path, out: str | Path, *, title: str = "flowlm: the papers' Sudoku tables"
 ) -> Report:
-    """Merge every results CSV under ``results_dir`` (not ``out``'s nor another report's: read_results) and write the
-    conditional, unconditional, calibration and verdict tables to ``out`` (report.md, report.html, one CSV per table,
-    the merged rows); print what was read and each table's mixed-machines note."""
+    """Merge every results CSV under ``results_dir`` (not ``out``'s nor another report's: read_results) and write,
+    in this order, the headline, the verdicts, the tables (conditional, unconditional under both budget mappings,
+    the adaptive decoders, calibration, training), the accuracy-versus-training curves and AUP to ``out``
+    (report.md, report.html, curves.png, one CSV per table, the merged rows); print what was read and each table's
+    mixed-machines note."""
     out = Path(out)
     rows = read_results(results_dir, skip=[out])
     agg = aggregate(rows)
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out=out, markdown=out / REPORT_MD, html=out / REPORT_HTML)
+    points = curve_points(rows)
+    gains = curve_gains(points)
     tables = {
+        "verdicts": verdicts(agg),
         "conditional": conditional_table(agg),
         "unconditional": unconditional_table(agg),
+        "tokens_per_call": tokens_per_call_table(agg),
+        "adaptive": adaptive_table(agg),
         "calibration": calibration_table(agg),
+        "training": training_table(rows),
+        "curves": curve_table(gains),
         "aup": aup_table(agg),
-        "verdicts": verdicts(agg),
     }
+    figure = None
+    if len(points):
+        figure = plots.training_curves(points, out / "curves.png", "Accuracy versus training (headline lines)")
+        report.figures.append(figure)
     rows.drop(columns=["file"]).to_csv(out / ROWS_CSV, index=False)
     agg.to_csv(out / "aggregate.csv", index=False)
-    report.data += [out / ROWS_CSV, out / "aggregate.csv"]
+    points.to_csv(out / "curve_points.csv", index=False)
+    report.data += [out / ROWS_CSV, out / "aggregate.csv", out / "curve_points.csv"]
     for name, table in tables.items():
         table.to_csv(out / f"{name}.csv", index=False)
         report.data.append(out / f"{name}.csv")
     report.tables = tables
+    final = final_rows(rows)
+    cond, unc = final[final["difficulty"].isin(DIFFICULTIES)], final[final["difficulty"] == "uncond"]
     notes = {  # the rows each table is made of
-        "conditional": machines_note(rows[rows["difficulty"].isin(DIFFICULTIES)]),
-        "unconditional": machines_note(rows[rows["difficulty"] == "uncond"]),
-        "calibration": machines_note(rows),
-        "aup": "",  # TPF does not depend on the machine; the accuracies' mix is named under their own tables
-        "verdicts": machines_note(rows),
+        "verdicts": machines_note(final),
+        "conditional": machines_note(cond),
+        "unconditional": machines_note(unc),
+        "tokens_per_call": "",  # the same rows as the unconditional table's
+        "adaptive": machines_note(final[final["sampler"].isin(ADAPTIVE)]),
+        "calibration": machines_note(final),
+        "training": machines_note(final),
+        "curves": "",  # the rows' machines are named under the tables
+        "aup": "",  # the accuracies' mix is named under their own tables
     }
     judged = tables["verdicts"]
     counts = {}
     for kind in (PAPER, SUITE):
         part = judged[judged["scope"] == kind]
         counts[kind] = ", ".join(f"{k}: {v}" for k, v in verdict_counts(part).items()) if len(part) else "none"
+    board = final["board"].iloc[0] if len(final) else "6x6"
+    one = {d: generated_positions(board, d) for d in DIFFICULTIES}
+    per_call = ", ".join(f"{p} → {tokens_per_call_nfe(p, board)}" for p in PAPER_NFE.values())
     sections = [
-        (
-            Section(
-                title,
-                f"Generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC from `{results_dir}`: {seeds_summary(rows)}. "
-                "Cells: mean ± std over seeds (the mean alone for one seed). Measured rows are this suite's CPU-scale "
-                "runs (6×6 boards, `tiny` DiT), not the papers' setting (9×9, paper-scale models, labelled beside). "
-                "Training: the step budget (an MDM-based model counts its MDM's steps; own steps in brackets), wall "
-                "time, final val loss and whether the convergence rule (docs/results.md#convergence-protocol) was "
-                "met before the step cap.",
-                level=1,
-            ),
-            "",
+        Section(
+            title,
+            f"Generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC from `{results_dir}`: {seeds_summary(rows)}. "
+            "Cells: mean ± std over seeds (the mean alone for one seed) [the Wilson 95 % interval of the correct "
+            "count pooled over seeds: accuracy % × samples, summed]; a cell whose sampler spent other than its "
+            "budget adds `· NFE mean (seed max)`. The tables and verdicts read the final weights' rows "
+            "(`eval_step` = the run's steps); the earlier checkpoints' rows are the curves. Measured rows are this "
+            "suite's CPU-scale runs (6×6 boards, `tiny` DiT), not the papers' setting (9×9, paper-scale models, "
+            "labelled beside). FMLM+ from scratch is the headline row (the paper's variant); initialised, distilled "
+            "and MLFM are the suite's strategy rows." + samples_note(rows),
+            level=1,
         ),
-        (Section("Headline", "; ".join(headline(agg)) or "no conditional row measured"), ""),
-        (
-            Section(
-                "Verdicts",
-                "Each claim of the papers against the measured numbers: reproduces when the means differ in the "
-                "claimed direction by more than the two std together, does not reproduce when they differ the other "
-                "way by as much, inconclusive otherwise (or with one seed). Scope `paper`: judged on the task and "
-                "NFE where the paper states the claim (`stated`: its task, models and NFE, analysis/reference.yaml), "
-                "a reproduction verdict; scope `suite`: judged elsewhere, the suite's own finding, not a reproduction "
-                f"verdict. Reproduction verdicts: {counts[PAPER]}. The suite's own findings: {counts[SUITE]}.",
-                judged,
-            ),
-            notes["verdicts"],
+        Section("Headline", "; ".join(headline(agg)) or "no row measured"),
+        Section(
+            "Verdicts",
+            "Each claim of the papers against the measured numbers, from the per-seed differences of the seeds "
+            "measured on both sides (paired): reproduces when the 95 % t-interval of the mean difference lies above "
+            "0, does not reproduce when below, inconclusive when it covers 0; with one paired seed (or none) only "
+            "where the two cells' Wilson 95 % intervals do not overlap (the verdict says so). The paper's MDM row is "
+            f"MDLM: the ancestral sampler at one call per generated position (NFE {one['easy']} on 6×6, its 128 on "
+            "89 positions); the confidence sampler there and the MDM's best decoder at ≤ PR's mean NFE on every seed "
+            'are the suite\'s stronger baselines, judged beside it (scope `suite`). "Fail catastrophically": '
+            "% valid under 5 % (Wilson interval under it) where PR's lies above. Unconditional claims are judged at "
+            "every NFE the paper states, under both mappings of its budgets (absolute; by tokens per call). Scope "
+            "`paper`: judged on the task and NFE where the paper states the claim, on the paper's variant "
+            "(`stated`: its task, models and NFE, analysis/reference.yaml), a reproduction verdict; scope `suite`: "
+            "judged elsewhere or on a strategy row, the suite's own finding. "
+            f"Reproduction verdicts: {counts[PAPER]}. The suite's own findings: {counts[SUITE]}.",
+            judged,
         ),
-        (
-            Section(
-                "Conditional Sudoku: accuracy % (methods.md §8, conditional table)",
-                "NFE 4 (PR: R = 4, N = 1, the released setting) and NFE = the number of empty cells (full). Paper "
-                "rows: 9×9, MDLM at 128 NFE.",
-                tables["conditional"],
-            ),
-            notes["conditional"],
+        Section(
+            "Conditional Sudoku: accuracy % (methods.md §8, conditional table)",
+            "Fixed-step samplers at NFE 4 (PR: R = 4, N = 1, the released setting), NFE = the empty cells and, for "
+            "the MDM, one call per generated position (36 cells + 5 separators on 6×6: the paper's MDLM regime, "
+            "128 calls on 9×9's 89 positions, shown in that column). The adaptive decoders are in their own table "
+            "below.",
+            tables["conditional"],
         ),
-        (
-            Section(
-                "Unconditional Sudoku: % valid · distinct valid grids · % copies of training grids",
-                "NFE 1 / 3 / 9 / 27 / 36 on a 36-cell board (the paper's 1 / 3 / 9 / 27 / 81 on 81 cells; its 81 is "
-                "shown under 36). Paper rows: % valid only.",
-                tables["unconditional"],
-            ),
-            notes["unconditional"],
+        Section(
+            "Unconditional Sudoku, budgets mapped absolutely: % valid · distinct valid grids · % copies of training "
+            "grids",
+            "NFE 1 / 3 / 9 / 27 / 36 on a 36-cell board beside the paper's same NFE on 81 cells (its 81 under 36): "
+            "the same number of calls, more cells a call in the paper. Paper rows: % valid only.",
+            tables["unconditional"],
         ),
-        (
-            Section(
-                "Calibration: a-priori vs a-posteriori confidence (AUROC, right vs wrong tokens)",
-                "AUROC of the per-token confidence a sampler committed with, for telling right tokens from wrong ones "
-                "(1 = perfect ranking, 0.5 = none); right = equals the solution (conditional) or clashes with no "
-                "cell of its row, column and box (unconditional). Mean ± std over seeds (the mean alone for one "
-                "seed).",
-                tables["calibration"],
-            ),
-            notes["calibration"],
+        Section(
+            "Unconditional Sudoku, budgets mapped by tokens per call: % valid",
+            f"Each paper NFE beside the fewest 6×6 calls that fill no more cells a call than the paper's (36 / NFE "
+            f"against 81 / NFE, rounded up: {per_call}); blank where that budget was not measured.",
+            tables["tokens_per_call"],
         ),
-        (
-            Section(
-                "AUP: accuracy under parallelism (d3LLM)",
-                "The weighted area under each decoder's curve of accuracy (conditional) or % valid (unconditional) "
-                "against tokens per forward (TPF: positions generated / NFE a row spent, mean over rows; rows of "
-                "older CSVs: positions / mean NFE), over the NFE budgets measured; points more than 5 below the "
-                "lowest-TPF point left out, each weighted by min(exp(−3 (1 − y / y_max)), 1), y_max the task's "
-                "best (analysis/aup.py). Higher is better; a single budget gives ρ₁y₁ alone.",
-                tables["aup"],
-            ),
-            notes["aup"],
+        Section(
+            "Adaptive decoders (their own rows)",
+            "Threshold, margin and EB decode until their rule is met, under a cap: each line at its cap with the NFE "
+            "it actually spent (mean over seeds; the most one seed spent on average), cells filled per call (TPF) "
+            "and accuracy / % valid.",
+            tables["adaptive"],
+        ),
+        Section(
+            "Calibration: a-priori vs a-posteriori confidence (AUROC, right vs wrong tokens)",
+            "AUROC of the per-token confidence a sampler committed with, for telling right tokens from wrong ones "
+            "(1 = perfect ranking, 0.5 = none); right = equals the solution (conditional) or clashes with no "
+            "cell of its row, column and box (unconditional). Mean ± std over seeds (the mean alone for one "
+            "seed).",
+            tables["calibration"],
+        ),
+        Section(
+            "Training, per seed",
+            "Each model's final weights: its own optimizer steps, the total (an initialised, distilled or MLFM "
+            "model counts its MDM's steps too), the fit's wall time (evaluations included) and the final val loss "
+            "(each method's own objective: not comparable across methods).",
+            tables["training"],
+        ),
+        Section(
+            "Accuracy versus training",
+            "Accuracy (conditional) / % valid (unconditional) of the headline lines against the model's own "
+            "training step: each checkpoint kept at an eighth of the budget, sampled offline (the rows' "
+            "`eval_step`; the final weights' rows are the last point), mean over seeds, band: min–max "
+            "(curve_points.csv). Per curve, the gain over the last quarter of the steps: the final point less the "
+            f"last checkpoint at ≤ 3/4 of the final step. {budget_check(gains)}",
+            tables["curves"],
+            image=figure,
+        ),
+        Section(
+            "AUP: accuracy under parallelism (d3LLM)",
+            "The weighted area under each decoder's curve of accuracy (conditional) or % valid (unconditional) "
+            "against tokens per forward (TPF: the cells a row fills / the mean NFE, a ratio of sums over seeds), over "
+            "the same NFE budgets for every line (conditional 4 and the empty cells; unconditional 1 / 3 / 9 / 27 / "
+            "36; an adaptive decoder at those caps, where its TPF is what it spent), each point weighted by "
+            "min(exp(−3 (1 − y / y_max)), 1), y_max the task's best (analysis/aup.py). `AUP` keeps every point; "
+            "`AUP, d3LLM cut` leaves out points more than 5 below the slowest point's (d3LLM's rule, which leaves a "
+            "line whose few-NFE points fall off with its slow end alone). `comparable`: whether the line has every "
+            "budget. Higher is better.",
+            tables["aup"],
         ),
     ]
-    markdown, page = _render(sections, out, title)
+    order = ["", "", "verdicts", "conditional", "unconditional", "tokens_per_call", "adaptive", "calibration"]
+    order += ["training", "curves", "aup"]
+    markdown, page = _render([(s, notes.get(k, "")) for s, k in zip(sections, order, strict=True)], out, title)
     report.markdown.write_text(markdown)
     report.html.write_text(page)
     summary = [f"Read {results_dir}: {seeds_summary(rows)}"]

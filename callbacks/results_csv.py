@@ -38,7 +38,7 @@ def method_label(module: object) -> str:
 
 COLUMNS = [
     "task", "board", "difficulty", "conditional", "method", "variant", "name", "sampler", "confidence_kind",
-    "sampler_settings", "nfe_budget", "nfe", *SPREAD, "seed", "eval_seed", *METRICS, "auroc", "wrong_pct",
+    "sampler_settings", "nfe_budget", "nfe", *SPREAD, "seed", "eval_seed", "samples", *METRICS, "auroc", "wrong_pct",
     "calibration_tokens", "sec_per_sample", "eval_step", "steps", "budget_steps", "wall_s", "final_val_loss",
     "converged", "precision", "device", "git_commit", "date",
 ]  # fmt: skip
@@ -116,6 +116,7 @@ class ResultsCSV(Callback):
                 "nfe_budget": budget,
                 "nfe": result["nfe"],
                 "eval_seed": getattr(evaluation, "seed", ""),  # the draws' seed; ``seed`` is the model's
+                "samples": samples_evaluated(evaluation, name, budget),
                 **{k: result.get(k, "") for k in SPREAD},
                 **{m: result.get(m, "") for m in METRICS},
                 **calibration_columns(conf, correct),
@@ -124,6 +125,14 @@ class ResultsCSV(Callback):
             }
             out.append(row)
         return out
+
+
+def samples_evaluated(evaluation: SamplingEvaluation, sampler: str, budget: int) -> int | str:
+    """The rows (puzzles, grids) the latest evaluation sampled for ``sampler`` at ``budget``, over every rank: the
+    count behind a row's percentages, for the report's intervals ('' when not known)."""
+    # every row's NFE, gathered over ranks at the epoch's end (SamplingEvaluation.on_validation_epoch_end)
+    state = getattr(evaluation, "_states", {}).get((sampler, budget))
+    return len(state["spent"]) if state is not None and "spent" in state else ""
 
 
 def device_kind(device: torch.device) -> str:

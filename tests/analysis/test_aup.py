@@ -11,7 +11,15 @@ import pytest
 
 from analysis import plots
 from analysis.aup import aup, aup_lines, curve
-from analysis.sudoku_tables import aggregate, aup_table, best_within_nfe, read_results, verdicts, with_tpf
+from analysis.sudoku_tables import (
+    aggregate,
+    aup_table,
+    best_within_nfe,
+    conditional_table,
+    read_results,
+    verdicts,
+    with_tpf,
+)
 from analysis.tables import aup_table as report_aup_table
 from callbacks.results_csv import COLUMNS, write_rows
 from tests.analysis.test_sudoku_tables import row
@@ -117,20 +125,22 @@ def test_the_committed_results_csvs_still_load_and_get_a_tpf():
     assert len(rows) and ("tpf" not in rows.columns or rows["tpf"].isna().any())
     agg = aggregate(rows)
     fixed = agg[(agg["sampler"] == "confidence") & (agg["difficulty"] == "easy") & (agg["nfe_budget"] == 4)]
-    assert fixed["tpf_mean"].tolist() == [41 / 4]  # 6×6 conditional: 36 cells + 5 separators generated per row
+    assert fixed["tpf_mean"].tolist() == [18 / 4]  # 6×6 easy: 18 empty cells filled a row, not the 41 positions
     assert agg["tpf_mean"].notna().all()
     assert len(aup_table(agg)) and len(verdicts(agg))
 
 
-def test_old_and_new_csvs_merge_and_the_logged_tpf_wins(tmp_path):
+def test_old_and_new_csvs_merge_and_tpf_counts_the_cells_filled(tmp_path):
+    """TPF in the tables: the empty cells a row fills over its mean NFE (issue 47), for old and new rows alike; the
+    logged ``tpf`` counts clue copies and separators too and averages per row."""
     new = dict(row("MDM", "scratch", "eb", 4, 0, 75.0, tpf=15.0, nfe_std=0.5), nfe=3.5)
     write_rows(tmp_path / "new.csv", [new])
     old_columns = [c for c in COLUMNS if c not in ("tpf", "nfe_std", "nfe_min", "nfe_p50", "nfe_p90", "nfe_max")]
     old = pd.DataFrame([row("MDM", "scratch", "confidence", 4, 0, 35.0)])[old_columns]
     old.to_csv(tmp_path / "old.csv", index=False)
     rows = with_tpf(read_results(tmp_path)).set_index("sampler")
-    assert rows.loc["eb", "tpf"] == 15.0  # logged (the mean of the rows' ratios), not 41 / 3.5
-    assert rows.loc["confidence", "tpf"] == 41 / 4  # derived for the old file
+    assert rows.loc["eb", "tpf"] == 18 / 3.5  # not the logged 15.0 (41 positions, a mean of per-row ratios)
+    assert rows.loc["confidence", "tpf"] == 18 / 4  # the old file alike
 
 
 def test_the_mdms_best_decoder_is_judged_by_its_own_line_and_prs_mean_nfe():
@@ -149,8 +159,12 @@ def test_the_mdms_best_decoder_is_judged_by_its_own_line_and_prs_mean_nfe():
     assert label == "MDM eb gamma=1.0@18 (3.8 NFE)" and got.mean == 70.0
     table = verdicts(agg)
     fast = table[table["claim"].str.contains("best decoder")].set_index("compared")["verdict"]
-    assert fast["FMLM+ init PR@4 (3.0 NFE) 80.0 vs MDM threshold@18 (2.9 NFE) 60.0"].startswith("inconclusive")
-    assert fast["FMLM+ scratch PR@4 — vs MDM eb gamma=1.0@18 (3.8 NFE) 70.0"] == "not measured"  # PR's cap, 4
+    init = "FMLM+ init PR@4 80.0 [74.8–84.5] · NFE 3.0 (seed max 3.0) vs MDM threshold@18 (2.9 NFE) 60.0 [54.1–66.0]"
+    assert fast[init + " · NFE 2.9 (seed max 2.9)"].startswith("reproduces (one paired seed: the Wilson 95 %")
+    scratch = "FMLM+ scratch PR@4 — vs MDM eb gamma=1.0@18 (3.8 NFE) 70.0 [64.0–75.2] · NFE 3.8 (seed max 3.8)"
+    assert fast[scratch] == "not measured"  # PR's cap, 4
+    cond = conditional_table(agg).set_index(["model", "sampler"])
+    assert cond.loc[("FMLM+ init", "pr"), "easy @4"] == "80.0 [74.8–84.5] · NFE 3.0 (seed max 3.0)"  # spent, not 4
 
 
 def test_rows_of_a_superseded_protocol_are_not_read_into_the_tables(tmp_path):

@@ -115,6 +115,7 @@ def test_an_adaptive_decode_logs_its_mean_nfe_spread_and_tpf_into_the_results_ro
     (csv_row,) = ResultsCSV.rows(module.run_config, "MDM", evaluation, None)
     assert set(csv_row) <= set(COLUMNS)
     assert (csv_row["nfe"], csv_row["tpf"], csv_row["nfe_max"]) == (3.5, row["tpf"], 6.0)
+    assert csv_row["samples"] == 4  # the rows sampled, behind the percentages (the report's Wilson intervals)
 
 
 def test_tpf_and_the_forced_share_are_ratios_of_sums_over_ragged_rows():
