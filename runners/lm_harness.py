@@ -65,6 +65,7 @@ from lightning_modules.vocabulary import check_data_tokens
 from runners.common import build, use_tf32
 from runners.console import SUITE_PACKAGES, console_script
 from runners.mlflow_run import tracked_run
+from runners.outputs import check_writable
 
 log = logging.getLogger(__name__)
 
@@ -731,6 +732,16 @@ def refuse_likelihood_tasks(model_args: dict, call: dict) -> None:
         )
 
 
+def check_output_path(evaluation_tracker: Any) -> None:
+    """Refuse, before the model is built, an ``--output_path`` that cannot be written: lm-eval writes its results
+    there (a ``.json`` path: beside it; else into a folder of the model's name under it) only once every request has
+    run."""
+    output = getattr(evaluation_tracker, "output_path", None)
+    if output:
+        path = Path(output)
+        check_writable("--output_path", path.parent if path.suffix == ".json" else path)
+
+
 def tracked(simple_evaluate: Callable, tracking_uri: str | None = None, experiment: str | None = None) -> Callable:
     """``simple_evaluate`` that tracks a ``flowlm`` evaluation in MLflow: its run made (the store reached, the
     checkpoint read) before any compute, ``log_results`` after it, the run FAILED with its error if it raises; any
@@ -739,6 +750,7 @@ def tracked(simple_evaluate: Callable, tracking_uri: str | None = None, experime
     @functools.wraps(simple_evaluate)
     def evaluate(*args: Any, **kwargs: Any) -> dict | None:
         call = inspect.signature(simple_evaluate).bind(*args, **kwargs).arguments
+        check_output_path(call.get("evaluation_tracker"))
         if call.get("model") != MODEL_NAME:
             return simple_evaluate(*args, **kwargs)
         model_args = call.get("model_args") or {}
