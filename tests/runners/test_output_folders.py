@@ -192,6 +192,24 @@ def test_each_command_refuses_a_read_only_output_folder_in_one_line(tmp_path, re
             f"callbacks.results_csv.dir: {folder}/sudoku_easy_6x6 cannot be written",
         ),
     ]
+    _one_line_each(tmp_path, folder, cases)
+
+
+def test_hydras_own_output_folder_read_only_is_refused_in_one_line(tmp_path, read_only):
+    """Hydra makes its output folder before the task runs (``flowlm-report out=``, a run folder under ``paths.root``):
+    its mkdir failed under a traceback; ``${flowlm.output_dir:...}`` checks it as Hydra resolves it."""
+    folder = read_only("ro")
+    cases = [
+        (("flowlm-report", f"out={folder}/report"), f"out: {folder}/report cannot be written"),
+        (
+            ("flowlm-train", "experiment=sudoku_mdm_easy", "scale=cpu", "paths.root=" + str(folder / "runs")),
+            f"paths.root: {folder}/runs/sudoku_mdm_easy/cpu/seed0 cannot be written",
+        ),
+    ]
+    _one_line_each(tmp_path, folder, cases)
+
+
+def _one_line_each(tmp_path: Path, folder: Path, cases: list) -> None:
     env = subprocess_env(tmp_path, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     for args, expected in cases:
         proc = subprocess.run(
