@@ -215,18 +215,46 @@ def command_name() -> str:
     return Path(sys.argv[0]).name
 
 
+class CallbackError(BaseException):
+    """An error raised in a Hydra callback (``callback_errors``), carried past Hydra to ``user_errors``, which treats
+    it as the error itself. Hydra turns a callback's ``Exception`` into a UserWarning and goes on: a sweep over a
+    read-only Optuna storage warned, then failed in the sweeper with sqlalchemy's traceback."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 @contextlib.contextmanager
-def user_errors(packages: Sequence[str] = SUITE_PACKAGES) -> Iterator[None]:
-    """Within the block, a user error ends the process: ``<command>: error: <message>`` on stderr, exit status
-    USER_ERROR_STATUS; any other exception passes (``debugging``: every one)."""
+def callback_errors() -> Iterator[None]:
+    """Within the block (a Hydra callback's hook), an exception stops the command as ``CallbackError``."""
     try:
         yield
     except Exception as err:
+        raise CallbackError(err) from err
+
+
+@contextlib.contextmanager
+def user_errors(packages: Sequence[str] = SUITE_PACKAGES) -> Iterator[None]:
+    """Within the block, a user error ends the process: ``<command>: error: <message>`` on stderr, exit status
+    USER_ERROR_STATUS; any other exception passes (``debugging``: every one). An error a Hydra callback raised
+    (``CallbackError``) counts as itself."""
+    try:
+        yield
+    except CallbackError as carried:
+        if debugging() or not is_user_error(carried.error, packages):
+            raise carried.error from None  # its own traceback, from the callback
+        _end(carried.error)
+    except Exception as err:
         if debugging() or not is_user_error(err, packages):
             raise
-        sys.stderr.flush()
-        print(f"{command_name()}: error: {user_error_line(err)}", file=sys.stderr, flush=True)
-        raise SystemExit(USER_ERROR_STATUS) from None
+        _end(err)
+
+
+def _end(err: BaseException) -> None:
+    sys.stderr.flush()
+    print(f"{command_name()}: error: {user_error_line(err)}", file=sys.stderr, flush=True)
+    raise SystemExit(USER_ERROR_STATUS) from None
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from runners.common import (
     sampling_stops_on_sigterm,
 )
 from runners.console import console_script, log_lightning_once
+from runners.outputs import check_writable
 
 if TYPE_CHECKING:
     import lightning as L
@@ -59,6 +60,8 @@ def evaluate(cfg: DictConfig) -> dict:
     resolve_paths(cfg)
     check_budgets(cfg.eval)
     check_tracking(cfg)  # a full disk under the MLflow store: refused before anything is written
+    if cfg.get("results_csv"):  # a folder the rows cannot join or be written to: refused before the weights are read
+        check_writable("results_csv", results_folder(cfg, meta))
     name_after_checkpoint(cfg, meta)
     cls = import_class(meta["class_path"])
     evaluation: SamplingEvaluation = build(cfg.eval)
@@ -186,11 +189,9 @@ def write_results_csv(cfg: DictConfig, meta: dict, module, evaluation: SamplingE
     from callbacks.results_csv import ResultsCSV, method_label, write_rows
 
     run = dict(meta.get("config") or {})
-    if not run.get("task") or not run.get("name"):
-        raise ValueError(f"{cfg.ckpt_path} records no run name and task: its rows cannot join a results folder")
+    folder = results_folder(cfg, meta)
     run["eval"] = OmegaConf.to_container(cfg.eval, resolve=True)
     run["data"] = OmegaConf.to_container(cfg.data, resolve=True)  # the data evaluated on (their task columns)
-    folder = Path(cfg.results_csv) / str(run["task"])
     trained = folder / f"{run['name']}_seed{run.get('seed', 0)}.csv"
     device = ""
     if trained.is_file():
@@ -201,6 +202,18 @@ def write_results_csv(cfg: DictConfig, meta: dict, module, evaluation: SamplingE
     path = folder / f"{run['name']}_seed{run.get('seed', 0)}_eval.csv"
     write_rows(path, [*earlier_rows(path, rows), *rows])
     return path
+
+
+def results_folder(cfg: DictConfig, meta: dict) -> Path:
+    """``<results_csv>/<task>``, where the rows of the checkpoint's run go; ValueError for a checkpoint that records
+    no run name and task (a foreign pretrained model)."""
+    run = meta.get("config") or {}
+    if not run.get("task") or not run.get("name"):
+        raise ValueError(
+            f"{cfg.ckpt_path} records no run name and task: its rows cannot join a results folder; leave results_csv "
+            "out (the scores are in the printed table and the MLflow run)"
+        )
+    return Path(cfg.results_csv) / str(run["task"])
 
 
 def row_key(row: dict) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from flowlm.project import git_commit
 from flowlm.redaction import redact
 from runners.console import console_script
+from runners.outputs import check_writable
 
 # Families whose DiT has a [MASK] row (at id = data_vocab_size); a LLaMA-family network records its own [MASK].
 MASKED_FAMILIES = ("mdm", "mlfm")
@@ -147,13 +148,17 @@ def export(
     source: str | os.PathLike, out_dir: str | os.PathLike, *, trust_pickle: bool = False, merge_mlfm: bool = False
 ) -> Path:
     """Write the export folder of a run's checkpoint; ValueError for a non-checkpoint, an export, or a full
-    ``out_dir`` (all before anything is written). ``trust_pickle``: unpickle a checkpoint file in full
+    ``out_dir``, OSError for an ``out_dir`` that cannot be written (the folder's checks come before the checkpoint is
+    read; nothing is written before any check). ``trust_pickle``: unpickle a checkpoint file in full
     (``lightning_modules.checkpoints.load_torch_file``); ``merge_mlfm``: an MLFM export also gets ``merged/``, its
     base with the LoRA folded in."""
     # here, not at the top: `flowlm-export --help` needs neither torch nor Lightning
     from flowlm.pretrained import export as fmt
     from lightning_modules.checkpoints import LIVE_KEY, checkpoint_backbone, read_checkpoint
 
+    out = Path(out_dir)
+    check_writable("out_dir", out)  # before the checkpoint is read: a read-only folder was found after it
+    fmt.check_target(out)
     path = checkpoint_of(source)
     ckpt = read_checkpoint(path, trust_pickle=trust_pickle)
     meta = ckpt["flowlm"]
@@ -166,8 +171,6 @@ def export(
             f"--merge-mlfm folds an MLFM's LoRA into its base, but {source} is a '{meta.get('family')}' checkpoint: "
             "leave --merge-mlfm out"
         )
-    out = Path(out_dir)
-    fmt.check_target(out)
     hparams = dict(ckpt["hyper_parameters"])
     if "backbone" in hparams:
         hparams["backbone"] = checkpoint_backbone(ckpt)  # every DiT option spelled out

@@ -65,6 +65,7 @@ from lightning_modules.vocabulary import check_data_tokens
 from runners.common import build, use_tf32
 from runners.console import SUITE_PACKAGES, console_script
 from runners.mlflow_run import tracked_run
+from runners.outputs import check_writable
 
 log = logging.getLogger(__name__)
 
@@ -246,6 +247,7 @@ class FlowLM(LM):
         self._render = chat_renderer(tok, template, system, drop_bos=bool(self.head))
         self._templated = 0  # prompts rendered in the chat layout
         self.max_length = _positive_int("max_length", max_length or meta.get("seq_len"))
+        check_max_length(self.max_length, recorded_context(meta), self.checkpoint, meta.get("seq_len"))
         if gen_length is not None:
             gen_length = _positive_int("gen_length", gen_length)
             if gen_length > self.max_length - len(self.head):
@@ -280,6 +282,7 @@ class FlowLM(LM):
             mask_token_id=tok.mask_token_id,
         )
         check_data_tokens(data_tokens, self.module)
+        check_max_length(self.max_length, network_context(self.module), self.checkpoint, meta.get("seq_len"))
         if self.family == "mdm":
             self.estimator = check_estimator(estimator, self.module.denoiser())  # auto: count or time
             self.rows = row_layout(rows, self.module.net)  # auto: the item or max_length rows
@@ -588,6 +591,42 @@ class FlowLM(LM):
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
 
+def recorded_context(meta: dict) -> tuple[int, str] | None:
+    """(positions, why) a checkpoint's network serves, as its record says before the weights are read: a DiT's
+    (the suite's, a foreign MDLM) is its ``seq_len``, the rows it was trained on (rotary positions, no table: beyond
+    them it computes on positions it never saw); a LLaMA-family backbone's is its ``max_positions`` where the run
+    config spells it out; None where the record does not say (``network_context`` tells once it is built)."""
+    backbone = (meta.get("config") or {}).get("backbone") or {}
+    dit = "source" in meta or (backbone and "_target_" not in backbone)  # a foreign MDM is read into the DiT
+    if dit and meta.get("seq_len"):
+        return int(meta["seq_len"]), "a DiT trained on rows of that length"
+    if backbone.get("max_positions"):
+        return int(backbone["max_positions"]), "its decoder's max_positions"
+    return None
+
+
+def network_context(module) -> tuple[int, str] | None:
+    """(positions, why) a built network serves: a LLaMA-family decoder's ``max_positions`` (its RoPE config's
+    ``max_position_embeddings``: the forward refuses longer rows), else the module's ``seq_len`` (a DiT)."""
+    for part in module.modules():
+        spec = getattr(part, "spec", None)
+        if isinstance(spec, dict) and spec.get("max_positions"):
+            return int(spec["max_positions"]), "its decoder's max_positions"
+    seq_len = getattr(module, "seq_len", None) or (getattr(module, "hparams", None) or {}).get("seq_len")
+    return (int(seq_len), "a DiT trained on rows of that length") if seq_len else None
+
+
+def check_max_length(max_length: int, context: tuple[int, str] | None, checkpoint: str, seq_len: Any) -> None:
+    """Refuse a ``max_length`` longer than the network's ``context`` (``max_length=4096`` on a 128-position model
+    ran for minutes on rows it was never trained on, or failed at the first forward)."""
+    if context is not None and max_length > context[0]:
+        raise ValueError(
+            f"flowlm: model_args max_length={max_length} is longer than {checkpoint}'s context of {context[0]} "
+            f"positions ({context[1]}): give max_length ≤ {context[0]}, or leave it out (the checkpoint's seq_len, "
+            f"{seq_len})"
+        )
+
+
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, str) and value.isdigit():
         value = int(value)
@@ -731,6 +770,16 @@ def refuse_likelihood_tasks(model_args: dict, call: dict) -> None:
         )
 
 
+def check_output_path(evaluation_tracker: Any) -> None:
+    """Refuse, before the model is built, an ``--output_path`` that cannot be written: lm-eval writes its results
+    there (a ``.json`` path: beside it; else into a folder of the model's name under it) only once every request has
+    run."""
+    output = getattr(evaluation_tracker, "output_path", None)
+    if output:
+        path = Path(output)
+        check_writable("--output_path", path.parent if path.suffix == ".json" else path)
+
+
 def tracked(simple_evaluate: Callable, tracking_uri: str | None = None, experiment: str | None = None) -> Callable:
     """``simple_evaluate`` that tracks a ``flowlm`` evaluation in MLflow: its run made (the store reached, the
     checkpoint read) before any compute, ``log_results`` after it, the run FAILED with its error if it raises; any
@@ -739,6 +788,7 @@ def tracked(simple_evaluate: Callable, tracking_uri: str | None = None, experime
     @functools.wraps(simple_evaluate)
     def evaluate(*args: Any, **kwargs: Any) -> dict | None:
         call = inspect.signature(simple_evaluate).bind(*args, **kwargs).arguments
+        check_output_path(call.get("evaluation_tracker"))
         if call.get("model") != MODEL_NAME:
             return simple_evaluate(*args, **kwargs)
         model_args = call.get("model_args") or {}

@@ -68,6 +68,7 @@ from flowlm.project import CONF_DIR
 from flowlm.tasks.files import json_records, project_path
 from runners.common import check_switches, resolve_paths
 from runners.console import console_script
+from runners.outputs import check_writable
 
 log = logging.getLogger(__name__)
 
@@ -829,6 +830,11 @@ def run(cfg: DictConfig) -> dict:
     if judge is not None:
         judge.check()
     model_id, answer_path, judgment_path = outputs(cfg)
+    # the folders this step writes (the judgment file is appended to in place), before any answer or judgment is made
+    if cfg.step != "judge":
+        check_writable("out_dir", answer_path.parent)
+    if judge is not None:
+        check_writable("out_dir", judgment_path.parent, files=[judgment_path])
     # step=judge resumes the judgment file; the other steps make new answers, which its judgments are not of
     written = [
         p for p, used in ((answer_path, cfg.step != "judge"), (judgment_path, cfg.step == "all")) if used and p.exists()

@@ -150,6 +150,16 @@ def run_dir(root: str, name: str, run_name: str) -> str:
     return f"{root}/{name}/{run_name}"
 
 
+def output_dir(path: str, option: str) -> str:
+    """``path``, Hydra's output folder (made before the task runs), once this process can write there
+    (runners/outputs.py ``check_writable``, naming ``option``): a read-only one failed in Hydra's own mkdir, under a
+    traceback."""
+    from runners.outputs import check_writable
+
+    check_writable(str(option), str(path))
+    return str(path)
+
+
 NO_SOURCE = "<no source run: this experiment names no `source`; set method.init_from=<ckpt> or method.teacher=<ckpt>>"
 
 
@@ -165,6 +175,9 @@ OmegaConf.register_new_resolver("flowlm.source_ckpt", source_ckpt, replace=True)
 # `${flowlm.run_dir:${paths.root},${name},${run_name}}` in conf/paths/default.yaml: the run folder, refused before
 # Hydra creates it (its output folder is the run folder) when the name would leave, nest or hide it.
 OmegaConf.register_new_resolver("flowlm.run_dir", run_dir, replace=True)
+# `${flowlm.output_dir:<folder>,<option>}`: Hydra's output folder (conf/hydra/default.yaml, conf/report.yaml), refused
+# in one line before Hydra makes it when it cannot be written.
+OmegaConf.register_new_resolver("flowlm.output_dir", output_dir, replace=True)
 # `${flowlm.cpu_precision:}` in conf/trainer/cpu.yaml; `trainer.precision=bf16-mixed` (or 32-true) still sets it.
 OmegaConf.register_new_resolver("flowlm.cpu_precision", cpu_precision, replace=True)
 # `${flowlm.accelerator_precision:${.accelerator}}` in conf/trainer/{ddp,fsdp2,auto}.yaml: precision from the

@@ -27,6 +27,7 @@ from runners.common import (
     write_run_config,
 )
 from runners.console import console_script, log_lightning_once
+from runners.outputs import check_writable
 
 if TYPE_CHECKING:
     from callbacks.sampling_eval import SamplingEvaluation
@@ -57,6 +58,9 @@ def train(cfg: DictConfig) -> dict:
     check_run_name(cfg)
     check_budgets(cfg.eval)
     check_tracking(cfg)  # a full disk under the MLflow store: refused before anything is written
+    results = OmegaConf.select(cfg, "callbacks.results_csv.dir", default=None)
+    if results:  # the evaluation rows' folder (callbacks/results_csv.py): found read-only after training otherwise
+        check_writable("callbacks.results_csv.dir", Path(results) / str(cfg.task))
     run_dir = Path(cfg.paths.run_dir)
     # Every check that can fail runs before any compute and before anything is written: the run folder, its
     # run_config.yaml and the MLflow run are made only once data, model, evaluation and trainer are built.

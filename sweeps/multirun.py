@@ -15,7 +15,9 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from runners.console import callback_errors
 from runners.objectives import objective_keys
+from runners.outputs import check_writable
 from runners.trial import DONE_SUFFIX, NOTES_ENV
 
 log = logging.getLogger(__name__)
@@ -28,11 +30,13 @@ class SweepCallback(Callback):
     once every trial has run if any failed."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:  # noqa: D102
-        Path(config.paths.root).mkdir(parents=True, exist_ok=True)
-        storage = OmegaConf.select(config, "hydra.sweeper.storage", default=None)
-        if isinstance(storage, str) and storage.startswith("sqlite:///"):
-            init_sqlite_storage(storage)
-        continue_study(config)
+        with callback_errors():  # an error here stops the sweep before any trial (Hydra would only warn)
+            check_writable("paths.root", config.paths.root)
+            Path(config.paths.root).mkdir(parents=True, exist_ok=True)
+            storage = OmegaConf.select(config, "hydra.sweeper.storage", default=None)
+            if isinstance(storage, str) and storage.startswith("sqlite:///"):
+                init_sqlite_storage(storage)
+            continue_study(config)
         notes = Path(config.hydra.sweep.dir) / f".trials-{uuid.uuid4().hex}"  # this launch's, not a relaunch's
         notes.mkdir(parents=True)
         os.environ[NOTES_ENV] = str(notes)
@@ -119,10 +123,13 @@ def continue_study(config: DictConfig) -> None:
 
 def init_sqlite_storage(url: str) -> None:
     """Create an Optuna SQLite file's schema under a file lock: workers launched together on a fresh file would
-    otherwise race to create its tables and all but one crash (measured: 4 of 5 tries with two workers)."""
+    otherwise race to create its tables and all but one crash (measured: 4 of 5 tries with two workers). A folder or
+    file that cannot be written is refused first, naming ``hydra.sweeper.storage``."""
     import optuna
 
     path = Path(url.removeprefix("sqlite:///"))
+    # its folder holds the lock and SQLite's journal: a read-only one failed in the sweeper, in sqlalchemy's words
+    check_writable("hydra.sweeper.storage", path.parent, files=[path])
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes

@@ -36,7 +36,9 @@ WEIGHTS = "model.safetensors"
 CARD = "README.md"
 PARTIAL = ".flowlm-export-partial"  # the folder an export is written into before it is moved into place
 REMOTE = Path(__file__).with_name("hf_remote")  # the transformers configuration and model shipped in an export
-REMOTE_FILES = ("configuration_flowlm.py", "modeling_flowlm.py")
+# every shipped model refuses weights that are not the network its config.json describes (hf_remote/flowlm_loading.py)
+LOADING = "flowlm_loading.py"
+REMOTE_FILES = ("configuration_flowlm.py", "modeling_flowlm.py", LOADING)
 AUTO_FAMILIES = ("mdm", "flow", "ar")  # DiT families FlowLMModel loads (MLFM: mlfm_peft; LLaMA family: source_layout)
 LAYOUT_KEY = "weights_layout"  # config.json key naming the source layout model.safetensors is in (absent: net.*)
 
@@ -72,7 +74,7 @@ SOURCE_LAYOUTS = {
                 "AutoModelForCausalLM": "modeling_smdm.SMDMForMaskedLM",
             },
         },
-        ("configuration_smdm.py", "modeling_smdm.py"),
+        ("configuration_smdm.py", "modeling_smdm.py", LOADING),
     ),
     "llada": SourceLayout(
         llada.source_config,
@@ -89,7 +91,7 @@ SOURCE_LAYOUTS = {
                 "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
             },
         },
-        ("configuration_llada.py", "modeling_llada.py"),
+        ("configuration_llada.py", "modeling_llada.py", LOADING),
     ),
     "dream": SourceLayout(  # Qwen2's names and keys: transformers' own Qwen2ForCausalLM, no remote code
         dream.source_config,
@@ -170,7 +172,7 @@ def transformers_files(
     return keys, write
 
 
-LLAMA_FLOW_FILES = ("configuration_flowlm_llama.py", "modeling_flowlm_llama.py", "flowlm_adaln.py")
+LLAMA_FLOW_FILES = ("configuration_flowlm_llama.py", "modeling_flowlm_llama.py", "flowlm_adaln.py", LOADING)
 LLAMA_FLOW_CLASSES = {"llama": "FlowLMLlamaFlowModel", "qwen2": "FlowLMQwen2FlowModel"}  # by the decoder's arch
 
 

@@ -312,3 +312,68 @@ def test_transformers_alone_loads_fmlm_plus_on_each_llama_family_layout_with_the
     worst = run_without_suite(LLAMA_FLOW_LOADER, cases, tmp_path)  # {kind: max |Δ|}
     assert set(worst) == set(runs)
     assert all(value <= 1e-5 for value in worst.values()), worst  # NaN fails too
+
+
+# Each case's folder with config.json edited (``key``: the path to the edited value), loaded by transformers alone;
+# the message each load raised ("loaded" when none).
+EDITED_LOADER = BLOCK_SUITE + textwrap.dedent(
+    """
+    import json
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    cases = torch.load(sys.argv[1], weights_only=True)
+    said = {}
+    for name, case in cases.items():
+        path = Path(case["folder"]) / "config.json"
+        config = json.loads(path.read_text())
+        node = config
+        for key in case["key"][:-1]:
+            node = node[key]
+        node[case["key"][-1]] = case["value"]
+        path.write_text(json.dumps(config))
+        try:
+            getattr(transformers, case["auto"]).from_pretrained(case["folder"], trust_remote_code=True)
+            said[name] = "loaded"
+        except ValueError as err:
+            said[name] = str(err)
+    print(json.dumps(said))
+    """
+)
+
+
+def test_the_shipped_code_refuses_an_export_whose_config_json_disagrees_with_its_weights(tmp_path):
+    """config.json edited to more layers (transformers initialised the missing ones at random: noise logits), fewer
+    (the extra weights dropped) or another width (a RuntimeError under a table): the model shipped in the folder
+    refuses it, naming the tensors, for the DiT's model and each shipped LLaMA-family one."""
+    import shutil
+
+    from tests.pretrained.test_fmlm_plus_llama import tiny_llama
+
+    _, dit = _trained(MDMModule, tmp_path, "dit")
+    _, smdm = _trained(MDMModule, tmp_path, "smdm", backbone=tiny_llama("smdm", V))
+    _, llada = _trained(MDMModule, tmp_path, "llada", backbone=tiny_llama("llada", V))
+    _, flow = _trained(FMLMPlusModule, tmp_path, "flow", backbone=tiny_llama("llada", V), options={"adapter": {}})
+    layers = BACKBONE["n_layers"]
+    edits = {
+        "dit_more_layers": (dit, "AutoModel", ["dit", "n_layers"], layers + 2),
+        "dit_fewer_layers": (dit, "AutoModel", ["dit", "n_layers"], layers - 1),
+        "dit_wider": (dit, "AutoModel", ["dit", "d_model"], 2 * BACKBONE["d_model"]),
+        "smdm_more_layers": (smdm, "AutoModelForCausalLM", ["num_hidden_layers"], 3),
+        "llada_more_layers": (llada, "AutoModelForCausalLM", ["num_hidden_layers"], 3),
+        "fmlm_plus_more_layers": (flow, "AutoModel", ["num_hidden_layers"], 3),
+    }
+    cases = {}
+    for name, (folder, auto, key, value) in edits.items():
+        shutil.copytree(folder, tmp_path / name)
+        cases[name] = {"folder": str(tmp_path / name), "auto": auto, "key": key, "value": value}
+    said = run_without_suite(EDITED_LOADER, cases, tmp_path)
+    for name, message in said.items():
+        assert "its config.json does not describe the weights beside it" in message, (name, message)
+        assert "restore the config.json that flowlm-export wrote" in message and "\n" not in message, message
+    assert "tensor(s) of that network are not in the weights (net.blocks.2." in said["dit_more_layers"]
+    assert "tensor(s) of the weights have no place in it (net.blocks.1." in said["dit_fewer_layers"]
+    assert "tensor(s) of another shape (net." in said["dit_wider"]
+    assert "model.layers.2." in said["smdm_more_layers"] and "model.layers.2." in said["llada_more_layers"]

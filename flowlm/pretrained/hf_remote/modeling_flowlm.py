@@ -1,5 +1,6 @@
 """The transformers model of a flowlm export (shipped in the folder by ``flowlm-export``; it imports only torch,
-transformers and the suite's DiT, copied beside it as ``flowlm_dit.py``):
+transformers, the suite's DiT, copied beside it as ``flowlm_dit.py``, and ``flowlm_loading.py``, which refuses
+weights that are not the network config.json describes):
 ``AutoModel.from_pretrained(folder, trust_remote_code=True)`` gives the network the suite trained, its weights under
 the suite's own names (``net.*``), and its logits on the same inputs.
 
@@ -18,11 +19,12 @@ from transformers.modeling_outputs import MaskedLMOutput
 
 from .configuration_flowlm import FlowLMConfig
 from .flowlm_dit import Rotary, TimeEmbedding, build_dit
+from .flowlm_loading import WeightsMatchConfig
 
 SOFT_CAP = 30.0
 
 
-class FlowLMModel(PreTrainedModel):
+class FlowLMModel(WeightsMatchConfig, PreTrainedModel):
     """The suite's DiT as a transformers model (see the module docstring for each family's call)."""
 
     config_class = FlowLMConfig

@@ -28,6 +28,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2PreTrainedModel
 from .configuration_flowlm_llama import FlowLMLlamaConfig, FlowLMQwen2Config
 from .flowlm_adaln import LayerModulation
 from .flowlm_dit import PinnedCondition, TimeEmbedding, modulation
+from .flowlm_loading import WeightsMatchConfig
 
 SOFT_CAP = 30.0
 
@@ -120,7 +121,7 @@ class FlowNet(nn.Module):
         return self.base.lm_head(out)
 
 
-class FlowLMFlowMixin:
+class FlowLMFlowMixin(WeightsMatchConfig):
     """What the Llama and Qwen2 models share: the flow network under ``net``, its call and its log δ."""
 
     decoder_cls: type

@@ -13,6 +13,7 @@ from transformers.conversion_mapping import register_checkpoint_conversion_mappi
 from transformers.core_model_loading import WeightRenaming
 
 from .configuration_llada import BLOCK_NAMES, LLaDAConfig
+from .flowlm_loading import WeightsMatchConfig
 
 RENAMES = [
     WeightRenaming(r"^model\.transformer\.wte\.", "model.embed_tokens."),
@@ -24,7 +25,7 @@ RENAMES = [
 ]
 
 
-class LLaDAModelLM(LlamaForCausalLM):
+class LLaDAModelLM(WeightsMatchConfig, LlamaForCausalLM):
     """LLaDA's network on transformers' Llama: bidirectional attention, untied head over the whole vocabulary."""
 
     config_class = LLaDAConfig

@@ -13,6 +13,7 @@ from transformers.conversion_mapping import register_checkpoint_conversion_mappi
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
 
 from .configuration_smdm import SMDMConfig
+from .flowlm_loading import WeightsMatchConfig
 
 QKV = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
 
@@ -66,7 +67,7 @@ RENAMES = [
 ]
 
 
-class SMDMForMaskedLM(LlamaForCausalLM):
+class SMDMForMaskedLM(WeightsMatchConfig, LlamaForCausalLM):
     """SMDM's network on transformers' Llama: bidirectional attention, a head of the padded vocabulary."""
 
     config_class = SMDMConfig
