@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import re
 
 from omegaconf import OmegaConf
@@ -104,7 +105,9 @@ def sudoku_table_nfe(
     conditional: bool, box_rows: int, box_cols: int, difficulty: str | None, family: str | None = None
 ) -> list[int]:
     """The NFE budgets of the papers' Sudoku tables (docs/results.md): conditional 4 (PR's R = 4, N = 1) and the
-    number of empty cells (full); unconditional 1, 3, 9, 27 and n² (the paper's 1 / 3 / 9 / 27 / 81 on 9×9). An MDM
+    number of empty cells (full); unconditional 1, 3, 9, 27 and n² (the paper's 1 / 3 / 9 / 27 / 81 on 9×9, the same
+    NFE) and the paper's budgets mapped by tokens per call, ⌈n² · NFE / 81⌉ (its 81 / NFE tokens a call on 81 cells,
+    never more parallel than the paper: 2, 4, 12 on 6×6; the report's ``tokens_per_call_nfe``). An MDM
     (``family`` mdm) on a conditional task also gets one call per position it generates (n² + n − 1: clue copies and
     separators included), the regime of the paper's MDLM row at 128 NFE on 9×9's 89 positions: at most one token per
     call (issue 47)."""
@@ -113,7 +116,9 @@ def sudoku_table_nfe(
     spec = SudokuSpec(int(box_rows), int(box_cols))
     cells = spec.n**2
     if not conditional:
-        return sorted({*(b for b in (1, 3, 9, 27) if b < cells), cells})
+        paper = (1, 3, 9, 27, 81)
+        mapped = {max(1, math.ceil(cells * nfe / 81 - 1e-9)) for nfe in paper}
+        return sorted({*(b for b in paper[:-1] if b < cells), cells} | mapped)
     one_per_call = {cells + spec.n - 1} if family == "mdm" else set()
     return sorted({4, cells - clues_for(spec, str(difficulty)), *one_per_call})
 

@@ -30,14 +30,15 @@ FAST_KEEP_NFE = [
 def test_the_budgets_of_the_tables():
     assert sudoku_table_nfe(True, 2, 3, "easy") == [4, 18]  # 36 cells − 18 clues
     assert sudoku_table_nfe(True, 2, 3, "hard") == [4, 23]
-    assert sudoku_table_nfe(False, 2, 3, None) == [1, 3, 9, 27, 36]
+    # the paper's 1 / 3 / 9 / 27 / 81 as they are, and by tokens per call (⌈36 · NFE / 81⌉: 1, 2, 4, 12, 36)
+    assert sudoku_table_nfe(False, 2, 3, None) == [1, 2, 3, 4, 9, 12, 27, 36]
     assert sudoku_table_nfe(False, 3, 3, None) == [1, 3, 9, 27, 81]  # the paper's budgets on 9×9
-    assert sudoku_table_nfe(False, 2, 2, None) == [1, 3, 9, 16]
+    assert sudoku_table_nfe(False, 2, 2, None) == [1, 2, 3, 6, 9, 16]
     # an MDM also at one call per generated position (cells + separators): the paper's MDLM @128 on 89 positions
     assert sudoku_table_nfe(True, 2, 3, "easy", "mdm") == [4, 18, 41]
     assert sudoku_table_nfe(True, 3, 3, "easy", "mdm") == [4, 41, 89]
     assert sudoku_table_nfe(True, 2, 3, "easy", "fmlm") == [4, 18]
-    assert sudoku_table_nfe(False, 2, 3, None, "mdm") == [1, 3, 9, 27, 36]  # n² calls: one cell each
+    assert sudoku_table_nfe(False, 2, 3, None, "mdm") == [1, 2, 3, 4, 9, 12, 27, 36]  # n² calls: one cell each
 
 
 def test_the_warm_up_is_the_released_share_of_the_budget():
