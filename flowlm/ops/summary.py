@@ -178,26 +178,25 @@ def chunked_summary(
     margin: bool = False,
     entropy: bool = False,
 ) -> PositionSummary:
-    """``PositionSummary`` of softmax(logits) per position, read in vocabulary chunks with running statistics: no
-    (…, |V|) float32 or float64 tensor is made. ``rows``: only these rows of logits viewed as (N, |V|), gathered
-    chunk by chunk (results (n,); each row's values those of the call over all rows, bit for bit).
+    """``PositionSummary`` of softmax(logits) per position, read in vocabulary chunks: no (…, |V|) float32 or float64
+    tensor is made. ``rows``: only these rows of logits viewed as (N, |V|), gathered chunk by chunk (results (n,);
+    each row's values those of the call over all rows, bit for bit).
 
-    With m the running max logit, s_v = l_v − m, Z = Σ_v e^{s_v} and S = Σ_v e^{s_v}·s_v over the chunks so far
-    (when m grows by Δ: Z ← e^{−Δ}Z, S ← e^{−Δ}(S − Δ·Z)):
+    Each chunk c is folded alone, with its own max m_c (s_v = l_v − m_c): Z_c = Σ_{v∈c} e^{s_v} and
+    S_c = Σ_{v∈c} e^{s_v}·s_v; at the end, with m = max_c m_c and a_c = e^{m_c − m},
 
+        Z = Σ_c a_c Z_c,   S = Σ_c a_c (S_c + (m_c − m) Z_c),
         log max p = −log Z,   H = log Z − S / Z,   p₍₁₎ − p₍₂₎ = (1 − e^{l₍₂₎ − l₍₁₎}) / Z,
 
-    l₍₂₎ the running second-largest logit (a tie of the max gives margin 0). A −∞ logit (a LLaMA-family [MASK])
-    adds 0 to every sum. Precision: float32 throughout, against a float64 log_softmax within 2e-5 (relative) for
-    log max p and 1e-5 (absolute, nats / probability) for H and the margin at |V| = 50 258
-    (tests/samplers/test_adaptive_summary.py).
+    l₍₂₎ the larger of the chunks' runner-up logits and their second-largest max (a tie of the max gives margin 0).
+    A −∞ logit (a LLaMA-family [MASK]) adds 0 to every sum. Precision: float32 throughout, against a float64
+    log_softmax within 2e-5 (relative) for log max p and 1e-5 (absolute, nats / probability) for H and the margin at
+    |V| = 50 258 (tests/samplers/test_adaptive_summary.py).
 
     The rows go through in blocks of about ``ROW_BLOCK_BYTES`` of float32 per chunk, so that a chunk's passes (max,
     subtract into float32, exp, sum) stay in cache; every operation is row-wise, so the values do not depend on the
-    blocks. At (4, 128, 50 258) bf16 on one CPU thread: 38 ms with one block, 32 ms in blocks of 128 rows; the
-    argmax from the chunk maxima at the end instead of a running one, 30.6 vs 30.4 ms (so it stays running), the
-    entropy adding 17 ms (side by side, 2026-12-06, a loaded 2-core machine); a float64 log_softmax of the same
-    logits takes 204 ms."""
+    blocks. At (4, 128, 50 258) bf16 on one CPU thread (the running fold before the per-chunk tables, 2026-12-06, a
+    loaded 2-core machine): 38 ms with one block, 32 ms in blocks of 128 rows; a float64 log_softmax 204 ms."""
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     flat = logits.reshape(-1, vocab)
     n = flat.shape[0] if rows is None else rows.numel()
@@ -207,16 +206,13 @@ def chunked_summary(
     block = max(1, ROW_BLOCK_BYTES // (4 * width))
     picked = None if rows is None else torch.empty(min(block, n) * width, dtype=logits.dtype, device=logits.device)
 
-    def fill(first: int, last: int, start: int, z: Tensor) -> None:
+    def fill(first: int, last: int, start: int, z: Tensor) -> Tensor:
         w = z.shape[1]
         if rows is None:
-            z.copy_(flat[first:last, start : start + w])
-        else:
-            z.copy_(
-                torch.index_select(
-                    flat[:, start : start + w], 0, rows[first:last], out=picked[: z.numel()].view(z.shape)
-                )
-            )
+            return z.copy_(flat[first:last, start : start + w])
+        return z.copy_(
+            torch.index_select(flat[:, start : start + w], 0, rows[first:last], out=picked[: z.numel()].view(z.shape))
+        )
 
     out = fold_chunks(fill, n, vocab, width, block, device=logits.device, margin=margin, entropy=entropy)
     if rows is not None:
@@ -243,57 +239,113 @@ def chunked_head_summary(
     n, vocab = features.shape[0], weight.shape[0]
     width = min(vocab, chunk if chunk is not None else chunk_width(n, vocab))
     block = max(1, ROW_BLOCK_BYTES // (4 * width))
+    features, weight, bias = autocast_inputs(features, weight, bias)
+    # A −∞ bias (a [MASK] inside the vocabulary) as the most negative finite logit: the same p (e^{−huge} = 0) and
+    # statistics, and every logit finite, so the entropy's e^s·s needs no guard against 0·(−∞)
+    bias = None if bias is None else bias.clamp_min(torch.finfo(bias.dtype).min)
 
-    def fill(first: int, last: int, start: int, z: Tensor) -> None:
-        stop = start + z.shape[1]
-        z.copy_(F.linear(features[first:last], weight[start:stop], None if bias is None else bias[start:stop]))
+    # One product per chunk over all n rows (the head's matrix product is the dearer the fewer its rows: 2× at a
+    # quarter of 384, measured), into one buffer reused (a fresh one per chunk costs page faults); the fold then
+    # reads it in row blocks. torch.addmm is F.linear's own kernel on 2-D inputs (the same values).
+    product = torch.empty(n * width, dtype=features.dtype, device=features.device)
 
-    return fold_chunks(fill, n, vocab, width, block, device=features.device, margin=margin, entropy=entropy)
+    def fill(first: int, last: int, start: int, z: Tensor) -> Tensor:
+        w = z.shape[1]
+        out = product[: n * w].view(n, w)
+        if first == 0:
+            stop = start + w
+            with torch.autocast(features.device.type, enabled=False):  # inputs already in the autocast dtype
+                if bias is None:
+                    torch.mm(features, weight[start:stop].t(), out=out)
+                else:
+                    torch.addmm(bias[start:stop], features, weight[start:stop].t(), out=out)
+        if out.dtype == torch.float32:
+            return out[first:last]  # the fold's float32 rows, as they are
+        return z.copy_(out[first:last])
+
+    return fold_chunks(
+        fill, n, vocab, width, block, device=features.device, margin=margin, entropy=entropy, finite=True
+    )
+
+
+def autocast_inputs(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """``tensors`` cast once to the autocast dtype where autocast is on for their device and they are floating
+    point, as each autocast op would cast them (a chunked head then casts its weight once a call, not once a row
+    block and chunk: the casts cost more than the head's product, measured at |V| = 50 258)."""
+    first = next(t for t in tensors if t is not None)
+    kind = first.device.type
+    if not torch.is_autocast_enabled(kind):
+        return tensors
+    dtype = torch.get_autocast_dtype(kind)
+    return tuple(None if t is None or not t.is_floating_point() else t.to(dtype) for t in tensors)
 
 
 def fold_chunks(
-    fill, n: int, vocab: int, width: int, block: int, *, device: torch.device, margin: bool, entropy: bool
+    fill,
+    n: int,
+    vocab: int,
+    width: int,
+    block: int,
+    *,
+    device: torch.device,
+    margin: bool,
+    entropy: bool,
+    finite: bool = False,
 ) -> PositionSummary:
     """``PositionSummary`` of n rows of logits over ``vocab`` columns that ``fill(first, last, start, z)`` writes,
-    rows [first, last) × columns [start, start + z.shape[1]), into the float32 buffer z: rows in blocks of
-    ``block``, columns in chunks of ``width``, each chunk folded into the running statistics (``chunked_summary``)."""
-    best = torch.full((n,), -torch.inf, device=device)
-    index = torch.zeros(n, dtype=torch.long, device=device)
-    total = torch.zeros(n, device=device)  # Z = Σ exp(l − best) so far
-    second = torch.full((n,), -torch.inf, device=device) if margin else None  # the runner-up logit so far
-    spread = torch.zeros(n, device=device) if entropy else None  # S = Σ exp(l − best)·(l − best) so far
+    rows [first, last) × columns [start, start + z.shape[1]), into the float32 buffer z:
+    rows in blocks of ``block``, columns in chunks of ``width``, each chunk's max, argmax, Z_c, S_c (and runner-up)
+    kept in a (chunks, n) table and combined at the end (``chunked_summary``). ``finite``: every logit is finite
+    (no guard for a −∞ one)."""
+    chunks = -(-vocab // width)
+    if entropy:  # two float32 buffers (s and e^s) in the cache one took: half the rows a block (measured faster)
+        block = max(1, block // 2)
+    tops = torch.empty(chunks, n, device=device)  # m_c
+    args = torch.empty(chunks, n, dtype=torch.long, device=device)
+    sums = torch.empty(chunks, n, device=device)  # Z_c = Σ_{v∈c} e^{l_v − m_c}
+    spreads = torch.empty(chunks, n, device=device) if entropy else None  # S_c = Σ_{v∈c} e^{s_v}·s_v
+    runners = torch.empty(chunks, n, device=device) if margin else None  # the chunk's runner-up logit
     # One float32 buffer for every chunk: a fresh (n, chunk) allocation per chunk costs about 3× its copy on a CPU
     # (page faults; 0.34 vs 0.11 ms at 256 × 2048 bf16 → float32, measured).
     buffer = torch.empty(min(block, n) * width, device=device)
     weights = torch.empty(min(block, n) * width, device=device) if entropy else None
-    for first in range(0, n, block):
-        last = min(n, first + block)
-        k = last - first
-        top_so_far, arg_so_far, sum_so_far = best[first:last], index[first:last], total[first:last]  # views
-        for start in range(0, vocab, width):
-            w = min(width, vocab - start)
-            z = buffer[: k * w].view(k, w)  # contiguous float32, changed in place
-            fill(first, last, start, z)
+    for c, start in enumerate(range(0, vocab, width)):
+        w = min(width, vocab - start)
+        for first in range(0, n, block):
+            last = min(n, first + block)
+            k = last - first
+            z = fill(first, last, start, buffer[: k * w].view(k, w))  # contiguous float32, changed in place
             top, arg = row_max(z)
-            if second is not None:  # the chunk's runner-up: its max's own entry left out, then put back
-                runner = z.scatter_(1, arg[:, None], -torch.inf).amax(-1)
+            if runners is not None:  # the chunk's runner-up: its max's own entry left out, then put back
+                runners[c, first:last] = z.scatter_(1, arg[:, None], -torch.inf).amax(-1)
                 z.scatter_(1, arg[:, None], top[:, None])
-                lo = second[first:last]  # the runner-up so far: the larger of it, this chunk's, the smaller max
-                lo.copy_(torch.maximum(torch.minimum(top_so_far, top), torch.maximum(lo, runner)))
-            arg_so_far.copy_(torch.where(top > top_so_far, arg + start, arg_so_far))  # strict: the first index
-            new = torch.maximum(top_so_far, top)
-            shrink = (top_so_far - new).exp_()  # e^{−Δ}
-            s = z.sub_(new[:, None])  # s = l − m_new
-            if spread is not None:  # S ← e^{−Δ}(S − Δ·Z) + Σ e^{s}·s (0·(−∞) read as 0)
-                acc = spread[first:last]
-                acc.sub_(sum_so_far * (new - top_so_far).nan_to_num_(0.0)).mul_(shrink)
+            tops[c, first:last], args[c, first:last] = top, arg + start
+            s = z.sub_((top if finite else torch.where(top == -torch.inf, 0.0, top))[:, None])  # s = l − m_c
+            if spreads is not None:
                 e = torch.exp(s, out=weights[: k * w].view(k, w))
-                sum_so_far.mul_(shrink).add_(e.sum(-1))
-                acc.add_(s.clamp_min_(torch.finfo(s.dtype).min).mul_(e).sum(-1))  # in place: 3× a vecdot's speed
+                torch.sum(e, -1, out=sums[c, first:last])
+                if not finite:
+                    s.clamp_min_(torch.finfo(s.dtype).min)  # e^s·s = 0 at a −∞ logit, not 0·(−∞)
+                torch.sum(s.mul_(e), -1, out=spreads[c, first:last])  # in place: 3× a vecdot's speed
             else:
-                sum_so_far.mul_(shrink).add_(s.exp_().sum(-1))
-            top_so_far.copy_(new)
+                torch.sum(s.exp_(), -1, out=sums[c, first:last])
+    # combined along each row's own contiguous (chunks,) table: row-wise reductions, so a row's values do not depend
+    # on the other rows (``chunked_summary``'s rows read alone, bit for bit)
+    tops, args, sums = (t.t().contiguous() for t in (tops, args, sums))
+    spreads = None if spreads is None else spreads.t().contiguous()
+    best = tops.amax(-1)  # m
+    first_best = (tops == best[:, None]).byte().argmax(-1)  # the first chunk holding the max: torch.argmax's rule
+    index = args.gather(1, first_best[:, None]).squeeze(1)
+    gap = (tops - best[:, None]).clamp_min_(torch.finfo(tops.dtype).min)  # m_c − m (finite, so that 0·gap = 0)
+    scale = gap.exp()  # a_c
+    total = (scale * sums).sum(-1)  # Z
     log_z = total.log()
+    second = None
+    if runners is not None:  # the larger of the runners-up and the second-largest chunk max
+        second = runners.amax(0)
+        if chunks > 1:
+            second = torch.maximum(second, tops.topk(2, dim=-1).values[:, 1])
+    spread = None if spreads is None else (scale * (spreads + gap * sums)).sum(-1)  # S
     return PositionSummary(
         -log_z,  # log max p = −log Σ exp(l − l_max)
         index,

@@ -212,3 +212,63 @@ def test_the_fixed_step_samplers_read_the_head_at_the_rows_they_need(name, tempe
         assert got.row_nfe is None or torch.equal(got.row_nfe, want.row_nfe)
         torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
         calls.clear()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_head_summary_is_the_dense_statistics_of_its_logits(autocast, monkeypatch):
+    """chunked_head_summary (the DiT's head in vocabulary chunks, one product per chunk over every row, folded in
+    row blocks) against a float64 log_softmax of the logits the head makes itself (F.linear, bf16 under autocast):
+    the argmax exactly, log max p, margin and entropy within the stated tolerances, with a −∞ bias entry (a [MASK]
+    inside the vocabulary: H finite), several chunks and several row blocks (the entropy's blocks are half the
+    others'); under autocast the head's weight is cast to bf16 once a call, not once a chunk or row block."""
+    monkeypatch.setattr(summary_module, "CHUNK_BYTES", 4 * 40 * 256)  # chunks of 256 columns for 40 rows
+    monkeypatch.setattr(summary_module, "ROW_BLOCK_BYTES", 4 * 16 * 256)  # blocks of 16 rows (8 with the entropy)
+    g = torch.Generator().manual_seed(3)
+    n, d, vocab = 40, 16, 1000
+    features, weight = torch.randn(n, d, generator=g), torch.randn(vocab, d, generator=g)
+    bias = torch.randn(vocab, generator=g).index_fill(0, torch.tensor([7]), -torch.inf)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = torch.nn.functional.linear(features, weight, bias)
+        casts = []
+        with CastCount(casts):
+            got = summary_module.chunked_head_summary(features, weight, bias, margin=True, entropy=True)
+    assert logits.dtype == (torch.bfloat16 if autocast else torch.float32)
+    assert sum(casts) <= (vocab * d + n * d + vocab if autocast else 0)  # each input once
+    log_p = torch.log_softmax(logits.double(), -1)
+    top2 = log_p.topk(2, dim=-1).values.exp()
+    h = -(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum(-1)
+    assert torch.equal(got.argmax, logits.float().argmax(-1))
+    torch.testing.assert_close(got.log_max.double(), top2[:, 0].log(), rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(got.margin.double(), top2[:, 0] - top2[:, 1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.entropy.double(), h, rtol=0, atol=1e-5)
+    plain = summary_module.chunked_summary(logits, margin=True, entropy=True)  # the logits path: float rounding
+    for part, whole in zip(got, plain, strict=True):
+        torch.testing.assert_close(part, whole, rtol=1e-5, atol=1e-6)
+
+
+class CastCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Appends the element count of every float32 → lower-precision cast (aten._to_copy) made inside it."""
+
+    def __init__(self, counts: list):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float32:
+            if kwargs.get("dtype") in (torch.bfloat16, torch.float16):
+                self.counts.append(args[0].numel())
+        return func(*args, **kwargs)
+
+
+def test_a_chunk_all_minus_infinity_adds_nothing():
+    """A vocabulary chunk whose logits are all −∞ (chunks of 64 columns) adds 0 to every sum: the statistics of
+    the other columns, not NaN."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 256, generator=g) * 2
+    logits[:, :64] = -torch.inf  # the whole first chunk
+    got = chunked_summary(logits, chunk=64, margin=True, entropy=True)
+    want = chunked_summary(logits[:, 64:], chunk=64, margin=True, entropy=True)
+    assert torch.equal(got.argmax, want.argmax + 64)
+    for part, whole in zip(got[::2] + got[3:], want[::2] + want[3:], strict=True):
+        torch.testing.assert_close(part, whole)
