@@ -29,6 +29,7 @@ CHUNK_BYTES = 4 << 20
 MIN_CHUNK = 256  # narrower chunks make the head's matrix product inefficient
 BLOCK = 64  # row_max's block: chunks are multiples of it
 ROW_BLOCK_BYTES = 1 << 20  # chunked_max_log_prob: float32 bytes of one block of rows × one chunk
+GROUP = BLOCK  # columns of a draw's first level (chunked_head_draw): its second level makes this many logits again
 
 
 def dense_summary(log_probs: Tensor) -> tuple[Tensor, Tensor]:
@@ -234,10 +235,84 @@ def chunked_head_summary(
     (|V|, d) and ``bias``) without them: the head runs chunk by chunk in the caller's autocast (l rounded as the
     model's logits are), each chunk folded while it is in cache. What an MDM decoder reads at its eligible positions
     only: the head's product over those rows, not the whole sequence's."""
+    return head_fold(features, weight, bias, chunk=chunk, margin=margin, entropy=entropy)[0]
+
+
+@torch.no_grad()
+def chunked_head_draw(
+    features: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    temperature: float,
+    generator: torch.Generator | None,
+    *,
+    uniforms: Tensor | None = None,
+    chunk: int | None = None,
+    margin: bool = False,
+    entropy: bool = False,
+) -> tuple[PositionSummary, Tensor, Tensor]:
+    """(summary, token, log p) per row: a draw from softmax(l / T), T > 0, and log softmax(l) at the drawn token
+    (untempered, float64), l = features · Wᵀ + b, read in the same single pass over the head's vocabulary chunks as
+    ``chunked_head_summary`` (whose margin and entropy it also returns where asked for; no argmax: None).
+
+    The draw is ``flowlm.ops.draws.draw_rows``'s two-level inverse CDF with the same u (one per row: torch.rand's
+    (n, 1) from ``generator``, or ``uniforms`` (n,) from per-row generators), its first level over groups of
+    ``GROUP`` columns: each chunk folds the float32 masses Σ_{v∈g} e^{(l_v − m_c)/T} of its groups (an extra
+    reduction over e^{s} at T = 1, an extra exp at T ≠ 1); at the end M_g = e^{(m_c − m)/T}·mass in float64, the
+    group is the first with Σ_{g'≤g} M_{g'} > u·Σ M, and inside it the token is the first whose cumulative float64
+    weight exceeds the residual fraction, the group's logits made again from its GROUP rows of the head
+    (``torch.baddbmm``: on this CPU the chunk's product's values bit for bit, tested). So the token is draw_rows'
+    with the same u on the same logits unless u·Σ M falls within float32 rounding (≈ 1e-7 relative) of a group's
+    boundary, and the law is softmax(l / T) to that rounding (tokens with e^{(l_v − m_c)/T} below float32's range,
+    p < e^{−87} relative to their chunk's most likely token, are never drawn); log p = l_v − (m + log Z), Z the
+    fold's float32 Σ e^{l − m}."""
+    if temperature <= 0:
+        raise ValueError(f"chunked_head_draw draws at T > 0, got {temperature}")
+    summary, masses, log_norm, (features, weight, bias) = head_fold(
+        features, weight, bias, chunk=chunk, margin=margin, entropy=entropy, draw=temperature
+    )
+    n, vocab = features.shape[0], weight.shape[0]
+    if n == 0:
+        return summary, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64)
+    cdf = masses.cumsum_(-1)
+    u = torch.rand((n, 1), generator=generator, device=cdf.device, dtype=torch.float64) if uniforms is None else None
+    target = (u if uniforms is None else uniforms.reshape(n, 1).to(torch.float64)) * cdf[:, -1:]
+    g = torch.minimum(torch.searchsorted(cdf, target, right=True), cdf.argmax(-1, keepdim=True))  # positive mass
+    below = torch.where(g > 0, cdf.gather(1, (g - 1).clamp_min(0)), 0.0)
+    frac = ((target - below) / (cdf.gather(1, g) - below)).clamp_(0.0, 1.0)
+    cols = g * GROUP + torch.arange(GROUP, device=g.device)  # (n, GROUP)
+    valid = cols < vocab
+    cols = cols.clamp_max(vocab - 1)
+    with torch.autocast(features.device.type, enabled=False):  # inputs already in the autocast dtype
+        shift = bias[cols] if bias is not None else features.new_zeros(cols.shape)
+        logits = torch.baddbmm(shift[..., None], weight[cols], features[:, :, None]).squeeze(-1).double()
+    z = torch.where(valid, logits / temperature, -torch.inf)
+    weights = (z - z.amax(-1, keepdim=True)).exp_().cumsum_(-1)  # Σ_{v'≤v} w_{v'}
+    inner = torch.minimum(
+        torch.searchsorted(weights, frac * weights[:, -1:], right=True), weights.argmax(-1, keepdim=True)
+    )
+    token = (g * GROUP + inner).squeeze(-1)
+    return summary, token, logits.gather(1, inner).squeeze(-1) - log_norm
+
+
+def head_fold(
+    features: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    *,
+    chunk: int | None,
+    margin: bool,
+    entropy: bool,
+    draw: float | None = None,
+):
+    """``fold_chunks`` over the head's product chunk by chunk (``chunked_head_summary``, ``chunked_head_draw``):
+    the fold's result, then the inputs as the head ran them."""
     if features.shape[-1] != weight.shape[1]:
         raise ValueError(f"features have width {features.shape[-1]}, the head expects {weight.shape[1]}")
     n, vocab = features.shape[0], weight.shape[0]
     width = min(vocab, chunk if chunk is not None else chunk_width(n, vocab))
+    if draw is not None:  # whole groups in a chunk
+        width = min(vocab, max(GROUP, width // GROUP * GROUP))
     block = max(1, ROW_BLOCK_BYTES // (4 * width))
     features, weight, bias = autocast_inputs(features, weight, bias)
     # A −∞ bias (a [MASK] inside the vocabulary) as the most negative finite logit: the same p (e^{−huge} = 0) and
@@ -263,9 +338,19 @@ def chunked_head_summary(
             return out[first:last]  # the fold's float32 rows, as they are
         return z.copy_(out[first:last])
 
-    return fold_chunks(
-        fill, n, vocab, width, block, device=features.device, margin=margin, entropy=entropy, finite=True
+    folded = fold_chunks(
+        fill,
+        n,
+        vocab,
+        width,
+        block,
+        device=features.device,
+        margin=margin,
+        entropy=entropy,
+        finite=True,
+        draw=draw,
     )
+    return (*folded, (features, weight, bias)) if draw is not None else (folded, (features, weight, bias))
 
 
 def autocast_inputs(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
@@ -291,12 +376,15 @@ def fold_chunks(
     margin: bool,
     entropy: bool,
     finite: bool = False,
-) -> PositionSummary:
+    draw: float | None = None,
+):
     """``PositionSummary`` of n rows of logits over ``vocab`` columns that ``fill(first, last, start, z)`` writes,
     rows [first, last) × columns [start, start + z.shape[1]), into the float32 buffer z:
     rows in blocks of ``block``, columns in chunks of ``width``, each chunk's max, argmax, Z_c, S_c (and runner-up)
     kept in a (chunks, n) table and combined at the end (``chunked_summary``). ``finite``: every logit is finite
-    (no guard for a −∞ one)."""
+    (no guard for a −∞ one). ``draw`` = T: also each ``GROUP`` of columns' mass (chunks whole groups) for a draw at
+    T, returned as (summary without argmax, M (n, groups) float64 relative to e^{m/T}, m + log Z float64)
+    (``chunked_head_draw``)."""
     chunks = -(-vocab // width)
     if entropy:  # two float32 buffers (s and e^s) in the cache one took: half the rows a block (measured faster)
         block = max(1, block // 2)
@@ -305,6 +393,8 @@ def fold_chunks(
     sums = torch.empty(chunks, n, device=device)  # Z_c = Σ_{v∈c} e^{l_v − m_c}
     spreads = torch.empty(chunks, n, device=device) if entropy else None  # S_c = Σ_{v∈c} e^{s_v}·s_v
     runners = torch.empty(chunks, n, device=device) if margin else None  # the chunk's runner-up logit
+    groups = None if draw is None else torch.empty(n, -(-vocab // GROUP), device=device)  # Σ_{v∈g} e^{(l_v − m_c)/T}
+    tempered = None if draw in (None, 1.0) else torch.empty(min(block, n) * width, device=device)
     # One float32 buffer for every chunk: a fresh (n, chunk) allocation per chunk costs about 3× its copy on a CPU
     # (page faults; 0.34 vs 0.11 ms at 256 × 2048 bf16 → float32, measured).
     buffer = torch.empty(min(block, n) * width, device=device)
@@ -315,12 +405,19 @@ def fold_chunks(
             last = min(n, first + block)
             k = last - first
             z = fill(first, last, start, buffer[: k * w].view(k, w))  # contiguous float32, changed in place
-            top, arg = row_max(z)
+            if groups is None or runners is not None:
+                top, arg = row_max(z)
+            else:  # a draw reads no argmax: the max alone (row_max's block argmax costs as much as the amax)
+                top, arg = z.amax(-1), None
             if runners is not None:  # the chunk's runner-up: its max's own entry left out, then put back
                 runners[c, first:last] = z.scatter_(1, arg[:, None], -torch.inf).amax(-1)
                 z.scatter_(1, arg[:, None], top[:, None])
-            tops[c, first:last], args[c, first:last] = top, arg + start
+            tops[c, first:last] = top
+            if arg is not None:
+                args[c, first:last] = arg + start
             s = z.sub_((top if finite else torch.where(top == -torch.inf, 0.0, top))[:, None])  # s = l − m_c
+            if tempered is not None:  # e^{s/T} for the draw's group masses, before s is used up
+                group_masses(torch.mul(s, 1 / draw, out=tempered[: k * w].view(k, w)).exp_(), groups[first:last], start)
             if spreads is not None:
                 e = torch.exp(s, out=weights[: k * w].view(k, w))
                 torch.sum(e, -1, out=sums[c, first:last])
@@ -328,14 +425,19 @@ def fold_chunks(
                     s.clamp_min_(torch.finfo(s.dtype).min)  # e^s·s = 0 at a −∞ logit, not 0·(−∞)
                 torch.sum(s.mul_(e), -1, out=spreads[c, first:last])  # in place: 3× a vecdot's speed
             else:
-                torch.sum(s.exp_(), -1, out=sums[c, first:last])
+                e = s.exp_()
+                torch.sum(e, -1, out=sums[c, first:last])
+            if groups is not None and tempered is None:  # T = 1: the masses are e^{s}'s
+                group_masses(e, groups[first:last], start)
     # combined along each row's own contiguous (chunks,) table: row-wise reductions, so a row's values do not depend
     # on the other rows (``chunked_summary``'s rows read alone, bit for bit)
     tops, args, sums = (t.t().contiguous() for t in (tops, args, sums))
     spreads = None if spreads is None else spreads.t().contiguous()
     best = tops.amax(-1)  # m
-    first_best = (tops == best[:, None]).byte().argmax(-1)  # the first chunk holding the max: torch.argmax's rule
-    index = args.gather(1, first_best[:, None]).squeeze(1)
+    index = None
+    if groups is None:
+        first_best = (tops == best[:, None]).byte().argmax(-1)  # the first chunk holding the max: torch.argmax's rule
+        index = args.gather(1, first_best[:, None]).squeeze(1)
     gap = (tops - best[:, None]).clamp_min_(torch.finfo(tops.dtype).min)  # m_c − m (finite, so that 0·gap = 0)
     scale = gap.exp()  # a_c
     total = (scale * sums).sum(-1)  # Z
@@ -346,9 +448,26 @@ def fold_chunks(
         if chunks > 1:
             second = torch.maximum(second, tops.topk(2, dim=-1).values[:, 1])
     spread = None if spreads is None else (scale * (spreads + gap * sums)).sum(-1)  # S
-    return PositionSummary(
+    summary = PositionSummary(
         -log_z,  # log max p = −log Σ exp(l − l_max)
         index,
         None if second is None else (1 - (second - best).exp()) / total,
         None if spread is None else log_z - spread / total,
     )
+    if groups is None:
+        return summary
+    # M_g = e^{(m_c − m)/T}·mass_g (float64), g in chunk c; and m + log Z, the untempered log-normaliser
+    owner = torch.arange(groups.shape[1], device=device) * GROUP // width
+    masses = groups.double().mul_((gap.double() / draw).exp_()[:, owner])
+    return summary, masses, best.double() + total.double().log()
+
+
+def group_masses(e: Tensor, out: Tensor, start: int) -> None:
+    """Σ of ``e`` (k, w) over each ``GROUP`` of its columns (the last one maybe narrower) into the columns of ``out``
+    (k, groups) from group start // GROUP on."""
+    k, w = e.shape
+    first, whole = start // GROUP, w // GROUP
+    if whole:
+        torch.sum(e[:, : whole * GROUP].unflatten(-1, (whole, GROUP)), -1, out=out[:, first : first + whole])
+    if whole * GROUP < w:
+        torch.sum(e[:, whole * GROUP :], -1, out=out[:, first + whole])

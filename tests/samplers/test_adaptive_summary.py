@@ -155,9 +155,12 @@ def test_the_dit_offers_its_head_whose_logits_are_the_networks():
 )
 def test_the_head_in_chunks_decodes_as_the_networks_logits(options, with_head, without, temperature):
     """On the DiT the adaptive decoders read the head in vocabulary chunks at the eligible positions only, and draw
-    from the committing rows' head product: tokens, NFE and confidences those of the logits path (T = 0 and 1, one
-    generator and per-row generators)."""
-    model = random_mdm().denoiser()
+    from the committing rows' head product (the threshold's drawn-token rule at T > 0: at every eligible position in
+    the same pass, ``chunked_head_draw``): tokens, NFE and confidences those of the logits path (T = 0 and 1, one
+    generator and per-row generators); the network's whole logits are never made."""
+    plain = random_mdm().denoiser()
+    calls = []
+    model = dataclasses.replace(plain, fn=lambda x, t: calls.append(1) or plain.fn(x, t))
     g = torch.Generator().manual_seed(9)
     prompt = torch.randint(0, 7, (4, 24), generator=g)
     mask = torch.zeros_like(prompt, dtype=torch.bool)
@@ -167,9 +170,12 @@ def test_the_head_in_chunks_decodes_as_the_networks_logits(options, with_head, w
             got = with_head(temperature=temperature, **options)(
                 model, prompt=prompt, prompt_mask=mask, nfe=10, generator=gen()
             )
+            assert calls == []
             want = without(temperature=temperature, **options)(
                 model, prompt=prompt, prompt_mask=mask, nfe=10, generator=gen()
             )
+            assert calls
+            calls.clear()
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.row_nfe, want.row_nfe)
         torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
 
