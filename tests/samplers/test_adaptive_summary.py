@@ -12,10 +12,12 @@ import pytest
 import torch
 
 import flowlm.ops.summary as summary_module
+from flowlm.backbones.llama import BidirectionalLM
+from flowlm.models.mdm import MaskedModel
 from flowlm.ops.summary import chunked_summary
 from flowlm.samplers import EBSampler, MaskedDenoiser, ThresholdSampler
-from tests.backbones.test_block_cache import random_mdm
-from tests.backbones.test_block_cache_llama import smdm_module
+from tests.backbones.test_block_cache import V, random_mdm
+from tests.backbones.test_block_cache_llama import TINY, away_from_init, dream_net, smdm_module
 from tests.samplers.oracles import DenseEB, DenseThreshold, LogitsEB, LogitsThreshold
 
 WIDE_V, WIDE_L = 300, 12
@@ -126,9 +128,8 @@ def test_the_summary_is_the_dense_statistics(dtype):
 
 def test_the_dit_offers_its_head_whose_logits_are_the_networks():
     """MaskedModel.head_pass: the DiT up to its head's input and the head's data rows; features·Wᵀ + b is the
-    denoiser's logits ([MASK] column dropped). A LLaMA-family network offers none (its own denoiser)."""
+    denoiser's logits ([MASK] column dropped)."""
     model = random_mdm().denoiser()
-    assert model.head_fn is not None and smdm_module().denoiser().head_fn is None
     x = torch.randint(0, 8, (3, 24))
     t = torch.rand(3)
     features, weight, bias = model.head_fn(x, t)
@@ -141,6 +142,48 @@ def test_the_dit_offers_its_head_whose_logits_are_the_networks():
         assert calls == []  # the head in chunks: the network's whole logits are never made
         LogitsThreshold(threshold=0.5)(spied, prompt=prompt, prompt_mask=mask, nfe=6)
     assert len(calls) > 0
+
+
+def llama_family() -> dict:
+    """The tiny LLaMA family as the MDM samplers see it: SMDM's layout through the MDM module (``MaskedModel``, [MASK]
+    an extra embedding row), Dream's (Qwen2, shifted logits, [MASK] inside the vocabulary) through
+    ``BidirectionalLM.denoiser``, and LLaDA's ([MASK] inside the vocabulary) with its head tied to the embedding."""
+    torch.manual_seed(1)
+    tied = BidirectionalLM(embed_rows=V + 1, head_rows=V + 1, mask_id=V - 2, **TINY)
+    away_from_init(tied)
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    return {"smdm": smdm_module().denoiser(), "dream": dream_net().denoiser(), "llada_tied": tied.eval().denoiser()}
+
+
+def test_the_llama_family_offers_its_head_whose_logits_are_the_networks():
+    """A LLaMA-family network with a plain Linear head (untied or tied) offers its head: features·Wᵀ + b is fn's
+    logits ([MASK] inside the vocabulary at −∞), Dream's shift included; a LoRA-wrapped head offers none."""
+    x = torch.randint(0, V, (3, 24))
+    x[:, 5:9] = V  # [MASK] (SMDM, Dream); LLaDA's [MASK] is V − 2
+    t = torch.rand(3)
+    for name, model in llama_family().items():
+        assert model.head_fn is not None, name
+        with torch.no_grad():
+            features, weight, bias = model.head_fn(x, t)
+            torch.testing.assert_close(torch.nn.functional.linear(features, weight, bias), model.fn(x, t))
+    with pytest.raises(ValueError, match="position 0"):  # Dream's shift: as fn, before any compute
+        llama_family()["dream"].head_fn(torch.full((1, 24), V), t[:1])
+    assert not MaskedModel(net=torch.nn.Identity(), data_vocab_size=V, mask_id=V).chunked_head()  # neither kind
+    wrapped, dream = smdm_module(), dream_net()
+    wrapped.net.lm_head, dream.lm_head = LoraLike(wrapped.net.lm_head), LoraLike(dream.lm_head)
+    assert wrapped.denoiser().head_fn is None and dream.denoiser().head_fn is None
+
+
+class LoraLike(torch.nn.Module):
+    """A head that is not a plain Linear (an adapter's): the samplers must read its logits."""
+
+    def __init__(self, base: torch.nn.Linear):
+        super().__init__()
+        self.base = base
+        self.weight = base.weight
+
+    def forward(self, h):
+        return self.base(h)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -278,3 +321,73 @@ def test_a_chunk_all_minus_infinity_adds_nothing():
     assert torch.equal(got.argmax, want.argmax + 64)
     for part, whole in zip(got[::2] + got[3:], want[::2] + want[3:], strict=True):
         torch.testing.assert_close(part, whole)
+
+
+LLAMA_SAMPLERS = {  # name → (sampler class, its logits-path oracle, options, NFE budget)
+    **HEAD_SAMPLERS,
+    "threshold": ("ThresholdSampler", "LogitsThreshold", {"threshold": 0.3}, 10),
+    "threshold_max_prob": ("ThresholdSampler", "LogitsThreshold", {"threshold": 0.3, "confidence": "max_prob"}, 10),
+    "eb_blocks": ("EBSampler", "LogitsEB", {"gamma": 0.5, "block_length": 4}, 10),
+}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("name", LLAMA_SAMPLERS)
+def test_every_mdm_sampler_reads_the_llama_familys_head_as_its_logits(name, temperature):
+    """On the tiny LLaMA family (SMDM's layout, Dream's shifted logits, LLaDA's with a tied head) every MDM sampler
+    reads the head in vocabulary chunks at the rows it needs: tokens, confidences, NFE and row NFE those of the
+    logits path (one generator and per-row generators), the network's fn never called."""
+    import flowlm.samplers as samplers
+    from tests.samplers import oracles
+
+    kind, oracle, options, nfe = LLAMA_SAMPLERS[name]
+    head_path, logits_path = getattr(samplers, kind), getattr(oracles, oracle)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, V - 2, (4, 24), generator=g)  # no prompt id is LLaDA's [MASK] (V − 2)
+    mask = torch.arange(24) < torch.tensor([[3], [5], [1], [8]])  # position 0 given (Dream predicts nothing there)
+    options = {**options, "temperature": temperature}
+    for family, model in llama_family().items():
+        calls = []
+        spied = dataclasses.replace(model, fn=lambda x, t, model=model, calls=calls: calls.append(1) or model.fn(x, t))
+        for gen in (
+            lambda: torch.Generator().manual_seed(4),
+            lambda: [torch.Generator().manual_seed(s) for s in range(4)],
+        ):
+            with torch.no_grad():
+                got = head_path(**options)(spied, prompt=prompt, prompt_mask=mask, nfe=nfe, generator=gen())
+                assert calls == [], family
+                want = logits_path(**options)(spied, prompt=prompt, prompt_mask=mask, nfe=nfe, generator=gen())
+            assert calls and torch.equal(got.tokens, want.tokens) and got.nfe == want.nfe, family
+            assert (got.row_nfe is None) == (want.row_nfe is None)
+            assert got.row_nfe is None or torch.equal(got.row_nfe, want.row_nfe)
+            torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
+            calls.clear()
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_the_llama_family_under_the_block_cache_reads_its_windows_logits(cache):
+    """Through the block KV cache the samplers read the windows' logits (the head is not run in chunks there): at
+    T = 0 and 1 semi_ar, threshold and EB decode as their logits-path oracles on the LLaMA family's three layouts."""
+    import flowlm.samplers as samplers
+    from tests.samplers import oracles
+
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, V - 2, (3, 24), generator=g)
+    mask = torch.arange(24) < torch.tensor([[4], [2], [6]])
+    for family, model in llama_family().items():
+        for kind, oracle, options in [
+            ("SemiARConfidenceSampler", "LogitsSemiAR", {"block_length": 4}),
+            ("ThresholdSampler", "LogitsThreshold", {"threshold": 0.3, "block_length": 4}),
+            ("EBSampler", "LogitsEB", {"gamma": 0.5, "block_length": 4}),
+        ]:
+            for temperature in (0.0, 1.0):
+                options = {**options, "cache": cache, "temperature": temperature}
+                with torch.no_grad():
+                    got = getattr(samplers, kind)(**options)(
+                        model, prompt=prompt, prompt_mask=mask, nfe=12, generator=torch.Generator().manual_seed(2)
+                    )
+                    want = getattr(oracles, oracle)(**options)(
+                        model, prompt=prompt, prompt_mask=mask, nfe=12, generator=torch.Generator().manual_seed(2)
+                    )
+                assert torch.equal(got.tokens, want.tokens), (family, kind)
+                torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
