@@ -272,8 +272,6 @@ def chunked_head_draw(
         features, weight, bias, chunk=chunk, margin=margin, entropy=entropy, draw=temperature
     )
     n, vocab = features.shape[0], weight.shape[0]
-    if n == 0:
-        return summary, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64)
     cdf = masses.cumsum_(-1)
     u = torch.rand((n, 1), generator=generator, device=cdf.device, dtype=torch.float64) if uniforms is None else None
     target = (u if uniforms is None else uniforms.reshape(n, 1).to(torch.float64)) * cdf[:, -1:]

@@ -66,3 +66,46 @@ def test_the_head_draw_follows_the_softmax(temperature, monkeypatch):
     wanted = torch.cat([expected[~small], expected[small].sum()[None]])
     chi2, df = float(((observed - wanted) ** 2 / wanted).sum()), observed.numel() - 1
     assert chi2 < df + 6 * (2 * df) ** 0.5, (chi2, df)
+
+
+class LargestProduct(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the element count of every matrix product's output made inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = [0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (
+            torch.ops.aten.mm.default,
+            torch.ops.aten.addmm.default,
+            torch.ops.aten.mm.out,
+            torch.ops.aten.addmm.out,
+        ):
+            self.sizes.append(out.numel())
+        return out
+
+
+def test_draw_at_runs_the_head_in_chunks(monkeypatch):
+    """draw_at with the head's (W, b) (the samplers' draw at committing or unmasking rows): the draw_rows tokens of
+    those rows' logits, the head's product made chunk by chunk (no (n, |V|) product), nothing drawn for no rows."""
+    from flowlm.ops.draws import draw_at
+
+    monkeypatch.setattr(summary_module, "CHUNK_BYTES", 4 * 64 * 10)  # chunks of 64 columns for 10 rows
+    monkeypatch.setattr(summary_module, "MIN_CHUNK", 64)
+    weight, bias = head(1000, d=16)
+    features = torch.randn(30, 16, generator=torch.Generator().manual_seed(1))
+    rows = torch.tensor([3, 17, 0, 29, 8, 11, 5, 22, 13, 1])
+    spy = LargestProduct()
+    with torch.no_grad(), spy:
+        token, log_p = draw_at(features, rows, 1.0, torch.Generator().manual_seed(6), linear=(weight, bias))
+    assert 0 < max(spy.sizes) <= 10 * 64
+    logits = torch.nn.functional.linear(features, weight, bias)
+    want, want_log_p = draw_rows(logits, 1.0, torch.Generator().manual_seed(6), rows=rows)
+    assert torch.equal(token, want)
+    torch.testing.assert_close(log_p, want_log_p, rtol=0, atol=1e-6)
+    gen = torch.Generator().manual_seed(6)
+    token, log_p = draw_at(features, rows[:0], 1.0, gen, linear=(weight, bias))
+    assert token.shape == (0,) and token.dtype == torch.long and log_p.dtype == torch.float64
+    assert torch.equal(gen.get_state(), torch.Generator().manual_seed(6).get_state())
