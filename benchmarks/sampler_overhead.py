@@ -109,6 +109,14 @@ VARIANTS = [
     ("eb_logits_t1", "eb", {"_target_": "tests.samplers.oracles.LogitsEB", "temperature": 1.0}, {}),
     ("eb_dense_t1", "eb", {"_target_": DENSE_STATS + "EB", "temperature": 1.0}, {}),
     ("confidence_t1", "confidence", {"temperature": 1.0}, {}),
+    (
+        "confidence_logits_t1",
+        "confidence",
+        {"_target_": "tests.samplers.oracles.LogitsConfidence", "temperature": 1.0},
+        {},
+    ),
+    ("semi_ar_t1", "semi_ar", {"temperature": 1.0}, {}),
+    ("semi_ar_logits_t1", "semi_ar", {"_target_": "tests.samplers.oracles.LogitsSemiAR", "temperature": 1.0}, {}),
 ]
 
 
