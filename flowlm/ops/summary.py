@@ -278,7 +278,7 @@ def chunked_head_draw(
     g = torch.minimum(torch.searchsorted(cdf, target, right=True), cdf.argmax(-1, keepdim=True))  # positive mass
     below = torch.where(g > 0, cdf.gather(1, (g - 1).clamp_min(0)), 0.0)
     frac = ((target - below) / (cdf.gather(1, g) - below)).clamp_(0.0, 1.0)
-    cols = g * GROUP + torch.arange(GROUP, device=g.device)  # (n, GROUP)
+    cols = g * GROUP + torch.arange(min(GROUP, vocab), device=g.device)  # (n, GROUP): no more than the vocabulary
     valid = cols < vocab
     cols = cols.clamp_max(vocab - 1)
     with torch.autocast(features.device.type, enabled=False):  # inputs already in the autocast dtype

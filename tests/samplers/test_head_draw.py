@@ -68,6 +68,15 @@ def test_the_head_draw_follows_the_softmax(temperature, monkeypatch):
     assert chi2 < df + 6 * (2 * df) ** 0.5, (chi2, df)
 
 
+PRODUCTS = (
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.mm.out,
+    torch.ops.aten.addmm.out,
+    torch.ops.aten.baddbmm.default,
+)
+
+
 class LargestProduct(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the element count of every matrix product's output made inside it."""
 
@@ -77,12 +86,7 @@ class LargestProduct(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in (
-            torch.ops.aten.mm.default,
-            torch.ops.aten.addmm.default,
-            torch.ops.aten.mm.out,
-            torch.ops.aten.addmm.out,
-        ):
+        if func in PRODUCTS:
             self.sizes.append(out.numel())
         return out
 
@@ -109,3 +113,16 @@ def test_draw_at_runs_the_head_in_chunks(monkeypatch):
     token, log_p = draw_at(features, rows[:0], 1.0, gen, linear=(weight, bias))
     assert token.shape == (0,) and token.dtype == torch.long and log_p.dtype == torch.float64
     assert torch.equal(gen.get_state(), torch.Generator().manual_seed(6).get_state())
+
+
+def test_a_small_vocabulary_makes_no_more_logits_again_than_it_has():
+    """At |V| = 6 (Sudoku) the drawn group's logits made again are the 6 columns, not a group of 64 (its gather of
+    the head's rows cost more than the draw itself): draw_rows' tokens, each product at most n × |V|."""
+    weight, bias = head(6)
+    features = torch.randn(50, 8, generator=torch.Generator().manual_seed(3))
+    spy = LargestProduct()
+    with torch.no_grad(), spy:
+        _, token, _ = chunked_head_draw(features, weight, bias, 1.0, torch.Generator().manual_seed(2))
+    assert 0 < max(spy.sizes) <= 50 * 6
+    logits = torch.nn.functional.linear(features, weight, bias)
+    assert torch.equal(token, draw_rows(logits, 1.0, torch.Generator().manual_seed(2))[0])
