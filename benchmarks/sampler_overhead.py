@@ -91,10 +91,32 @@ VARIANTS = [
     ("threshold_dense", "threshold", {"_target_": DENSE_STATS + "Threshold"}, {}),
     ("eb_dense", "eb", {"_target_": DENSE_STATS + "EB"}, {}),
     ("threshold_t1", "threshold", {"temperature": 1.0}, {}),
+    (
+        "threshold_logits_t1",
+        "threshold",
+        {"_target_": "tests.samplers.oracles.LogitsThreshold", "temperature": 1.0},
+        {},
+    ),
+    ("threshold_t07", "threshold", {"temperature": 0.7}, {}),
+    (
+        "threshold_logits_t07",
+        "threshold",
+        {"_target_": "tests.samplers.oracles.LogitsThreshold", "temperature": 0.7},
+        {},
+    ),
     ("threshold_dense_t1", "threshold", {"_target_": DENSE_STATS + "Threshold", "temperature": 1.0}, {}),
     ("eb_t1", "eb", {"temperature": 1.0}, {}),
+    ("eb_logits_t1", "eb", {"_target_": "tests.samplers.oracles.LogitsEB", "temperature": 1.0}, {}),
     ("eb_dense_t1", "eb", {"_target_": DENSE_STATS + "EB", "temperature": 1.0}, {}),
     ("confidence_t1", "confidence", {"temperature": 1.0}, {}),
+    (
+        "confidence_logits_t1",
+        "confidence",
+        {"_target_": "tests.samplers.oracles.LogitsConfidence", "temperature": 1.0},
+        {},
+    ),
+    ("semi_ar_t1", "semi_ar", {"temperature": 1.0}, {}),
+    ("semi_ar_logits_t1", "semi_ar", {"_target_": "tests.samplers.oracles.LogitsSemiAR", "temperature": 1.0}, {}),
 ]
 
 

@@ -23,7 +23,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
 from flowlm.backbones.adapters import linear_head_parts
 from flowlm.backbones.dit import PinnedCondition, modulation
-from flowlm.samplers.base import MaskedDenoiser
+from flowlm.samplers.base import MaskedDenoiser, data_head, plain_linear
 
 # arch → (config class, decoder class, rotary class). Qwen2 has q/k/v biases (Dream); Llama has none (SMDM, LLaDA).
 ARCHS: dict[str, tuple[type, type, type]] = {
@@ -40,6 +40,8 @@ class BidirectionalLM(nn.Module):
     shift_logits: Dream's convention, the prediction for position i is the raw output at i − 1 (position 0 keeps
     its own): ``logits = cat(raw[:, :1], raw[:, :-1])``.
     """
+
+    mdm_head = True  # logits = output_head(head_features(input_embeddings(x), t)): MaskedModel.head_pass reads it
 
     def __init__(
         self,
@@ -188,9 +190,15 @@ class BidirectionalLM(nn.Module):
         """Logits for inputs given as embeddings h (B, L, d), with the source's shift convention applied."""
         return self.lm_head(self.head_features(h, attention_mask=attention_mask))
 
-    def head_features(self, h: Tensor, *, attention_mask: Tensor | None = None) -> Tensor:
+    @property
+    def output_head(self) -> nn.Module:
+        """The output head Linear(d, head_rows): the logits are it applied to ``head_features``."""
+        return self.lm_head
+
+    def head_features(self, h: Tensor, s: Tensor | None = None, *, attention_mask: Tensor | None = None) -> Tensor:
         """``forward_embeddings`` up to the head's input (B, L, d), shifted as the logits are (the head is per
-        position, so shifting its input shifts its output): the logits are ``lm_head`` of it."""
+        position, so shifting its input shifts its output): the logits are ``lm_head`` of it. ``s`` is ignored (a
+        time-agnostic MDM; the DiT's call shape)."""
         if h.shape[1] > self.spec["max_positions"]:
             raise ValueError(f"sequence length {h.shape[1]} exceeds max_positions={self.spec['max_positions']}")
         out = self.model(inputs_embeds=h, attention_mask=attention_mask, use_cache=False).last_hidden_state
@@ -246,9 +254,10 @@ class BidirectionalLM(nn.Module):
         return logits
 
     def denoiser(self) -> MaskedDenoiser:
-        """This model as the MDM samplers see it (time-agnostic), with windowed passes over a block KV cache. With
-        shifted logits position 0 has no prediction (Dream's generation asserts it is unmasked: BOS or prompt), so a
-        [MASK] there is refused before the call."""
+        """This model as the MDM samplers see it (time-agnostic), with windowed passes over a block KV cache and, where
+        its head is a plain Linear, the head in vocabulary chunks (``head_fn``). With shifted logits position 0 has no
+        prediction (Dream's generation asserts it is unmasked: BOS or prompt), so a [MASK] there is refused before the
+        call."""
 
         def check(x: Tensor) -> None:
             # one host read per call, negligible beside a pretrained model's forward
@@ -258,6 +267,13 @@ class BidirectionalLM(nn.Module):
         def fn(x: Tensor, t: Tensor) -> Tensor:
             check(x)
             return self.token_logits(x)
+
+        def head(x: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+            check(x)  # fn's logits are features·Wᵀ + b: the head in vocabulary chunks at the rows a sampler reads
+            return (
+                self.head_features(self.input_embeddings(x)),
+                *data_head(self.lm_head, self.head_rows, self.mask_id),
+            )
 
         def windowed(length: int):
             cache = self.new_block_cache(length)
@@ -269,7 +285,13 @@ class BidirectionalLM(nn.Module):
 
             return read
 
-        return MaskedDenoiser(fn=fn, mask_id=self.mask_id, time_conditioned=False, windowed=windowed)
+        return MaskedDenoiser(
+            fn=fn,
+            mask_id=self.mask_id,
+            time_conditioned=False,
+            windowed=windowed,
+            head_fn=head if plain_linear(self.lm_head) else None,
+        )
 
 
 class BlockCacheLayer(CacheLayerMixin):

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from flowlm.backbones.dit import DiT
-from flowlm.samplers.base import MaskedDenoiser
+from flowlm.samplers.base import MaskedDenoiser, data_head, plain_linear
 
 
 def drop_mask_logit(logits: Tensor, data_vocab_size: int, mask_id: int) -> Tensor:
@@ -52,32 +52,24 @@ class MaskedModel:
         return read
 
     def head_pass(self, x: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(features (B, L, d), W (V, d), b (V,) or None): the DiT up to its output head's input at times t, and the
-        head's rows of the data vocabulary ([MASK] dropped; a [MASK] inside the vocabulary at −∞ by the bias, as
+        """(features (B, L, d), W (V, d), b (V,) or None): the network up to its output head's input at times t, and
+        the head's rows of the data vocabulary ([MASK] dropped; a [MASK] inside the vocabulary at −∞ by the bias, as
         ``drop_mask_logit``): ``data_logits(self(x, t))`` = features·Wᵀ + b."""
         time = t if self.time_conditioning else torch.zeros_like(t)
         features = self.net.head_features(self.net.input_embeddings(x), time)
-        head = self.net.output_head
-        weight = head.weight[: self.data_vocab_size]
-        bias = None if head.bias is None else head.bias[: self.data_vocab_size]
-        if self.mask_id < self.data_vocab_size:
-            bias = weight.new_zeros(self.data_vocab_size) if bias is None else bias
-            bias = bias.index_fill(0, torch.tensor([self.mask_id], device=bias.device), -torch.inf)
-        return features, weight, bias
+        return (features, *data_head(self.net.output_head, self.data_vocab_size, self.mask_id))
 
     def chunked_head(self) -> bool:
-        """Whether samplers may read the head in vocabulary chunks (``head_pass``): a bidirectional DiT whose head
-        is a plain, unsharded Linear (not an adapter's, not an FSDP shard)."""
-        head = getattr(self.net, "output_head", None)
-        return (
-            isinstance(self.net, DiT)
-            and not self.net.causal
-            and type(head) is nn.Linear
-            and type(head.weight.data) is torch.Tensor
-        )
+        """Whether samplers may read the head in vocabulary chunks (``head_pass``): a bidirectional DiT or LLaMA-family
+        network (SMDM, LLaDA, Dream; tied or untied) whose head is a plain, unsharded Linear (not an adapter's, not an
+        FSDP shard)."""
+        # the LLaMA family by its marker (importing its class here would import transformers for every DiT user)
+        llama = getattr(type(self.net), "mdm_head", False)
+        bidirectional = (isinstance(self.net, DiT) and not self.net.causal) or llama
+        return bidirectional and plain_linear(getattr(self.net, "output_head", None))
 
     def denoiser(self) -> MaskedDenoiser:
-        """This model as MDM samplers see it (with windowed passes and the chunked head on a bidirectional DiT)."""
+        """This model as MDM samplers see it (with windowed passes, and the chunked head where ``chunked_head``)."""
         windows = hasattr(self.net, "forward_window") and not getattr(self.net, "causal", False)
         return MaskedDenoiser(
             fn=lambda x, t: self.data_logits(self(x, t)),

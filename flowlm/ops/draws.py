@@ -10,6 +10,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from flowlm.ops.summary import chunked_head_draw
+
 Generators = torch.Generator | Sequence[torch.Generator] | None
 """An MDM sampler's random source: one generator for the whole batch (None: torch's default one), or a list or tuple
 of one generator per row. Per row, every step of a sampler's loop draws from each row's own generator a block of fixed
@@ -169,13 +171,15 @@ def draw_at(
     linear: Sequence[Tensor | None] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``draw_rows`` at the flat rows ``rows`` of ``source``: (N, |V|) logits, or with ``linear`` = (W, b) the (N, d)
-    inputs of an output head Linear(d, |V|), whose product is made at those rows only (an MDM sampler reading its
-    network's head in vocabulary chunks, ``MaskedDenoiser.head_fn``). ``uniforms``: per-row generators' u of every
-    row of ``source`` (``row_uniforms``), read at ``rows`` either way."""
+    inputs of an output head Linear(d, |V|), run at those rows only in vocabulary chunks with the draw in the same
+    pass (an MDM sampler reading its network's head, ``MaskedDenoiser.head_fn``; ``chunked_head_draw``: the same u,
+    the same token unless u falls within float32 rounding of a group's boundary). ``uniforms``: per-row generators'
+    u of every row of ``source`` (``row_uniforms``), read at ``rows`` either way."""
     if linear is None:
         return draw_rows(source, temperature, generator, rows=rows, uniforms=uniforms)
     own = None if uniforms is None else uniforms.reshape(-1)[rows]
-    return draw_rows(torch.nn.functional.linear(source[rows], *linear), temperature, generator, uniforms=own)
+    _, token, log_p = chunked_head_draw(source[rows], *linear, temperature, generator, uniforms=own)
+    return token, log_p
 
 
 def finite(top: Tensor) -> Tensor:

@@ -29,6 +29,7 @@ CHUNK_BYTES = 4 << 20
 MIN_CHUNK = 256  # narrower chunks make the head's matrix product inefficient
 BLOCK = 64  # row_max's block: chunks are multiples of it
 ROW_BLOCK_BYTES = 1 << 20  # chunked_max_log_prob: float32 bytes of one block of rows × one chunk
+GROUP = BLOCK  # columns of a draw's first level (chunked_head_draw): its second level makes this many logits again
 
 
 def dense_summary(log_probs: Tensor) -> tuple[Tensor, Tensor]:
@@ -178,26 +179,25 @@ def chunked_summary(
     margin: bool = False,
     entropy: bool = False,
 ) -> PositionSummary:
-    """``PositionSummary`` of softmax(logits) per position, read in vocabulary chunks with running statistics: no
-    (…, |V|) float32 or float64 tensor is made. ``rows``: only these rows of logits viewed as (N, |V|), gathered
-    chunk by chunk (results (n,); each row's values those of the call over all rows, bit for bit).
+    """``PositionSummary`` of softmax(logits) per position, read in vocabulary chunks: no (…, |V|) float32 or float64
+    tensor is made. ``rows``: only these rows of logits viewed as (N, |V|), gathered chunk by chunk (results (n,);
+    each row's values those of the call over all rows, bit for bit).
 
-    With m the running max logit, s_v = l_v − m, Z = Σ_v e^{s_v} and S = Σ_v e^{s_v}·s_v over the chunks so far
-    (when m grows by Δ: Z ← e^{−Δ}Z, S ← e^{−Δ}(S − Δ·Z)):
+    Each chunk c is folded alone, with its own max m_c (s_v = l_v − m_c): Z_c = Σ_{v∈c} e^{s_v} and
+    S_c = Σ_{v∈c} e^{s_v}·s_v; at the end, with m = max_c m_c and a_c = e^{m_c − m},
 
+        Z = Σ_c a_c Z_c,   S = Σ_c a_c (S_c + (m_c − m) Z_c),
         log max p = −log Z,   H = log Z − S / Z,   p₍₁₎ − p₍₂₎ = (1 − e^{l₍₂₎ − l₍₁₎}) / Z,
 
-    l₍₂₎ the running second-largest logit (a tie of the max gives margin 0). A −∞ logit (a LLaMA-family [MASK])
-    adds 0 to every sum. Precision: float32 throughout, against a float64 log_softmax within 2e-5 (relative) for
-    log max p and 1e-5 (absolute, nats / probability) for H and the margin at |V| = 50 258
-    (tests/samplers/test_adaptive_summary.py).
+    l₍₂₎ the larger of the chunks' runner-up logits and their second-largest max (a tie of the max gives margin 0).
+    A −∞ logit (a LLaMA-family [MASK]) adds 0 to every sum. Precision: float32 throughout, against a float64
+    log_softmax within 2e-5 (relative) for log max p and 1e-5 (absolute, nats / probability) for H and the margin at
+    |V| = 50 258 (tests/samplers/test_adaptive_summary.py).
 
     The rows go through in blocks of about ``ROW_BLOCK_BYTES`` of float32 per chunk, so that a chunk's passes (max,
     subtract into float32, exp, sum) stay in cache; every operation is row-wise, so the values do not depend on the
-    blocks. At (4, 128, 50 258) bf16 on one CPU thread: 38 ms with one block, 32 ms in blocks of 128 rows; the
-    argmax from the chunk maxima at the end instead of a running one, 30.6 vs 30.4 ms (so it stays running), the
-    entropy adding 17 ms (side by side, 2026-12-06, a loaded 2-core machine); a float64 log_softmax of the same
-    logits takes 204 ms."""
+    blocks. At (4, 128, 50 258) bf16 on one CPU thread (the running fold before the per-chunk tables, 2026-12-06, a
+    loaded 2-core machine): 38 ms with one block, 32 ms in blocks of 128 rows; a float64 log_softmax 204 ms."""
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     flat = logits.reshape(-1, vocab)
     n = flat.shape[0] if rows is None else rows.numel()
@@ -207,16 +207,13 @@ def chunked_summary(
     block = max(1, ROW_BLOCK_BYTES // (4 * width))
     picked = None if rows is None else torch.empty(min(block, n) * width, dtype=logits.dtype, device=logits.device)
 
-    def fill(first: int, last: int, start: int, z: Tensor) -> None:
+    def fill(first: int, last: int, start: int, z: Tensor) -> Tensor:
         w = z.shape[1]
         if rows is None:
-            z.copy_(flat[first:last, start : start + w])
-        else:
-            z.copy_(
-                torch.index_select(
-                    flat[:, start : start + w], 0, rows[first:last], out=picked[: z.numel()].view(z.shape)
-                )
-            )
+            return z.copy_(flat[first:last, start : start + w])
+        return z.copy_(
+            torch.index_select(flat[:, start : start + w], 0, rows[first:last], out=picked[: z.numel()].view(z.shape))
+        )
 
     out = fold_chunks(fill, n, vocab, width, block, device=logits.device, margin=margin, entropy=entropy)
     if rows is not None:
@@ -238,65 +235,237 @@ def chunked_head_summary(
     (|V|, d) and ``bias``) without them: the head runs chunk by chunk in the caller's autocast (l rounded as the
     model's logits are), each chunk folded while it is in cache. What an MDM decoder reads at its eligible positions
     only: the head's product over those rows, not the whole sequence's."""
+    return head_fold(features, weight, bias, chunk=chunk, margin=margin, entropy=entropy)[0]
+
+
+@torch.no_grad()
+def chunked_head_draw(
+    features: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    temperature: float,
+    generator: torch.Generator | None,
+    *,
+    uniforms: Tensor | None = None,
+    chunk: int | None = None,
+    margin: bool = False,
+    entropy: bool = False,
+) -> tuple[PositionSummary, Tensor, Tensor]:
+    """(summary, token, log p) per row: a draw from softmax(l / T), T > 0, and log softmax(l) at the drawn token
+    (untempered, float64), l = features · Wᵀ + b, read in the same single pass over the head's vocabulary chunks as
+    ``chunked_head_summary`` (whose margin and entropy it also returns where asked for; no argmax: None).
+
+    The draw is ``flowlm.ops.draws.draw_rows``'s two-level inverse CDF with the same u (one per row: torch.rand's
+    (n, 1) from ``generator``, or ``uniforms`` (n,) from per-row generators), its first level over groups of
+    ``GROUP`` columns: each chunk folds the float32 masses Σ_{v∈g} e^{(l_v − m_c)/T} of its groups (an extra
+    reduction over e^{s} at T = 1, an extra exp at T ≠ 1); at the end M_g = e^{(m_c − m)/T}·mass in float64, the
+    group is the first with Σ_{g'≤g} M_{g'} > u·Σ M, and inside it the token is the first whose cumulative float64
+    weight exceeds the residual fraction, the group's logits made again from its GROUP rows of the head
+    (``torch.baddbmm``: on this CPU the chunk's product's values bit for bit, tested). So the token is draw_rows'
+    with the same u on the same logits unless u·Σ M falls within float32 rounding (≈ 1e-7 relative) of a group's
+    boundary, and the law is softmax(l / T) to that rounding (tokens with e^{(l_v − m_c)/T} below float32's range,
+    p < e^{−87} relative to their chunk's most likely token, are never drawn); log p = l_v − (m + log Z), Z the
+    fold's float32 Σ e^{l − m}."""
+    if temperature <= 0:
+        raise ValueError(f"chunked_head_draw draws at T > 0, got {temperature}")
+    summary, masses, log_norm, (features, weight, bias) = head_fold(
+        features, weight, bias, chunk=chunk, margin=margin, entropy=entropy, draw=temperature
+    )
+    n, vocab = features.shape[0], weight.shape[0]
+    cdf = masses.cumsum_(-1)
+    u = torch.rand((n, 1), generator=generator, device=cdf.device, dtype=torch.float64) if uniforms is None else None
+    target = (u if uniforms is None else uniforms.reshape(n, 1).to(torch.float64)) * cdf[:, -1:]
+    g = torch.minimum(torch.searchsorted(cdf, target, right=True), cdf.argmax(-1, keepdim=True))  # positive mass
+    below = torch.where(g > 0, cdf.gather(1, (g - 1).clamp_min(0)), 0.0)
+    frac = ((target - below) / (cdf.gather(1, g) - below)).clamp_(0.0, 1.0)
+    cols = g * GROUP + torch.arange(min(GROUP, vocab), device=g.device)  # (n, GROUP): no more than the vocabulary
+    valid = cols < vocab
+    cols = cols.clamp_max(vocab - 1)
+    with torch.autocast(features.device.type, enabled=False):  # inputs already in the autocast dtype
+        shift = bias[cols] if bias is not None else features.new_zeros(cols.shape)
+        logits = torch.baddbmm(shift[..., None], weight[cols], features[:, :, None]).squeeze(-1).double()
+    z = torch.where(valid, logits / temperature, -torch.inf)
+    weights = (z - z.amax(-1, keepdim=True)).exp_().cumsum_(-1)  # Σ_{v'≤v} w_{v'}
+    inner = torch.minimum(
+        torch.searchsorted(weights, frac * weights[:, -1:], right=True), weights.argmax(-1, keepdim=True)
+    )
+    token = (g * GROUP + inner).squeeze(-1)
+    return summary, token, logits.gather(1, inner).squeeze(-1) - log_norm
+
+
+def head_fold(
+    features: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    *,
+    chunk: int | None,
+    margin: bool,
+    entropy: bool,
+    draw: float | None = None,
+):
+    """``fold_chunks`` over the head's product chunk by chunk (``chunked_head_summary``, ``chunked_head_draw``):
+    the fold's result, then the inputs as the head ran them."""
     if features.shape[-1] != weight.shape[1]:
         raise ValueError(f"features have width {features.shape[-1]}, the head expects {weight.shape[1]}")
     n, vocab = features.shape[0], weight.shape[0]
     width = min(vocab, chunk if chunk is not None else chunk_width(n, vocab))
+    if draw is not None:  # whole groups in a chunk
+        width = min(vocab, max(GROUP, width // GROUP * GROUP))
     block = max(1, ROW_BLOCK_BYTES // (4 * width))
+    features, weight, bias = autocast_inputs(features, weight, bias)
+    # A −∞ bias (a [MASK] inside the vocabulary) as the most negative finite logit: the same p (e^{−huge} = 0) and
+    # statistics, and every logit finite, so the entropy's e^s·s needs no guard against 0·(−∞)
+    bias = None if bias is None else bias.clamp_min(torch.finfo(bias.dtype).min)
 
-    def fill(first: int, last: int, start: int, z: Tensor) -> None:
-        stop = start + z.shape[1]
-        z.copy_(F.linear(features[first:last], weight[start:stop], None if bias is None else bias[start:stop]))
+    # One product per chunk over all n rows (the head's matrix product is the dearer the fewer its rows: 2× at a
+    # quarter of 384, measured), into one buffer reused (a fresh one per chunk costs page faults); the fold then
+    # reads it in row blocks. torch.addmm is F.linear's own kernel on 2-D inputs (the same values).
+    product = torch.empty(n * width, dtype=features.dtype, device=features.device)
 
-    return fold_chunks(fill, n, vocab, width, block, device=features.device, margin=margin, entropy=entropy)
+    def fill(first: int, last: int, start: int, z: Tensor) -> Tensor:
+        w = z.shape[1]
+        out = product[: n * w].view(n, w)
+        if first == 0:
+            stop = start + w
+            with torch.autocast(features.device.type, enabled=False):  # inputs already in the autocast dtype
+                if bias is None:
+                    torch.mm(features, weight[start:stop].t(), out=out)
+                else:
+                    torch.addmm(bias[start:stop], features, weight[start:stop].t(), out=out)
+        if out.dtype == torch.float32:
+            return out[first:last]  # the fold's float32 rows, as they are
+        return z.copy_(out[first:last])
+
+    folded = fold_chunks(
+        fill,
+        n,
+        vocab,
+        width,
+        block,
+        device=features.device,
+        margin=margin,
+        entropy=entropy,
+        finite=True,
+        draw=draw,
+    )
+    return (*folded, (features, weight, bias)) if draw is not None else (folded, (features, weight, bias))
+
+
+def autocast_inputs(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """``tensors`` cast once to the autocast dtype where autocast is on for their device and they are floating
+    point, as each autocast op would cast them (a chunked head then casts its weight once a call, not once a row
+    block and chunk: the casts cost more than the head's product, measured at |V| = 50 258)."""
+    first = next(t for t in tensors if t is not None)
+    kind = first.device.type
+    if not torch.is_autocast_enabled(kind):
+        return tensors
+    dtype = torch.get_autocast_dtype(kind)
+    return tuple(None if t is None or not t.is_floating_point() else t.to(dtype) for t in tensors)
 
 
 def fold_chunks(
-    fill, n: int, vocab: int, width: int, block: int, *, device: torch.device, margin: bool, entropy: bool
-) -> PositionSummary:
+    fill,
+    n: int,
+    vocab: int,
+    width: int,
+    block: int,
+    *,
+    device: torch.device,
+    margin: bool,
+    entropy: bool,
+    finite: bool = False,
+    draw: float | None = None,
+):
     """``PositionSummary`` of n rows of logits over ``vocab`` columns that ``fill(first, last, start, z)`` writes,
-    rows [first, last) × columns [start, start + z.shape[1]), into the float32 buffer z: rows in blocks of
-    ``block``, columns in chunks of ``width``, each chunk folded into the running statistics (``chunked_summary``)."""
-    best = torch.full((n,), -torch.inf, device=device)
-    index = torch.zeros(n, dtype=torch.long, device=device)
-    total = torch.zeros(n, device=device)  # Z = Σ exp(l − best) so far
-    second = torch.full((n,), -torch.inf, device=device) if margin else None  # the runner-up logit so far
-    spread = torch.zeros(n, device=device) if entropy else None  # S = Σ exp(l − best)·(l − best) so far
+    rows [first, last) × columns [start, start + z.shape[1]), into the float32 buffer z:
+    rows in blocks of ``block``, columns in chunks of ``width``, each chunk's max, argmax, Z_c, S_c (and runner-up)
+    kept in a (chunks, n) table and combined at the end (``chunked_summary``). ``finite``: every logit is finite
+    (no guard for a −∞ one). ``draw`` = T: also each ``GROUP`` of columns' mass (chunks whole groups) for a draw at
+    T, returned as (summary without argmax, M (n, groups) float64 relative to e^{m/T}, m + log Z float64)
+    (``chunked_head_draw``)."""
+    chunks = -(-vocab // width)
+    if entropy:  # two float32 buffers (s and e^s) in the cache one took: half the rows a block (measured faster)
+        block = max(1, block // 2)
+    tops = torch.empty(chunks, n, device=device)  # m_c
+    args = torch.empty(chunks, n, dtype=torch.long, device=device)
+    sums = torch.empty(chunks, n, device=device)  # Z_c = Σ_{v∈c} e^{l_v − m_c}
+    spreads = torch.empty(chunks, n, device=device) if entropy else None  # S_c = Σ_{v∈c} e^{s_v}·s_v
+    runners = torch.empty(chunks, n, device=device) if margin else None  # the chunk's runner-up logit
+    groups = None if draw is None else torch.empty(n, -(-vocab // GROUP), device=device)  # Σ_{v∈g} e^{(l_v − m_c)/T}
+    tempered = None if draw in (None, 1.0) else torch.empty(min(block, n) * width, device=device)
     # One float32 buffer for every chunk: a fresh (n, chunk) allocation per chunk costs about 3× its copy on a CPU
     # (page faults; 0.34 vs 0.11 ms at 256 × 2048 bf16 → float32, measured).
     buffer = torch.empty(min(block, n) * width, device=device)
     weights = torch.empty(min(block, n) * width, device=device) if entropy else None
-    for first in range(0, n, block):
-        last = min(n, first + block)
-        k = last - first
-        top_so_far, arg_so_far, sum_so_far = best[first:last], index[first:last], total[first:last]  # views
-        for start in range(0, vocab, width):
-            w = min(width, vocab - start)
-            z = buffer[: k * w].view(k, w)  # contiguous float32, changed in place
-            fill(first, last, start, z)
-            top, arg = row_max(z)
-            if second is not None:  # the chunk's runner-up: its max's own entry left out, then put back
-                runner = z.scatter_(1, arg[:, None], -torch.inf).amax(-1)
+    for c, start in enumerate(range(0, vocab, width)):
+        w = min(width, vocab - start)
+        for first in range(0, n, block):
+            last = min(n, first + block)
+            k = last - first
+            z = fill(first, last, start, buffer[: k * w].view(k, w))  # contiguous float32, changed in place
+            if groups is None or runners is not None:
+                top, arg = row_max(z)
+            else:  # a draw reads no argmax: the max alone (row_max's block argmax costs as much as the amax)
+                top, arg = z.amax(-1), None
+            if runners is not None:  # the chunk's runner-up: its max's own entry left out, then put back
+                runners[c, first:last] = z.scatter_(1, arg[:, None], -torch.inf).amax(-1)
                 z.scatter_(1, arg[:, None], top[:, None])
-                lo = second[first:last]  # the runner-up so far: the larger of it, this chunk's, the smaller max
-                lo.copy_(torch.maximum(torch.minimum(top_so_far, top), torch.maximum(lo, runner)))
-            arg_so_far.copy_(torch.where(top > top_so_far, arg + start, arg_so_far))  # strict: the first index
-            new = torch.maximum(top_so_far, top)
-            shrink = (top_so_far - new).exp_()  # e^{−Δ}
-            s = z.sub_(new[:, None])  # s = l − m_new
-            if spread is not None:  # S ← e^{−Δ}(S − Δ·Z) + Σ e^{s}·s (0·(−∞) read as 0)
-                acc = spread[first:last]
-                acc.sub_(sum_so_far * (new - top_so_far).nan_to_num_(0.0)).mul_(shrink)
+            tops[c, first:last] = top
+            if arg is not None:
+                args[c, first:last] = arg + start
+            s = z.sub_((top if finite else torch.where(top == -torch.inf, 0.0, top))[:, None])  # s = l − m_c
+            if tempered is not None:  # e^{s/T} for the draw's group masses, before s is used up
+                group_masses(torch.mul(s, 1 / draw, out=tempered[: k * w].view(k, w)).exp_(), groups[first:last], start)
+            if spreads is not None:
                 e = torch.exp(s, out=weights[: k * w].view(k, w))
-                sum_so_far.mul_(shrink).add_(e.sum(-1))
-                acc.add_(s.clamp_min_(torch.finfo(s.dtype).min).mul_(e).sum(-1))  # in place: 3× a vecdot's speed
+                torch.sum(e, -1, out=sums[c, first:last])
+                if not finite:
+                    s.clamp_min_(torch.finfo(s.dtype).min)  # e^s·s = 0 at a −∞ logit, not 0·(−∞)
+                torch.sum(s.mul_(e), -1, out=spreads[c, first:last])  # in place: 3× a vecdot's speed
             else:
-                sum_so_far.mul_(shrink).add_(s.exp_().sum(-1))
-            top_so_far.copy_(new)
+                e = s.exp_()
+                torch.sum(e, -1, out=sums[c, first:last])
+            if groups is not None and tempered is None:  # T = 1: the masses are e^{s}'s
+                group_masses(e, groups[first:last], start)
+    # combined along each row's own contiguous (chunks,) table: row-wise reductions, so a row's values do not depend
+    # on the other rows (``chunked_summary``'s rows read alone, bit for bit)
+    tops, args, sums = (t.t().contiguous() for t in (tops, args, sums))
+    spreads = None if spreads is None else spreads.t().contiguous()
+    best = tops.amax(-1)  # m
+    index = None
+    if groups is None:
+        first_best = (tops == best[:, None]).byte().argmax(-1)  # the first chunk holding the max: torch.argmax's rule
+        index = args.gather(1, first_best[:, None]).squeeze(1)
+    gap = (tops - best[:, None]).clamp_min_(torch.finfo(tops.dtype).min)  # m_c − m (finite, so that 0·gap = 0)
+    scale = gap.exp()  # a_c
+    total = (scale * sums).sum(-1)  # Z
     log_z = total.log()
-    return PositionSummary(
+    second = None
+    if runners is not None:  # the larger of the runners-up and the second-largest chunk max
+        second = runners.amax(0)
+        if chunks > 1:
+            second = torch.maximum(second, tops.topk(2, dim=-1).values[:, 1])
+    spread = None if spreads is None else (scale * (spreads + gap * sums)).sum(-1)  # S
+    summary = PositionSummary(
         -log_z,  # log max p = −log Σ exp(l − l_max)
         index,
         None if second is None else (1 - (second - best).exp()) / total,
         None if spread is None else log_z - spread / total,
     )
+    if groups is None:
+        return summary
+    # M_g = e^{(m_c − m)/T}·mass_g (float64), g in chunk c; and m + log Z, the untempered log-normaliser
+    owner = torch.arange(groups.shape[1], device=device) * GROUP // width
+    masses = groups.double().mul_((gap.double() / draw).exp_()[:, owner])
+    return summary, masses, best.double() + total.double().log()
+
+
+def group_masses(e: Tensor, out: Tensor, start: int) -> None:
+    """Σ of ``e`` (k, w) over each ``GROUP`` of its columns (the last one maybe narrower) into the columns of ``out``
+    (k, groups) from group start // GROUP on."""
+    k, w = e.shape
+    first, whole = start // GROUP, w // GROUP
+    if whole:
+        torch.sum(e[:, : whole * GROUP].unflatten(-1, (whole, GROUP)), -1, out=out[:, first : first + whole])
+    if whole * GROUP < w:
+        torch.sum(e[:, whole * GROUP :], -1, out=out[:, first + whole])

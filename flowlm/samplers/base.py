@@ -51,6 +51,22 @@ class MaskedDenoiser:
     head_fn: Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor | None]] | None = None
 
 
+def plain_linear(head: object) -> bool:
+    """Whether ``head`` is a plain, unsharded Linear (not an adapter's, not an FSDP shard): a head the MDM samplers
+    may run in vocabulary chunks (``MaskedDenoiser.head_fn``)."""
+    return type(head) is torch.nn.Linear and type(head.weight.data) is torch.Tensor
+
+
+def data_head(head: torch.nn.Linear, rows: int, mask_id: int) -> tuple[Tensor, Tensor | None]:
+    """(W, b) of ``head``'s first ``rows`` outputs as ``MaskedDenoiser.head_fn`` gives them: a [MASK] among them
+    (LLaDA, Dream) at −∞ through the bias, as its logits are set (SUBS: a sampler never proposes [MASK])."""
+    weight, bias = head.weight[:rows], None if head.bias is None else head.bias[:rows]
+    if mask_id < rows:
+        bias = weight.new_zeros(rows) if bias is None else bias
+        bias = bias.index_fill(0, torch.tensor([mask_id], device=bias.device), -torch.inf)
+    return weight, bias
+
+
 @dataclass(frozen=True)
 class FlowDenoiser:
     """A two-time flow model as samplers see it: ``fn(x (B, L, V) float, s (B, L), t (B, L)) → log δ_{s,t}(x)``.

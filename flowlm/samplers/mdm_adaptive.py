@@ -14,11 +14,14 @@ One call, per row:
 
 The statistics come from ``flowlm.ops.summary.chunked_summary``: the logits read in vocabulary chunks in float32, no
 (B, L, |V|) tensor beyond the network's own logits (the dense float64 log_softmax stays as the tests' oracle,
-tests/samplers/oracles.py ``DenseStats``). No rank or rule reads the draw, so at T > 0 the draw is made at the
-committing positions only, by the two-level inverse CDF (``flowlm.ops.draws.draw_rows``): one uniform per position
-and call from per-row generators (before 2026-12-06: |V| Gumbel uniforms per position, a change of stream, the same
-law). Host reads per call: the eligible positions (before the network call; it also ends the loop once nothing is
-masked) and, at T > 0, the committing ones.
+tests/samplers/oracles.py ``DenseStats``); on the suite's DiT from the head's own chunks at the eligible positions
+(``chunked_head_summary``: the network's whole logits are never made). Where no rank or rule reads the draw, at
+T > 0 the draw is made at the committing positions only, by the two-level inverse CDF (``flowlm.ops.draws.draw_rows``):
+one uniform per position and call from per-row generators (before 2026-12-06: |V| Gumbel uniforms per position, a
+change of stream, the same law). Where the rule reads it (the threshold's drawn-token rule), the draw is made at every
+eligible position: on the head's chunks in the same pass as the summary (``chunked_head_draw``, the same u), else
+from the logits. Host reads per call: the eligible positions (before the network call; it also ends the loop once
+nothing is masked) and, at T > 0, the committing ones.
 
 The NFE budget is a cap: the lower bound ⌈#masked / calls left⌉ is the fixed-step confidence sampler's schedule, and
 the budget's last call commits every masked position (every block), as that sampler's last step does; no row ever
@@ -45,7 +48,7 @@ import torch
 from torch import Tensor
 
 from flowlm.ops.draws import check_generators, draw_at, row_uniforms
-from flowlm.ops.summary import PositionSummary, chunked_head_summary, chunked_summary
+from flowlm.ops.summary import PositionSummary, chunked_head_draw, chunked_head_summary, chunked_summary
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
 from flowlm.samplers.block_cache import BlockCachedReader, check_cache
 from flowlm.samplers.common import check_temperature, masked_start
@@ -144,6 +147,36 @@ class AdaptiveMDMSampler(PlannedSampler):
         flat = chunked_head_summary(features, weight, bias, margin=self.score == "margin", entropy=self.reads_entropy())
         return self.spread_stats(flat, at, shape)
 
+    def head_draw_stats(
+        self,
+        features: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        at: Tensor,
+        shape: tuple[int, int],
+        generator,
+        uniforms: Tensor | None,
+    ) -> CallStats:
+        """``head_stats`` with a draw at T at every position ``at`` in the same pass over the head's chunks
+        (``chunked_head_draw``, the stream of ``draw_at``: one u per position): the confidence is the drawn token's
+        untempered p, the token the drawn one."""
+        flat, drawn, log_p = chunked_head_draw(
+            features,
+            weight,
+            bias,
+            self.temperature,
+            None if uniforms is not None else generator,
+            uniforms=None if uniforms is None else uniforms.reshape(-1)[at],
+            margin=self.score == "margin",
+            entropy=self.reads_entropy(),
+        )
+        return CallStats(
+            spread(log_p.exp(), at, shape, 0.0),
+            spread(drawn, at, shape, 0),
+            spread(flat.margin, at, shape, 0.0),
+            spread(flat.entropy, at, shape, float("inf")),
+        )
+
     def reads_entropy(self) -> bool:
         """Whether the rank or the rule reads the entropy."""
         return self.score == "entropy" or self.rule_reads_entropy
@@ -176,12 +209,11 @@ class AdaptiveMDMSampler(PlannedSampler):
         forced = torch.zeros(b, dtype=torch.long, device=x.device)  # commits beyond the rule's count
         reader = None if self.cache == "none" else BlockCachedReader(model, self.cache, self.refresh, length)
         fn, entered = (model.fn, None) if reader is None else (reader, torch.full_like(n_free, -1))
-        # the head in vocabulary chunks at the eligible positions, where the network offers it: not through the block
-        # cache (its windowed passes return logits), nor where every eligible position is drawn (the threshold's
-        # published rule at T > 0: the head's product at those rows would be made twice, 2.3 against 1.7 forwards
-        # per NFE at |V| = 50 258, measured)
+        # the head in vocabulary chunks at the eligible positions, where the network offers it (not through the block
+        # cache, whose windowed passes return logits); where the rule reads the draw (the threshold's published rule
+        # at T > 0) the draw at every eligible position is made in the same pass (``chunked_head_draw``)
         drawn_first = self.temperature > 0 and self.rule_reads_draw
-        head = model.head_fn if reader is None and self.reads_head and not drawn_first else None
+        head = model.head_fn if reader is None and self.reads_head else None
         calls = 0
         while calls < nfe:
             masked = x == model.mask_id
@@ -196,21 +228,25 @@ class AdaptiveMDMSampler(PlannedSampler):
                 hi = (lo + self.block_length).clamp(max=length)
                 reader.block(lo, hi, None if calls + 1 == nfe else current[:, 0] != entered)
                 entered = current[:, 0]
+            per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
             if head is None:  # the network's logits, read at the eligible positions
                 logits = fn(x, masked.sum(-1) / n_free)
-                stats, by_row, linear = self.stats(logits, at), logits.reshape(-1, logits.shape[-1]), None
-            else:  # the head's product and summary at the eligible positions only
+                by_row, linear = logits.reshape(-1, logits.shape[-1]), None
+                # the summary, unless the draw replaces all the rank and rule read (max p and its argmax)
+                stats = None if drawn_first and self.score == "max_prob" else self.stats(logits, at)
+            else:  # the head's product and summary (and the draw, where the rule reads it) at the eligible positions
                 features, *linear = head(x, masked.sum(-1) / n_free)
                 by_row = features.reshape(-1, features.shape[-1])
-                stats = self.head_stats(by_row[at], *linear, at, x.shape)
+                if drawn_first:
+                    stats = self.head_draw_stats(by_row[at], *linear, at, x.shape, generator, per_row)
+                else:
+                    stats = self.head_stats(by_row[at], *linear, at, x.shape)
             calls += 1
             row_nfe += masked.any(-1)
-            per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
-            if drawn_first:  # the rule reads the drawn token's p: the draw at every eligible position first
-                drawn, log_p = draw_at(by_row, at, self.temperature, generator, uniforms=per_row, linear=linear)
-                stats = stats._replace(
-                    confidence=spread(log_p.exp(), at, x.shape, 0.0), token=spread(drawn, at, x.shape, 0)
-                )
+            if drawn_first and head is None:  # the rule reads the drawn token's p: the draw at every eligible position
+                drawn, log_p = draw_at(by_row, at, self.temperature, generator, uniforms=per_row)
+                p_drawn, token = spread(log_p.exp(), at, x.shape, 0.0), spread(drawn, at, x.shape, 0)
+                stats = CallStats(p_drawn, token) if stats is None else stats._replace(confidence=p_drawn, token=token)
             score = torch.where(eligible, position_scores(stats, self.score), -torch.inf)
             ordered = score.argsort(dim=-1, descending=True)
             n_eligible = eligible.sum(-1)

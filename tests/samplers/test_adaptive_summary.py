@@ -12,10 +12,12 @@ import pytest
 import torch
 
 import flowlm.ops.summary as summary_module
+from flowlm.backbones.llama import BidirectionalLM
+from flowlm.models.mdm import MaskedModel
 from flowlm.ops.summary import chunked_summary
 from flowlm.samplers import EBSampler, MaskedDenoiser, ThresholdSampler
-from tests.backbones.test_block_cache import random_mdm
-from tests.backbones.test_block_cache_llama import smdm_module
+from tests.backbones.test_block_cache import V, random_mdm
+from tests.backbones.test_block_cache_llama import TINY, away_from_init, dream_net, smdm_module
 from tests.samplers.oracles import DenseEB, DenseThreshold, LogitsEB, LogitsThreshold
 
 WIDE_V, WIDE_L = 300, 12
@@ -126,9 +128,8 @@ def test_the_summary_is_the_dense_statistics(dtype):
 
 def test_the_dit_offers_its_head_whose_logits_are_the_networks():
     """MaskedModel.head_pass: the DiT up to its head's input and the head's data rows; features·Wᵀ + b is the
-    denoiser's logits ([MASK] column dropped). A LLaMA-family network offers none (its own denoiser)."""
+    denoiser's logits ([MASK] column dropped)."""
     model = random_mdm().denoiser()
-    assert model.head_fn is not None and smdm_module().denoiser().head_fn is None
     x = torch.randint(0, 8, (3, 24))
     t = torch.rand(3)
     features, weight, bias = model.head_fn(x, t)
@@ -143,6 +144,48 @@ def test_the_dit_offers_its_head_whose_logits_are_the_networks():
     assert len(calls) > 0
 
 
+def llama_family() -> dict:
+    """The tiny LLaMA family as the MDM samplers see it: SMDM's layout through the MDM module (``MaskedModel``, [MASK]
+    an extra embedding row), Dream's (Qwen2, shifted logits, [MASK] inside the vocabulary) through
+    ``BidirectionalLM.denoiser``, and LLaDA's ([MASK] inside the vocabulary) with its head tied to the embedding."""
+    torch.manual_seed(1)
+    tied = BidirectionalLM(embed_rows=V + 1, head_rows=V + 1, mask_id=V - 2, **TINY)
+    away_from_init(tied)
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    return {"smdm": smdm_module().denoiser(), "dream": dream_net().denoiser(), "llada_tied": tied.eval().denoiser()}
+
+
+def test_the_llama_family_offers_its_head_whose_logits_are_the_networks():
+    """A LLaMA-family network with a plain Linear head (untied or tied) offers its head: features·Wᵀ + b is fn's
+    logits ([MASK] inside the vocabulary at −∞), Dream's shift included; a LoRA-wrapped head offers none."""
+    x = torch.randint(0, V, (3, 24))
+    x[:, 5:9] = V  # [MASK] (SMDM, Dream); LLaDA's [MASK] is V − 2
+    t = torch.rand(3)
+    for name, model in llama_family().items():
+        assert model.head_fn is not None, name
+        with torch.no_grad():
+            features, weight, bias = model.head_fn(x, t)
+            torch.testing.assert_close(torch.nn.functional.linear(features, weight, bias), model.fn(x, t))
+    with pytest.raises(ValueError, match="position 0"):  # Dream's shift: as fn, before any compute
+        llama_family()["dream"].head_fn(torch.full((1, 24), V), t[:1])
+    assert not MaskedModel(net=torch.nn.Identity(), data_vocab_size=V, mask_id=V).chunked_head()  # neither kind
+    wrapped, dream = smdm_module(), dream_net()
+    wrapped.net.lm_head, dream.lm_head = LoraLike(wrapped.net.lm_head), LoraLike(dream.lm_head)
+    assert wrapped.denoiser().head_fn is None and dream.denoiser().head_fn is None
+
+
+class LoraLike(torch.nn.Module):
+    """A head that is not a plain Linear (an adapter's): the samplers must read its logits."""
+
+    def __init__(self, base: torch.nn.Linear):
+        super().__init__()
+        self.base = base
+        self.weight = base.weight
+
+    def forward(self, h):
+        return self.base(h)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize(
     ("options", "with_head", "without"),
@@ -155,9 +198,12 @@ def test_the_dit_offers_its_head_whose_logits_are_the_networks():
 )
 def test_the_head_in_chunks_decodes_as_the_networks_logits(options, with_head, without, temperature):
     """On the DiT the adaptive decoders read the head in vocabulary chunks at the eligible positions only, and draw
-    from the committing rows' head product: tokens, NFE and confidences those of the logits path (T = 0 and 1, one
-    generator and per-row generators)."""
-    model = random_mdm().denoiser()
+    from the committing rows' head product (the threshold's drawn-token rule at T > 0: at every eligible position in
+    the same pass, ``chunked_head_draw``): tokens, NFE and confidences those of the logits path (T = 0 and 1, one
+    generator and per-row generators); the network's whole logits are never made."""
+    plain = random_mdm().denoiser()
+    calls = []
+    model = dataclasses.replace(plain, fn=lambda x, t: calls.append(1) or plain.fn(x, t))
     g = torch.Generator().manual_seed(9)
     prompt = torch.randint(0, 7, (4, 24), generator=g)
     mask = torch.zeros_like(prompt, dtype=torch.bool)
@@ -167,9 +213,12 @@ def test_the_head_in_chunks_decodes_as_the_networks_logits(options, with_head, w
             got = with_head(temperature=temperature, **options)(
                 model, prompt=prompt, prompt_mask=mask, nfe=10, generator=gen()
             )
+            assert calls == []
             want = without(temperature=temperature, **options)(
                 model, prompt=prompt, prompt_mask=mask, nfe=10, generator=gen()
             )
+            assert calls
+            calls.clear()
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.row_nfe, want.row_nfe)
         torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
 
@@ -212,3 +261,133 @@ def test_the_fixed_step_samplers_read_the_head_at_the_rows_they_need(name, tempe
         assert got.row_nfe is None or torch.equal(got.row_nfe, want.row_nfe)
         torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
         calls.clear()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_head_summary_is_the_dense_statistics_of_its_logits(autocast, monkeypatch):
+    """chunked_head_summary (the DiT's head in vocabulary chunks, one product per chunk over every row, folded in
+    row blocks) against a float64 log_softmax of the logits the head makes itself (F.linear, bf16 under autocast):
+    the argmax exactly, log max p, margin and entropy within the stated tolerances, with a −∞ bias entry (a [MASK]
+    inside the vocabulary: H finite), several chunks and several row blocks (the entropy's blocks are half the
+    others'); under autocast the head's weight is cast to bf16 once a call, not once a chunk or row block."""
+    monkeypatch.setattr(summary_module, "CHUNK_BYTES", 4 * 40 * 256)  # chunks of 256 columns for 40 rows
+    monkeypatch.setattr(summary_module, "ROW_BLOCK_BYTES", 4 * 16 * 256)  # blocks of 16 rows (8 with the entropy)
+    g = torch.Generator().manual_seed(3)
+    n, d, vocab = 40, 16, 1000
+    features, weight = torch.randn(n, d, generator=g), torch.randn(vocab, d, generator=g)
+    bias = torch.randn(vocab, generator=g).index_fill(0, torch.tensor([7]), -torch.inf)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = torch.nn.functional.linear(features, weight, bias)
+        casts = []
+        with CastCount(casts):
+            got = summary_module.chunked_head_summary(features, weight, bias, margin=True, entropy=True)
+    assert logits.dtype == (torch.bfloat16 if autocast else torch.float32)
+    assert sum(casts) <= (vocab * d + n * d + vocab if autocast else 0)  # each input once
+    log_p = torch.log_softmax(logits.double(), -1)
+    top2 = log_p.topk(2, dim=-1).values.exp()
+    h = -(log_p.exp() * log_p.nan_to_num(neginf=0.0)).sum(-1)
+    assert torch.equal(got.argmax, logits.float().argmax(-1))
+    torch.testing.assert_close(got.log_max.double(), top2[:, 0].log(), rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(got.margin.double(), top2[:, 0] - top2[:, 1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.entropy.double(), h, rtol=0, atol=1e-5)
+    plain = summary_module.chunked_summary(logits, margin=True, entropy=True)  # the logits path: float rounding
+    for part, whole in zip(got, plain, strict=True):
+        torch.testing.assert_close(part, whole, rtol=1e-5, atol=1e-6)
+
+
+class CastCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Appends the element count of every float32 → lower-precision cast (aten._to_copy) made inside it."""
+
+    def __init__(self, counts: list):
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float32:
+            if kwargs.get("dtype") in (torch.bfloat16, torch.float16):
+                self.counts.append(args[0].numel())
+        return func(*args, **kwargs)
+
+
+def test_a_chunk_all_minus_infinity_adds_nothing():
+    """A vocabulary chunk whose logits are all −∞ (chunks of 64 columns) adds 0 to every sum: the statistics of
+    the other columns, not NaN."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 256, generator=g) * 2
+    logits[:, :64] = -torch.inf  # the whole first chunk
+    got = chunked_summary(logits, chunk=64, margin=True, entropy=True)
+    want = chunked_summary(logits[:, 64:], chunk=64, margin=True, entropy=True)
+    assert torch.equal(got.argmax, want.argmax + 64)
+    for part, whole in zip(got[::2] + got[3:], want[::2] + want[3:], strict=True):
+        torch.testing.assert_close(part, whole)
+
+
+LLAMA_SAMPLERS = {  # name → (sampler class, its logits-path oracle, options, NFE budget)
+    **HEAD_SAMPLERS,
+    "threshold": ("ThresholdSampler", "LogitsThreshold", {"threshold": 0.3}, 10),
+    "threshold_max_prob": ("ThresholdSampler", "LogitsThreshold", {"threshold": 0.3, "confidence": "max_prob"}, 10),
+    "eb_blocks": ("EBSampler", "LogitsEB", {"gamma": 0.5, "block_length": 4}, 10),
+}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("name", LLAMA_SAMPLERS)
+def test_every_mdm_sampler_reads_the_llama_familys_head_as_its_logits(name, temperature):
+    """On the tiny LLaMA family (SMDM's layout, Dream's shifted logits, LLaDA's with a tied head) every MDM sampler
+    reads the head in vocabulary chunks at the rows it needs: tokens, confidences, NFE and row NFE those of the
+    logits path (one generator and per-row generators), the network's fn never called."""
+    import flowlm.samplers as samplers
+    from tests.samplers import oracles
+
+    kind, oracle, options, nfe = LLAMA_SAMPLERS[name]
+    head_path, logits_path = getattr(samplers, kind), getattr(oracles, oracle)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, V - 2, (4, 24), generator=g)  # no prompt id is LLaDA's [MASK] (V − 2)
+    mask = torch.arange(24) < torch.tensor([[3], [5], [1], [8]])  # position 0 given (Dream predicts nothing there)
+    options = {**options, "temperature": temperature}
+    for family, model in llama_family().items():
+        calls = []
+        spied = dataclasses.replace(model, fn=lambda x, t, model=model, calls=calls: calls.append(1) or model.fn(x, t))
+        for gen in (
+            lambda: torch.Generator().manual_seed(4),
+            lambda: [torch.Generator().manual_seed(s) for s in range(4)],
+        ):
+            with torch.no_grad():
+                got = head_path(**options)(spied, prompt=prompt, prompt_mask=mask, nfe=nfe, generator=gen())
+                assert calls == [], family
+                want = logits_path(**options)(spied, prompt=prompt, prompt_mask=mask, nfe=nfe, generator=gen())
+            assert calls and torch.equal(got.tokens, want.tokens) and got.nfe == want.nfe, family
+            assert (got.row_nfe is None) == (want.row_nfe is None)
+            assert got.row_nfe is None or torch.equal(got.row_nfe, want.row_nfe)
+            torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
+            calls.clear()
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_the_llama_family_under_the_block_cache_reads_its_windows_logits(cache):
+    """Through the block KV cache the samplers read the windows' logits (the head is not run in chunks there): at
+    T = 0 and 1 semi_ar, threshold and EB decode as their logits-path oracles on the LLaMA family's three layouts."""
+    import flowlm.samplers as samplers
+    from tests.samplers import oracles
+
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, V - 2, (3, 24), generator=g)
+    mask = torch.arange(24) < torch.tensor([[4], [2], [6]])
+    for family, model in llama_family().items():
+        for kind, oracle, options in [
+            ("SemiARConfidenceSampler", "LogitsSemiAR", {"block_length": 4}),
+            ("ThresholdSampler", "LogitsThreshold", {"threshold": 0.3, "block_length": 4}),
+            ("EBSampler", "LogitsEB", {"gamma": 0.5, "block_length": 4}),
+        ]:
+            for temperature in (0.0, 1.0):
+                options = {**options, "cache": cache, "temperature": temperature}
+                with torch.no_grad():
+                    got = getattr(samplers, kind)(**options)(
+                        model, prompt=prompt, prompt_mask=mask, nfe=12, generator=torch.Generator().manual_seed(2)
+                    )
+                    want = getattr(oracles, oracle)(**options)(
+                        model, prompt=prompt, prompt_mask=mask, nfe=12, generator=torch.Generator().manual_seed(2)
+                    )
+                assert torch.equal(got.tokens, want.tokens), (family, kind)
+                torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
