@@ -85,6 +85,10 @@ def evaluate(cfg: DictConfig) -> dict:
     # a file, a sharded folder consolidated here, an export folder, or a foreign MDM (path or hub name)
     module = load_module(cfg.ckpt_path, map_location="cpu", data_vocab_size=datamodule.vocab_size)
     check_data_tokens(datamodule, module)
+    if cfg.get("compile"):  # each DiT block compiled, as training's `compile: true`: speed only
+        from lightning_modules.sharding import compile_blocks
+
+        compile_blocks(module)
     check_arguments(cfg.trainer, "trainer")
     progress = progress_callbacks(cfg.trainer.get("enable_progress_bar", True), cfg.get("progress_every_s", 30))
     trainer: L.Trainer = build(cfg.trainer, callbacks=[evaluation, *progress], logger=False)

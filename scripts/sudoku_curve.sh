@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # A trained Sudoku model's accuracy-versus-training curve (issue 47 item 2; docs/results.md#the-protocol): each
 # checkpoint the tables sweep kept at an eighth of the budget (checkpoints/curve-step*.ckpt, the final one excepted:
-# the training run sampled its final weights itself) sampled offline with `flowlm-eval`, with the run's own samplers
-# (eval=sudoku_<family>), NFE budgets, puzzles and seeds read from its run_config.yaml. The rows go to
+# the training run sampled its final weights itself, on every val puzzle) sampled offline with `flowlm-eval`, with the
+# run's own samplers (eval=sudoku_<family>) and seeds read from its run_config.yaml, at its headline budgets — NFE 4
+# and its largest (an MDM's one call per position) — on the first 4 val batches (512 puzzles: ±4 points at 50 %),
+# its DiT blocks compiled as in training: the curve costs a small share of the training. The rows go to
 # <results>/<task>/<name>_seed<n>_eval.csv, one per checkpoint step (the rows' eval_step), which the report plots.
 # Used by scripts/tables_campaign.sh after each model; a rerun replaces a step's rows, nothing else.
 #
@@ -21,10 +23,11 @@ read -r final settings < <("$PYTHON" -c '
 import json, sys, yaml
 c = yaml.safe_load(open(sys.argv[1]))
 e = c["eval"]
+nfe = sorted({b for b in e["nfe"] if b == 4} | {max(e["nfe"])})
 print(c["trainer"]["max_steps"],
-      "eval=sudoku_%s seed=%s eval.nfe=[%s] eval.max_batches=%s eval.seed=%s eval.skip_unfit_budgets=%s"
-      % (c["family"], c["seed"], ",".join(map(str, e["nfe"])), json.dumps(e["max_batches"]), e["seed"],
-         json.dumps(bool(e.get("skip_unfit_budgets")))))' "$run/run_config.yaml")
+      "eval=sudoku_%s seed=%s eval.nfe=[%s] eval.max_batches=%s eval.seed=%s eval.skip_unfit_budgets=%s compile=%s"
+      % (c["family"], c["seed"], ",".join(map(str, nfe)), 4, e["seed"],
+         json.dumps(bool(e.get("skip_unfit_budgets"))), json.dumps(bool(c.get("compile")))))' "$run/run_config.yaml")
 [[ "$final" =~ ^[0-9]+$ ]] || { echo "$0: $run/run_config.yaml could not be read (above)" >&2; exit 2; }
 found=0
 for ckpt in "$run"/checkpoints/curve-step*.ckpt; do
@@ -33,7 +36,7 @@ for ckpt in "$run"/checkpoints/curve-step*.ckpt; do
     ((step < final)) || continue
     found=$((found + 1))
     echo "$(date -u +%FT%TZ) curve: step $step of $final"
-    # shellcheck disable=SC2086  # $settings is six overrides
+    # shellcheck disable=SC2086  # $settings is seven overrides
     "$PYTHON" -m runners.evaluate "ckpt_path=$ckpt" $settings "results_csv=$results" "$@"
 done
 ((found > 0)) || { echo "$0: $run kept no curve checkpoint (checkpoints/curve-step*.ckpt) before step $final" >&2; exit 2; }

@@ -27,7 +27,7 @@ def _rows(path: Path) -> dict[tuple[str, str], tuple[str, ...]]:
         }
 
 
-def test_flowlm_eval_draws_with_the_checkpoint_runs_seed(runs_env):
+def test_flowlm_eval_draws_with_the_checkpoint_runs_seed(runs_env, monkeypatch):
     results = runs_env / "results"
     run = train(
         compose_config(
@@ -57,6 +57,16 @@ def test_flowlm_eval_draws_with_the_checkpoint_runs_seed(runs_env):
     ]
     assert evaluation.data.params["seed"] == "3"
     assert "flowlm.resume_changed_params" not in evaluation.data.tags
+
+    # compile=true compiles the loaded module's DiT blocks as training's `compile: true` does (the Sudoku curve's
+    # offline sampling); recorded here, not compiled (minutes on the CPU)
+    import lightning_modules.sharding as sharding
+
+    compiled = []
+    monkeypatch.setattr(sharding, "compile_blocks", lambda module: compiled.append(type(module).__name__) or True)
+    ckpt = Path(run["run_dir"]) / "checkpoints" / "last.ckpt"
+    evaluate(compose_config("eval", [f"ckpt_path={ckpt}", *EVAL, "compile=true"]))
+    assert compiled == ["MDMModule"]
 
 
 def test_an_explicit_seed_is_kept():

@@ -17,9 +17,9 @@ from flowlm.project import PROJECT_DIR
 
 SCRIPT = Path(PROJECT_DIR) / "scripts" / "tables_campaign.sh"
 COMMITTED = "sudoku_mdm_easy:0"  # committed_rows(): sudoku_mdm_easy_seed0{,_eval}.csv
-CURVE = (  # the curve's checkpoint, sampled with the run's samplers, budgets, puzzles and seed (its run_config.yaml)
+CURVE = (  # the curve's checkpoint, sampled with the run's samplers and seed at its headline budgets (run_config.yaml)
     "evaluate {exp}/cpu/seed{seed}/checkpoints/curve-step0000001.ckpt eval=sudoku_{family} seed={seed} "
-    "eval.nfe=[4,18] eval.max_batches=2 eval.seed={seed}"
+    "eval.nfe=[4,18] eval.max_batches=4 eval.seed={seed}"
 )
 FAST = (  # an MDM's fast decoders at the training run's budgets, puzzles and sampling seed
     "evaluate sudoku_mdm_easy/cpu/seed{seed}/checkpoints/last.ckpt eval=sudoku_mdm_fast seed={seed} "
@@ -240,8 +240,8 @@ def test_the_curve_samples_each_kept_checkpoint_but_the_final_one_with_the_runs_
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "last.ckpt").touch()
     (run / "run_config.yaml").write_text(
-        "seed: 3\nfamily: flow\ntrainer:\n  max_steps: 16\n"
-        "eval:\n  nfe: [4, 18]\n  max_batches: null\n  seed: 3\n  skip_unfit_budgets: true\n"
+        "seed: 3\nfamily: mdm\ncompile: true\ntrainer:\n  max_steps: 16\n"
+        "eval:\n  nfe: [4, 18, 41]\n  max_batches: null\n  seed: 3\n  skip_unfit_budgets: true\n"
     )
     python = tmp_path / "python"  # runs the settings snippet, prints the evaluation's command line
     python.write_text(f'#!/bin/bash\nif [[ "$1" == -c ]]; then exec {sys.executable} "$@"; fi\necho "$*"\n')
@@ -256,13 +256,14 @@ def test_the_curve_samples_each_kept_checkpoint_but_the_final_one_with_the_runs_
     assert done.returncode == 0, done.stderr
     commands = [line.split() for line in done.stdout.splitlines() if line.startswith("-m runners.evaluate")]
     assert [c[2] for c in commands] == [f"ckpt_path={run}/checkpoints/curve-step{s:07d}.ckpt" for s in (4, 8, 12)]
-    assert commands[0][3:] == [
-        "eval=sudoku_flow",
+    assert commands[0][3:] == [  # the headline budgets (4 and one call per position), 512 puzzles, compiled
+        "eval=sudoku_mdm",
         "seed=3",
-        "eval.nfe=[4,18]",
-        "eval.max_batches=null",
+        "eval.nfe=[4,41]",
+        "eval.max_batches=4",
         "eval.seed=3",
         "eval.skip_unfit_budgets=true",
+        "compile=true",
         f"results_csv={tmp_path / 'results'}",
     ]
 
