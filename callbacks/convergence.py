@@ -1,4 +1,4 @@
-"""The convergence protocol (docs/results.md#the-protocol: a recorded diagnostic in the Sudoku tables), the same for every model of a comparison.
+"""The convergence protocol (docs/results.md#the-protocol), the same for every model of a comparison.
 
 Rule, checked at each validation: with ``history`` the (step, val loss) pairs so far and ``s`` the latest step,
 the run has converged when the best val loss of the last ``window`` share of the steps (steps > (1 − window)·s)

@@ -46,7 +46,9 @@ def disagreements(info: dict) -> str:
             f"{key}: {tuple(saved)} in the weights, {tuple(built)} by config.json"
             for key, saved, built in mismatched[:SHOWN]
         )
-        parts.append(f"{len(mismatched)} tensor(s) of another shape ({shapes}{', ...' if len(mismatched) > SHOWN else ''})")
+        parts.append(
+            f"{len(mismatched)} tensor(s) of another shape ({shapes}{', ...' if len(mismatched) > SHOWN else ''})"
+        )
     return "; ".join(parts)
 
 
