@@ -6,7 +6,8 @@
 # and its largest (an MDM's one call per position) — on the first 4 val batches (512 puzzles: ±4 points at 50 %),
 # its DiT blocks compiled as in training: the curve costs a small share of the training. The rows go to
 # <results>/<task>/<name>_seed<n>_eval.csv, one per checkpoint step (the rows' eval_step), which the report plots.
-# Used by scripts/tables_campaign.sh after each model; a rerun replaces a step's rows, nothing else.
+# Used by scripts/tables_campaign.sh after each model. Resumable: a step whose rows that file already holds at every
+# one of these budgets is not sampled again (FLOWLM_CURVE_REDO=1 samples it anyway; its rows are replaced, nothing else).
 #
 #   scripts/sudoku_curve.sh RUN_DIR RESULTS_DIR [OVERRIDE ...]   # e.g. runs/sudoku_mdm_easy/cpu/seed0 results/sudoku
 #
@@ -19,15 +20,17 @@ PYTHON="${FLOWLM_PYTHON:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}"
 [[ -f "$run/run_config.yaml" && -f "$run/checkpoints/last.ckpt" ]] \
     || { echo "$0: $run holds no finished run (run_config.yaml and checkpoints/last.ckpt)" >&2; exit 2; }
 # the run's evaluation settings, and its final step (its own rows; the curve's checkpoint there is not sampled again)
-read -r final settings < <("$PYTHON" -c '
-import json, sys, yaml
+read -r final budgets csv settings < <("$PYTHON" -c '
+import json, os, sys, yaml
 c = yaml.safe_load(open(sys.argv[1]))
 e = c["eval"]
 nfe = sorted({b for b in e["nfe"] if b == 4} | {max(e["nfe"])})
-print(c["trainer"]["max_steps"],
+print(c["trainer"]["max_steps"], ",".join(map(str, nfe)),
+      os.path.join(sys.argv[2], c["task"], "%s_seed%s_eval.csv" % (c["name"], c["seed"])),
       "eval=sudoku_%s seed=%s eval.nfe=[%s] eval.max_batches=%s eval.seed=%s eval.skip_unfit_budgets=%s compile=%s"
       % (c["family"], c["seed"], ",".join(map(str, nfe)), 4, e["seed"],
-         json.dumps(bool(e.get("skip_unfit_budgets"))), json.dumps(bool(c.get("compile")))))' "$run/run_config.yaml")
+         json.dumps(bool(e.get("skip_unfit_budgets"))), json.dumps(bool(c.get("compile")))))' \
+    "$run/run_config.yaml" "$results")
 [[ "$final" =~ ^[0-9]+$ ]] || { echo "$0: $run/run_config.yaml could not be read (above)" >&2; exit 2; }
 found=0
 for ckpt in "$run"/checkpoints/curve-step*.ckpt; do
@@ -35,6 +38,13 @@ for ckpt in "$run"/checkpoints/curve-step*.ckpt; do
     step="$(basename "$ckpt" .ckpt)" step="$((10#${step#curve-step}))"
     ((step < final)) || continue
     found=$((found + 1))
+    if [[ "${FLOWLM_CURVE_REDO:-0}" != 1 && -f "$csv" ]] && "$PYTHON" -c '
+import csv, sys
+have = {r["nfe_budget"] for r in csv.DictReader(open(sys.argv[1])) if r.get("eval_step") == sys.argv[2]}
+sys.exit(0 if set(sys.argv[3].split(",")) <= have else 1)' "$csv" "$step" "$budgets"; then
+        echo "$(date -u +%FT%TZ) curve: step $step of $final already sampled ($csv)"
+        continue
+    fi
     echo "$(date -u +%FT%TZ) curve: step $step of $final"
     # shellcheck disable=SC2086  # $settings is seven overrides
     "$PYTHON" -m runners.evaluate "ckpt_path=$ckpt" $settings "results_csv=$results" "$@"

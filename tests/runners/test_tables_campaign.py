@@ -235,12 +235,12 @@ def test_the_fast_evaluation_repeats_the_runs_settings_null_included(tmp_path):
 def test_the_curve_samples_each_kept_checkpoint_but_the_final_one_with_the_runs_settings(tmp_path):
     """scripts/sudoku_curve.sh: every curve-step checkpoint before the run's last step (whose rows the training run
     wrote), in step order, with the run's family's samplers and its budgets, puzzles and seeds; a run that kept none
-    is refused in one line."""
+    is refused in one line; a rerun skips a step whose rows are all written (resumable), unless FLOWLM_CURVE_REDO=1."""
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "last.ckpt").touch()
     (run / "run_config.yaml").write_text(
-        "seed: 3\nfamily: mdm\ncompile: true\ntrainer:\n  max_steps: 16\n"
+        "seed: 3\nfamily: mdm\nname: m\ntask: t\ncompile: true\ntrainer:\n  max_steps: 16\n"
         "eval:\n  nfe: [4, 18, 41]\n  max_batches: null\n  seed: 3\n  skip_unfit_budgets: true\n"
     )
     python = tmp_path / "python"  # runs the settings snippet, prints the evaluation's command line
@@ -266,6 +266,19 @@ def test_the_curve_samples_each_kept_checkpoint_but_the_final_one_with_the_runs_
         "compile=true",
         f"results_csv={tmp_path / 'results'}",
     ]
+
+    rows = tmp_path / "results" / "t" / "m_seed3_eval.csv"  # step 4 sampled at both budgets, step 8 at one
+    rows.parent.mkdir(parents=True)
+    rows.write_text("eval_step,nfe_budget\n4,4\n4,41\n8,4\n12,18\n")
+    resumed = subprocess.run(["bash", *script], env=env, capture_output=True, text=True, timeout=60)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "step 4 of 16 already sampled" in resumed.stdout
+    sampled = [line.split()[2] for line in resumed.stdout.splitlines() if line.startswith("-m runners.evaluate")]
+    assert sampled == [f"ckpt_path={run}/checkpoints/curve-step{s:07d}.ckpt" for s in (8, 12)]
+    redone = subprocess.run(
+        ["bash", *script], env={**env, "FLOWLM_CURVE_REDO": "1"}, capture_output=True, text=True, timeout=60
+    )
+    assert redone.stdout.count("-m runners.evaluate") == 3
 
 
 def wait_for(condition, what: str, seconds: float = 30) -> None:
