@@ -68,9 +68,10 @@ def meta_generator(seed: int = 0) -> MetaGenerator:
 
 
 def _caller(stack: list[traceback.FrameSummary]) -> str:
-    """The innermost frame of the project (not torch, not this file): where a report points."""
+    """The innermost frame of the project (not torch, not this file, not a package installed in a virtualenv that
+    lives inside the checkout, as make venv's .venv does): where a report points."""
     for frame in reversed(stack):
-        if frame.filename.startswith(_ROOT) and frame.filename != __file__:
+        if frame.filename.startswith(_ROOT) and frame.filename != __file__ and "-packages" not in frame.filename:
             return f"{frame.filename[len(_ROOT) :]}:{frame.lineno}"
     return "?"
 

@@ -78,7 +78,7 @@ def test_export_round_trips_bit_for_bit(tmp_path):
     is the same module: equal state dicts and equal logits. The card and config say what the model is."""
     write_run_checkpoint(tmp_path / "last.ckpt")
     out = export(tmp_path / "last.ckpt", tmp_path / "export")
-    transformers_files = {"configuration_flowlm.py", "modeling_flowlm.py", "flowlm_dit.py"}
+    transformers_files = {"configuration_flowlm.py", "modeling_flowlm.py", "flowlm_dit.py", "flowlm_loading.py"}
     assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "README.md", *transformers_files}
     original, again = load_module(tmp_path / "last.ckpt"), load_module(out)
     assert type(again) is MDMModule
@@ -354,7 +354,7 @@ export({str(tmp_path / "last.ckpt")!r}, {str(out)!r})
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert out.is_dir() and not (out / "config.json").exists()
     export(tmp_path / "last.ckpt", out)
-    transformers_files = {"configuration_flowlm.py", "modeling_flowlm.py", "flowlm_dit.py"}
+    transformers_files = {"configuration_flowlm.py", "modeling_flowlm.py", "flowlm_dit.py", "flowlm_loading.py"}
     assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "README.md", *transformers_files}
 
 
