@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # A trained Sudoku MDM re-evaluated with the field's fast decoders (issue 35 item 3): `flowlm-eval
-# eval=sudoku_mdm_fast` (threshold, margin and EB beside the fixed-step samplers; sampling only) at the training run's
-# NFE budgets, puzzles and seeds, read from its run_config.yaml, so the fixed-step rows repeat the run's own. The rows
-# go to <results>/<task>/<name>_seed<n>_eval.csv beside the training run's, which the report merges. Used by
-# scripts/tables_campaign.sh and benchmarks/gpu_tables.sh.
+# eval=sudoku_mdm_fast` without its fixed-step samplers (threshold, margin and EB; sampling only; the training run
+# sampled its final weights with ancestral and confidence itself, on the same puzzles and seeds) at the training
+# run's NFE budgets, puzzles and seeds, its DiT blocks compiled as in training, all read from its run_config.yaml.
+# The rows go to <results>/<task>/<name>_seed<n>_eval.csv beside the training run's, which the report merges. Used
+# by scripts/tables_campaign.sh and benchmarks/gpu_tables.sh.
 #
 #   scripts/mdm_fast_eval.sh RUN_DIR RESULTS_DIR [OVERRIDE ...]   # e.g. runs/sudoku_mdm_easy/cpu/seed1 results/sudoku
 #
@@ -19,8 +20,9 @@ settings="$("$PYTHON" -c '
 import json, sys, yaml
 c = yaml.safe_load(open(sys.argv[1]))
 e = c["eval"]
-print("seed=%s eval.nfe=[%s] eval.max_batches=%s eval.seed=%s"
-      % (c["seed"], ",".join(map(str, e["nfe"])), json.dumps(e["max_batches"]), e["seed"]))' "$run/run_config.yaml")"
-# shellcheck disable=SC2086  # $settings is four overrides
-exec "$PYTHON" -m runners.evaluate "ckpt_path=$run/checkpoints/last.ckpt" eval=sudoku_mdm_fast $settings \
-    "results_csv=$results" "$@"
+print("seed=%s eval.nfe=[%s] eval.max_batches=%s eval.seed=%s compile=%s"
+      % (c["seed"], ",".join(map(str, e["nfe"])), json.dumps(e["max_batches"]), e["seed"],
+         json.dumps(bool(c.get("compile")))))' "$run/run_config.yaml")"
+# shellcheck disable=SC2086  # $settings is five overrides
+exec "$PYTHON" -m runners.evaluate "ckpt_path=$run/checkpoints/last.ckpt" eval=sudoku_mdm_fast \
+    "~eval.samplers.ancestral" "~eval.samplers.confidence" $settings "results_csv=$results" "$@"

@@ -202,12 +202,15 @@ def test_redo_fresh_moves_a_damaged_run_aside_and_trains_it_from_the_start(tmp_p
 
 
 def test_the_fast_evaluation_repeats_the_runs_settings_null_included(tmp_path):
-    """scripts/mdm_fast_eval.sh passes the run's budgets, puzzles and seeds as overrides; a null setting (all
+    """scripts/mdm_fast_eval.sh passes the run's budgets, puzzles, seeds and compile as overrides, the fast decoders
+    only (the run sampled its final weights with the fixed-step ones); a null setting (all
     validation batches) as `null`, which Hydra reads as null, not Python's `None`, a string; a folder without a
     finished run is refused before anything runs."""
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
-    (run / "run_config.yaml").write_text("seed: 2\neval:\n  nfe: [4, 18]\n  max_batches: null\n  seed: 2\n")
+    (run / "run_config.yaml").write_text(
+        "seed: 2\ncompile: true\neval:\n  nfe: [4, 18]\n  max_batches: null\n  seed: 2\n"
+    )
     python = tmp_path / "python"  # runs the settings snippet, prints the evaluation's command line
     python.write_text(f'#!/bin/bash\nif [[ "$1" == -c ]]; then exec {sys.executable} "$@"; fi\necho "$*"\n')
     python.chmod(0o755)
@@ -223,10 +226,13 @@ def test_the_fast_evaluation_repeats_the_runs_settings_null_included(tmp_path):
         "runners.evaluate",
         f"ckpt_path={run}/checkpoints/last.ckpt",
         "eval=sudoku_mdm_fast",
+        "~eval.samplers.ancestral",
+        "~eval.samplers.confidence",
         "seed=2",
         "eval.nfe=[4,18]",
         "eval.max_batches=null",
         "eval.seed=2",
+        "compile=true",
         f"results_csv={tmp_path / 'results'}",
         "trainer=gpu",
     ]
