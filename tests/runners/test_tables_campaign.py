@@ -372,3 +372,31 @@ def test_status_writes_nothing(tmp_path):
     status, _ = campaign(tmp_path, "status")
     assert status.returncode == 0 and "(not running)" in status.stdout
     assert snapshot() == before
+
+
+def test_the_budget_study_refuses_before_starting_anything(tmp_path):
+    """scripts/sudoku_budget_study.sh start: a folder without a finished run, a run that is not a tables run, and a
+    step count not past the run's own are refused in one line, and nothing is started or written."""
+    study = tmp_path / "study"
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    script = ["bash", str(SCRIPT.with_name("sudoku_budget_study.sh")), "start", str(run)]
+    env = {**os.environ, "FLOWLM_STUDY": str(study), "FLOWLM_PYTHON": sys.executable}
+
+    def start(steps: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*script, steps], env=env, capture_output=True, text=True, timeout=60)
+
+    missing = start("12000")
+    assert missing.returncode == 2 and "holds no finished run" in missing.stderr
+    (run / "checkpoints" / "last.ckpt").touch()
+    (run / "run_config.yaml").write_text("name: sudoku_mdm_easy\nseed: 0\ntrainer:\n  max_steps: 6000\n")
+    other = start("12000")
+    assert other.returncode == 2 and "not a run of hparams_search=sudoku_tables" in other.stderr
+    (run / "run_config.yaml").write_text(
+        "name: sudoku_mdm_easy\nseed: 0\nsweep:\n  name: sudoku_tables\ntrainer:\n  max_steps: 6000\n"
+    )
+    short = start("6000")
+    assert short.returncode == 2 and short.stderr.strip().endswith("is not past the run's own 6000 steps")
+    bad = start("many")
+    assert bad.returncode == 2 and bad.stderr.startswith("usage:")
+    assert not study.exists()
