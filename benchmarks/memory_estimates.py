@@ -12,7 +12,9 @@ saved for backward at the micro batch, bf16 where autocast casts. Attention is c
 runs (FlexAttention with the DiT's soft cap, SDPA's flash kernel without): its inputs, output and log-sum-exp, not
 the (B, H, L, L) scores the CPU's written path makes. FMLM+ micro-batches are built with as many jump (and distill)
 rows as the global draw gives one micro-batch with probability 1 − 1e-9 (the exact hypergeometric quantile): the
-rows whose teacher targets are (rows, L, |V|) tensors. Not counted: the CUDA context and allocator slack
+rows whose teacher targets are (rows, L, |V|) tensors. A validation step: the device's share of the validation
+batch, its draws made at once and its loss run without gradients in chunks of the micro batch, as
+``FlowLMModule.validation_loss`` runs it. Not counted: the CUDA context and allocator slack
 (≈ 1–3 GiB), NCCL buffers, the evaluation's sampling batches.
 """
 
@@ -157,16 +159,18 @@ class Estimate:
     state_gib: float  # weights, gradients' buckets, AdamW, EMA: what lives across steps
     peak_gib: float  # the training step's peak: state + activations + gradients
     val_rows: int  # the validation batch per device
-    val_peak_gib: float  # a validation step's peak: state + a no-grad loss at ``val_rows``
+    val_micro: int  # rows per validation forward (``micro_batch_size``, a cap: FlowLMModule.validation_loss)
+    val_peak_gib: float  # a validation step's peak: state + the share's draws + a no-grad loss at ``val_micro`` rows
     largest_gib: float  # the largest single tensor
     target_rows: int  # FMLM+: jump + distill rows in the micro-batch (0 elsewhere)
 
     def row(self) -> str:
         """This estimate as a row of the docs' table."""
         rows = f" ({self.target_rows} target rows)" if self.target_rows else ""
+        chunks = f" ({self.val_micro} a forward)" if self.val_micro < self.val_rows else ""
         return (
             f"| {self.experiment} | {self.devices} | {self.micro_batch}{rows} | {self.accumulation} | "
-            f"{self.params / 1e6:.0f} M | {self.peak_gib:.1f} | {self.val_rows} | {self.val_peak_gib:.1f} | "
+            f"{self.params / 1e6:.0f} M | {self.peak_gib:.1f} | {self.val_rows}{chunks} | {self.val_peak_gib:.1f} | "
             f"{self.largest_gib:.2f} |"
         )
 
@@ -226,14 +230,18 @@ def estimate(experiment: str, devices: int, micro_batch: int | None = None, *ext
         # zero_grad(set_to_none=True), are made again in backward (held in ``backward_peak``)
         steps_peak = max(backward_peak + moments, live.peak)
         peak = teacher_bytes + 2 * weights + buckets + steps_peak  # + the weights' EMA copy and DDP's buckets
-        # validation does not accumulate: each device takes its share of the global validation batch at once
+        # validation: each device draws for its share of the global validation batch, then runs the loss in chunks
+        # of the micro batch (FlowLMModule.validation_loss; the run config's micro_batch_size, here ``micro``)
         val_rows = int(cfg.data.get("val_batch_size") or global_batch) // devices
+        val_micro = min(micro, val_rows)
         val_batch, val_draws, _ = _micro_batch(module.eval(), val_rows, length, vocab, global_batch, "val")
+        module.run_config = {"micro_batch_size": val_micro}
+        _host_kinds_in_chunks(module)
         del batch, draws_for
         for p in trainable:
             p.grad = None
         with LiveBytes() as val_live, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            module.loss(val_batch, val_draws())
+            module.validation_loss(val_batch, val_draws())
         val_peak = teacher_bytes + 2 * weights + moments + buckets + val_live.peak
     return Estimate(
         experiment=experiment,
@@ -245,10 +253,26 @@ def estimate(experiment: str, devices: int, micro_batch: int | None = None, *ext
         state_gib=state / GIB,
         peak_gib=peak / GIB,
         val_rows=val_rows,
+        val_micro=val_micro,
         val_peak_gib=val_peak / GIB,
         largest_gib=max(live.largest, val_live.largest) / GIB,
         target_rows=target_rows,
     )
+
+
+def _host_kinds_in_chunks(module) -> None:
+    """FMLM+ reads its pair kinds on the host (``kinds.tolist()``); a chunk's kinds, cut from the share's inside the
+    fake mode, are fake: give each chunk real ones, the validation's diagonal."""
+    if getattr(module, "shares", None) is None:
+        return
+    loss = module.loss
+
+    def host_loss(batch, draws, **kwargs):
+        with unset_fake_temporarily():
+            kinds = torch.full((batch["tokens"].shape[0],), DIAGONAL)
+        return loss(batch, {**draws, "kinds": kinds}, **kwargs)
+
+    module.loss = host_loss
 
 
 def _mdm_like(cfg, vocab: int, length: int):

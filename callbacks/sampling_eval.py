@@ -71,7 +71,9 @@ class SamplingEvaluation(Callback):
     ``row_generators``: each row draws from its own generator, seeded seed · 2³² + (its index in the validation set),
     so a row's sample does not depend on the batch size, the rows beside it or the number of ranks (the MDM samplers,
     ``row_generators = True`` on the class); off (the default), batch i of rank r draws from one generator seeded
-    seed · 1 000 003 + i · 1009 + r, the stream of every committed result.
+    seed · 1 000 003 + i · 1009 + r, the stream of every committed result. With per-row generators the samplers run
+    in chunks of the run's ``micro_batch_size`` rows (``sample_rows``: the same samples); with one generator per batch
+    they take the device's whole validation batch at once (chunks would draw other numbers).
     """
 
     def __init__(
@@ -202,11 +204,12 @@ class SamplingEvaluation(Callback):
         model = pl_module.denoiser()
         tokens, prompt_mask = batch["tokens"], batch["prompt_mask"]
         first, self._rows_seen = self._rows_seen, self._rows_seen + tokens.shape[0]
+        micro = (getattr(pl_module, "run_config", None) or {}).get("micro_batch_size")
         for (name, budget), state in self._states.items():
             gen = self.generators(tokens, batch_idx, first, trainer)
             start = _now(tokens.device)
             with trainer.precision_plugin.forward_context(), compiled_tails(self.compile_tails):
-                out = self.samplers[name](model, prompt=tokens, prompt_mask=prompt_mask, nfe=budget, generator=gen)
+                out = sample_rows(self.samplers[name], model, tokens, prompt_mask, budget, gen, micro)
             seconds = _now(tokens.device) - start
             state["metric"].update(out.tokens, tokens)
             state["nfe"].update(out.mean_nfe(), weight=tokens.shape[0])  # per row (adaptive samplers: each its own)
@@ -309,6 +312,48 @@ class SamplingEvaluation(Callback):
 
 
 COST_KEYS = ("nfe", "nfe_std", "nfe_min", "nfe_p50", "nfe_p90", "nfe_max", "tpf", "forced_share", "sec_per_sample")
+
+
+def sample_rows(
+    sampler: Sampler,
+    model,
+    tokens: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    budget: int,
+    generator: torch.Generator | list[torch.Generator],
+    micro: int | None,
+) -> SampleOutput:
+    """``sampler`` on the batch; with per-row generators in chunks of at most ``micro`` rows (the run's
+    ``micro_batch_size``), which sample the same tokens (a row draws from its own generator only). One generator for
+    the batch is consumed across its rows: chunking would change every sample, so that batch runs whole."""
+    rows = tokens.shape[0]
+    if not isinstance(generator, list) or not micro or micro >= rows:
+        return sampler(model, prompt=tokens, prompt_mask=prompt_mask, nfe=budget, generator=generator)
+    outs = [
+        sampler(model, prompt=tokens[i : i + micro], prompt_mask=prompt_mask[i : i + micro], nfe=budget,
+                generator=generator[i : i + micro])
+        for i in range(0, rows, micro)
+    ]  # fmt: skip
+    return joined(outs)
+
+
+def joined(outs: Sequence[SampleOutput]) -> SampleOutput:
+    """One output of row chunks sampled apart: rows stacked; where the chunks spent different NFE and report none
+    per row, each row gets its chunk's (so ``mean_nfe`` is the calls spent per row)."""
+    nfe = [out.nfe for out in outs]
+    row_nfe = None
+    if any(out.row_nfe is not None for out in outs) or len(set(nfe)) > 1:
+        row_nfe = torch.cat(
+            [out.row_nfe if out.row_nfe is not None else torch.full_like(out.tokens[:, 0], out.nfe) for out in outs]
+        )
+    forced = None if any(out.forced is None for out in outs) else torch.cat([out.forced for out in outs])
+    return SampleOutput(
+        tokens=torch.cat([out.tokens for out in outs]),
+        confidence=torch.cat([out.confidence for out in outs]),
+        nfe=max(nfe),
+        row_nfe=row_nfe,
+        forced=forced,
+    )
 
 
 def row_costs(out: SampleOutput, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,5 +36,12 @@ class ARModule(FlowLMModule):
 
     def loss(self, batch: dict, draws: dict, *, parts: bool = False) -> LossOutput:
         """Mean next-token NLL over the non-prompt positions of the batch (nats per generated token)."""
-        loss_mask = batch.get("loss_mask", ~batch["prompt_mask"])  # text data may leave PAD out of the loss
-        return ar_loss(self(batch["tokens"]), batch["tokens"], loss_mask)
+        return ar_loss(self(batch["tokens"]), batch["tokens"], self.scored(batch))
+
+    def scored(self, batch: dict) -> Tensor:
+        """The positions the NLL averages over: off the prompt (text data may leave PAD out: ``loss_mask``)."""
+        return batch.get("loss_mask", ~batch["prompt_mask"])
+
+    def loss_count(self, batch: dict, draws: dict) -> Tensor:
+        """The scored positions (the mean's denominator)."""
+        return self.scored(batch).sum()

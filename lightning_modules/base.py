@@ -41,6 +41,19 @@ def plain(obj: Any) -> Any:
     return obj
 
 
+def rows_of(values: dict, part: slice, rows: int) -> dict:
+    """``values`` (a batch or its draws) with every tensor cut to the rows ``part`` of a ``rows``-row batch; other
+    values (a process, a name) as they are. A tensor that is not one row per sequence cannot be cut: ValueError."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, Tensor):
+            if value.ndim == 0 or value.shape[0] != rows:
+                raise ValueError(f"{key!r} of shape {tuple(value.shape)} is not one row per sequence of the {rows}")
+            value = value[part]
+        out[key] = value
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------- backbones
 class BackboneKind(ABC):
     """One family of backbone configs: how it becomes a network, where [MASK] is, what a checkpoint records."""
@@ -194,8 +207,9 @@ def backbone_kind(cfg: dict) -> BackboneKind:
 # ------------------------------------------------------------------------------------------------------ module
 class FlowLMModule(L.LightningModule, ABC):
     """Base of every method's module: it owns the backbone, the optimiser and the training loop; a method gives two
-    hooks, ``draw`` (this step's random inputs) and ``loss`` (the objective on them → ``LossOutput``), and a model
-    view (flowlm/models/) that samplers read through ``denoiser``.
+    hooks, ``draw`` (this step's random inputs) and ``loss`` (the objective on them → ``LossOutput``), with
+    ``loss_count`` (the tokens or sequences the loss averages over: validation in micro batches), and a model view
+    (flowlm/models/) that samplers read through ``denoiser``.
 
     ``family`` names the kind of model ("mdm", ...): samplers and checkpoint loaders check it before compute;
     ``label`` is the method's name in result tables.
@@ -228,7 +242,7 @@ class FlowLMModule(L.LightningModule, ABC):
         self.optim_cfg.update(plain(optim))
         self.seed = seed
 
-    # ------------------------------------------------------------------------------------- the two hooks
+    # ------------------------------------------------- the hooks: draw, loss and the count the loss averages
     @abstractmethod
     def draw(self, batch: dict, batch_idx: int, *, stage: str) -> dict:
         """This step's random inputs (times, masks, noise, …) for ``loss``: at ``stage="train"`` drawn from the
@@ -238,6 +252,11 @@ class FlowLMModule(L.LightningModule, ABC):
     @abstractmethod
     def loss(self, batch: dict, draws: dict, *, parts: bool = False) -> LossOutput:
         """The method's objective on ``batch`` at ``draws``; with ``parts`` its named parts too (logged)."""
+
+    @abstractmethod
+    def loss_count(self, batch: dict, draws: dict) -> Tensor:
+        """How many terms ``loss`` averages over on ``batch`` at ``draws`` (its scored tokens, or sequences): the
+        weight of its value when a batch's loss is combined from row chunks (``validation_loss``)."""
 
     def denoiser(self, *args: Any, **kwargs: Any) -> Any:
         """This model as its samplers see it (the model view's ``denoiser``)."""
@@ -252,10 +271,29 @@ class FlowLMModule(L.LightningModule, ABC):
         return out.loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> Tensor:
-        """``loss`` at fixed draws; logged as ``val/loss``, averaged over ranks."""
-        loss = self.loss(batch, self.draw(batch, batch_idx, stage="val")).loss
+        """``validation_loss`` at fixed draws; logged as ``val/loss``, averaged over ranks."""
+        loss = self.validation_loss(batch, self.draw(batch, batch_idx, stage="val"))
         self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=batch["tokens"].shape[0])
         return loss
+
+    def validation_loss(self, batch: dict, draws: dict) -> Tensor:
+        """``loss`` on ``batch`` at ``draws``, run in chunks of at most ``micro_batch_size`` rows (the run config's
+        top-level key, as training's; unset: one forward), so that a device's validation share holds the activations
+        of one micro batch, not of the whole share. The draws are made once for the whole batch and cut with it, so
+        every row sees the numbers it sees unchunked; the chunks' losses are averaged weighted by ``loss_count``, which
+        is the whole batch's loss up to float rounding (a mean over scored tokens or sequences)."""
+        rows = batch["tokens"].shape[0]
+        micro = (getattr(self, "run_config", None) or {}).get("micro_batch_size")
+        if not micro or micro >= rows:
+            return self.loss(batch, draws).loss
+        total, count = None, None
+        for start in range(0, rows, micro):
+            part = slice(start, start + micro)
+            chunk, chunk_draws = rows_of(batch, part, rows), rows_of(draws, part, rows)
+            n = self.loss_count(chunk, chunk_draws)
+            weighted = self.loss(chunk, chunk_draws).loss * n  # the chunk's sum of terms
+            total, count = (weighted, n) if total is None else (total + weighted, count + n)
+        return total / count.clamp_min(1)  # every objective's mean: 0 when nothing is scored
 
     def fixed_generator(self, batch_idx: int, device: torch.device | str = "cpu") -> torch.Generator:
         """A generator seeded by (seed, validation batch): the same draws at every evaluation."""

@@ -162,15 +162,9 @@ class FMLMPlusModule(FlowLMModule):
         return self.draws_at(batch, kinds, s, t, gen, rates=rates)
 
     def draws_at(
-        self,
-        batch: dict,
-        kinds: Tensor,
-        s: Tensor,
-        t: Tensor,
-        gen: torch.Generator | None,
-        *,
+        self, batch: dict, kinds: Tensor, s: Tensor, t: Tensor, gen: torch.Generator | None, *,
         rates: Tensor | None = None,
-    ) -> dict:
+    ) -> dict:  # fmt: skip
         """The draws for given pair kinds (on the host: they pick the rows of the teacher passes without a device
         read) and per-sequence times (B,): the context set at rates f (drawn from ``gen`` when not given), the
         states' process of this step and its standard normal noise, from ``gen``."""
@@ -200,6 +194,11 @@ class FMLMPlusModule(FlowLMModule):
                 student, batch["tokens"], prompt, **draws, **teachers, loss_mask=batch.get("loss_mask"), parts=parts,
                 head=head, every_pass=is_sharded(self),  # FSDP: every rank runs the teacher passes
             )  # fmt: skip
+
+    def loss_count(self, batch: dict, draws: dict) -> Tensor:
+        """|A ∩ scored|, the tokens the loss averages over: off the prompt and the context set (and text PAD)."""
+        active = ~self.pin_unpredicted(batch["prompt_mask"]) & ~draws["context"]
+        return (active & batch.get("loss_mask", active)).sum()
 
     def fused_head(self) -> tuple[Tensor, Tensor | None] | None:
         """(W, b) of the output head when this step's student loss runs fused from the head's input, else None: the

@@ -72,6 +72,14 @@ class MDMModule(FlowLMModule):
         t = draws["t"]
         noised = self.process.noise(tokens, t, prompt_mask, draws=draws["u"])
         weight = self.process.schedule.loss_weight(t)  # −α'_t/(1−α_t) = 1/t
-        loss_mask = batch.get("loss_mask", ~prompt_mask)  # text data may leave PAD out of the loss
+        loss_mask = self.scored(batch)
         logits = self.view.data_logits(self(noised.state, t))
         return mdm_elbo_loss(logits, tokens, noised.noised & loss_mask, weight, loss_mask, None)
+
+    def scored(self, batch: dict) -> Tensor:
+        """The positions the ELBO averages over: off the prompt (text data may leave PAD out: ``loss_mask``)."""
+        return batch.get("loss_mask", ~self.pin_unpredicted(batch["prompt_mask"]))
+
+    def loss_count(self, batch: dict, draws: dict) -> Tensor:
+        """The scored positions, masked or not (the ELBO's denominator)."""
+        return self.scored(batch).sum()

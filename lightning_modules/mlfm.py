@@ -154,7 +154,17 @@ class MLFMModule(FlowLMModule):
 
     def loss(self, batch: dict, draws: dict, *, parts: bool = False) -> LossOutput:
         """CE on the clean token at the masked positions (+ ``aux_mse_weight`` · MSE of x̂₁)."""
-        masked, tokens = draws["masked"], batch["tokens"]
-        scored = masked & batch.get("loss_mask", masked)  # text data may leave PAD out of the loss
         logits = self.view.data_logits(draws["z"], draws["t"])
-        return mlfm_loss(logits, tokens, scored, None, embeddings=self.net.embeddings, aux_weight=self.aux_mse_weight)
+        return mlfm_loss(
+            logits, batch["tokens"], self.scored(batch, draws), None, embeddings=self.net.embeddings,
+            aux_weight=self.aux_mse_weight,
+        )  # fmt: skip
+
+    @staticmethod
+    def scored(batch: dict, draws: dict) -> Tensor:
+        """The masked positions the loss scores (text data may leave PAD out: ``loss_mask``)."""
+        return draws["masked"] & batch.get("loss_mask", draws["masked"])
+
+    def loss_count(self, batch: dict, draws: dict) -> Tensor:
+        """The sequences with a scored position (the per-sequence mean is averaged over them)."""
+        return self.scored(batch, draws).any(-1).sum()

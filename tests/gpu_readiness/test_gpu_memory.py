@@ -1,4 +1,4 @@
-"""Peak GPU memory per device of a paper experiment's training step, estimated on fake tensors
+"""Peak GPU memory per device of a paper experiment's training and validation steps, estimated on fake tensors
 (benchmarks/memory_estimates.py, the table of docs/experiments.md): under 80 GiB at the shipped configs, with a
 headroom for the CUDA context and the allocator's slack, and the estimator counts what it should."""
 
@@ -43,6 +43,15 @@ def test_a_paper_training_step_fits_an_80_gib_gpu(experiment, devices):
     got = estimate(experiment, devices)
     assert max(got.peak_gib, got.val_peak_gib) < LIMIT_GIB - HEADROOM_GIB, got
     assert got.accumulation * got.micro_batch * devices == {"sudoku": 256}.get(experiment.split("_")[0], 512)
+
+
+def test_validation_on_one_gpu_runs_in_micro_batches():
+    """OpenWebText's MDM on one GPU: the device's validation share is the whole 512-row batch, its loss run in chunks
+    of the shipped micro batch (``FlowLMModule.validation_loss``), so its peak is a micro batch's (in one forward the
+    512 rows' logits alone are ≈ 100 GiB)."""
+    got = estimate("owt_mdm", 1)
+    assert (got.val_rows, got.val_micro) == (512, 16)
+    assert got.val_peak_gib < LIMIT_GIB - HEADROOM_GIB, got
 
 
 @pytest.mark.parametrize("experiment", ["owt_fmlm_plus_scratch", "tinygsm_mdm", "tinystories_fmlm_plus_distill"])
