@@ -119,17 +119,17 @@ def test_the_head_cut_as_on_a_gpu_is_the_dense_statistics_and_draws_as_draw_rows
 
 
 def test_draw_rows_tiles_do_not_change_its_draw(device_sizes, monkeypatch):
-    """draw_rows in four float64 tiles (as on a GPU, narrowed) and in the CPU's one tile: the same tokens and log p,
-    bit for bit (each 256-column chunk's mass is made inside one tile either way)."""
+    """draw_rows in four float64 tiles at 40 rows (as on a GPU, narrowed) and in the CPU's one tile: the same tokens
+    and log p, bit for bit (each 256-column chunk's mass is made inside one tile either way)."""
     logits = logits_with_ties()
-    rows = torch.tensor([2, 9, 0, 31])
     for temperature in (1.0, 0.7):
-        cut = draw_rows(logits, temperature, torch.Generator().manual_seed(1), rows=rows)
-        monkeypatch.setattr(draws_module, "vocab_sizes", vocab_sizes)  # the CPU's own tile
-        whole = draw_rows(logits, temperature, torch.Generator().manual_seed(1), rows=rows)
-        monkeypatch.setattr(draws_module, "vocab_sizes", summary_module.vocab_sizes)
-        for a, b in zip(cut, whole, strict=True):
-            assert torch.equal(a, b), temperature
+        for rows in (None, torch.tensor([2, 9, 0, 31])):  # 40 rows: four tiles; 4 rows: one (whole chunks)
+            cut = draw_rows(logits, temperature, torch.Generator().manual_seed(1), rows=rows)
+            monkeypatch.setattr(draws_module, "vocab_sizes", vocab_sizes)  # the CPU's own tile
+            whole = draw_rows(logits, temperature, torch.Generator().manual_seed(1), rows=rows)
+            monkeypatch.setattr(draws_module, "vocab_sizes", summary_module.vocab_sizes)
+            for a, b in zip(cut, whole, strict=True):
+                assert torch.equal(a, b), temperature
 
 
 @pytest.mark.parametrize("cap", [None, 30.0])
