@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from flowlm.ops.summary import chunked_head_draw
+from flowlm.ops.summary import chunked_head_draw, vocab_sizes
 
 Generators = torch.Generator | Sequence[torch.Generator] | None
 """An MDM sampler's random source: one generator for the whole batch (None: torch's default one), or a list or tuple
@@ -71,7 +71,6 @@ def sample_categorical(log_probs: Tensor, temperature: float, generator: torch.G
 
 
 CDF_CHUNK = 256  # columns per chunk of the two-level CDF (the second level's cumsum runs over this many)
-CDF_TILE_BYTES = 1 << 20  # float64 working tile of the first level (rows × columns × 8), about an L2 cache
 
 
 def draw_rows(
@@ -84,7 +83,8 @@ def draw_rows(
 ) -> tuple[Tensor, Tensor]:
     """A draw from softmax(logits[r] / T) for each row r of ``rows`` (all rows of the (N, |V|) ``logits`` when None),
     T > 0, by a two-level inverse CDF in float64, and log softmax(logits[r]) at the drawn token (untempered, float64:
-    the confidence samplers report). No (n, |V|) copy is made: the rows are read in column tiles.
+    the confidence samplers report). No (n, |V|) copy is made: the rows are read in column tiles (float64, of
+    ``vocab_sizes(device).tile_bytes``: about an L2 cache on the CPU; the tiles never change the values).
 
     With w_v = exp(l_v / T − m_c) inside chunk c of ``CDF_CHUNK`` columns (m_c the chunk's max of l / T), the chunk
     masses are M_c = exp(m_c − m) Σ_{v∈c} w_v (m = max_c m_c), all in float64. One u ~ U(0, 1) per row (the stream
@@ -105,7 +105,7 @@ def draw_rows(
         return torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, dtype=torch.float64, device=device)
     chunk = min(CDF_CHUNK, vocab)
     k = -(-vocab // chunk)
-    width = max(chunk, CDF_TILE_BYTES // (8 * n) // chunk * chunk)
+    width = max(chunk, vocab_sizes(device).tile_bytes // (8 * n) // chunk * chunk)  # whole chunks a tile
     tops = torch.empty(n, k, dtype=torch.float64, device=device)
     mass = torch.empty(n, k, dtype=torch.float64, device=device)
     tempered = temperature != 1

@@ -21,15 +21,39 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Bytes of one chunk's float32 logits (rows × chunk), where the chunk's passes stay in cache. Measured on one CPU
+# The sizes of a pass over the vocabulary depend on the device (``vocab_sizes``). On the CPU they are cache-sized:
+# bytes of one chunk's float32 logits (rows × chunk), where the chunk's passes stay in cache. Measured on one CPU
 # thread at |V| = 50 258: the capped summary at 512 rows, d 128, chunks of 256 / 512 / 1 024 / 2 048 columns
 # 192 / 146 / 129 / 131 ms, at 256 rows, d 512, of 2 048 / 4 096 / 8 192 columns 146 / 138 / 138 ms; the
 # confidence ranking at 512 rows, chunks of 1 024 / 2 048 / 4 096 columns 84 / 64 / 69 ms.
 CHUNK_BYTES = 4 << 20
+ROW_BLOCK_BYTES = 1 << 20  # chunked_max_log_prob: float32 bytes of one block of rows × one chunk
+CDF_TILE_BYTES = 1 << 20  # draw_rows: float64 working tile of the first level (rows × columns × 8), about an L2 cache
+# On any other device (CUDA; the meta device that stands in for it in tests/gpu_readiness) a chunk is bounded by
+# memory, not by a cache: each chunk or tile costs a dozen kernel launches whatever its size, so cache-sized chunks
+# launched 20–46 DiT `small` forwards' worth of kernels per NFE at 8 × 1 024 rows (docs/gpu.md). A chunk's float32
+# logits (and draw_rows' float64 tile) take up to this much, and the rows go through in one block: at |V| = 50 258 a
+# pass is one chunk up to 1 335 rows, 7 at 8 × 1 024. The pass's buffers (the product, its float32 copy, e^s for the
+# entropy) hold a few such chunks: about 1 GiB at most.
+DEVICE_PASS_BYTES = 256 << 20
 MIN_CHUNK = 256  # narrower chunks make the head's matrix product inefficient
 BLOCK = 64  # row_max's block: chunks are multiples of it
-ROW_BLOCK_BYTES = 1 << 20  # chunked_max_log_prob: float32 bytes of one block of rows × one chunk
 GROUP = BLOCK  # columns of a draw's first level (chunked_head_draw): its second level makes this many logits again
+
+
+class VocabSizes(NamedTuple):
+    """How a pass over the vocabulary is cut on one device type (``vocab_sizes``)."""
+
+    chunk_bytes: int  # float32 bytes of one chunk's logits, rows × columns (``chunk_width``)
+    row_block_bytes: int | None  # float32 bytes of one block of rows × one chunk (``row_block``); None: one block
+    tile_bytes: int  # float64 bytes of draw_rows' first-level tile, rows × columns
+
+
+def vocab_sizes(device: torch.device | str) -> VocabSizes:
+    """The sizes of a vocabulary pass on ``device``: cache-sized on the CPU, bounded by memory on any other device."""
+    if torch.device(device).type == "cpu":  # read at each call: the tests narrow the CPU's chunks
+        return VocabSizes(CHUNK_BYTES, ROW_BLOCK_BYTES, CDF_TILE_BYTES)
+    return VocabSizes(DEVICE_PASS_BYTES, None, DEVICE_PASS_BYTES)
 
 
 def dense_summary(log_probs: Tensor) -> tuple[Tensor, Tensor]:
@@ -51,11 +75,22 @@ def row_max(z: Tensor) -> tuple[Tensor, Tensor]:
     return top, block * BLOCK + inner
 
 
-def chunk_width(rows: int, vocab: int) -> int:
-    """Vocabulary chunk so that rows × chunk float32 logits take about ``CHUNK_BYTES`` (at least ``MIN_CHUNK``, a
-    multiple of ``BLOCK``)."""
-    width = max(MIN_CHUNK, CHUNK_BYTES // (4 * max(rows, 1))) // BLOCK * BLOCK
+def chunk_width(rows: int, vocab: int, device: torch.device | str) -> int:
+    """Vocabulary chunk so that rows × chunk float32 logits take about ``vocab_sizes(device).chunk_bytes`` (at least
+    ``MIN_CHUNK``, a multiple of ``BLOCK``)."""
+    width = max(MIN_CHUNK, vocab_sizes(device).chunk_bytes // (4 * max(rows, 1))) // BLOCK * BLOCK
     return min(vocab, width)
+
+
+def row_block(rows: int, width: int, device: torch.device | str, *, entropy: bool = False) -> int:
+    """Rows per block of a chunk's fold (``fold_chunks``) at chunk ``width``: about ``row_block_bytes`` of float32 a
+    block, half that with the ``entropy`` (its two float32 buffers, s and e^s, in the cache one took: measured
+    faster); every row at once where the device has no row blocks."""
+    budget = vocab_sizes(device).row_block_bytes
+    if budget is None:
+        return max(1, rows)
+    block = max(1, budget // (4 * width))
+    return max(1, block // 2) if entropy else block
 
 
 def capped_head_summary(
@@ -105,7 +140,7 @@ def head_expectation(
     lr_shape = None if low_rank is None else (low_rank[1].shape[0], low_rank[0].shape[-1])
     if lr_shape is not None and lr_shape != (weight.shape[0], low_rank[1].shape[1]):
         raise ValueError(f"low-rank head part {tuple(low_rank[0].shape)} × {tuple(low_rank[1].shape)} does not fit")
-    width = chunk if chunk is not None else chunk_width(features[..., 0].numel(), weight.shape[0])
+    width = chunk if chunk is not None else chunk_width(features[..., 0].numel(), weight.shape[0], features.device)
     if width < 1:
         raise ValueError(f"chunk must be ≥ 1, got {width}")
     lead, vocab = features.shape[:-1], weight.shape[0]
@@ -194,17 +229,18 @@ def chunked_summary(
     log_softmax within 2e-5 (relative) for log max p and 1e-5 (absolute, nats / probability) for H and the margin at
     |V| = 50 258 (tests/samplers/test_adaptive_summary.py).
 
-    The rows go through in blocks of about ``ROW_BLOCK_BYTES`` of float32 per chunk, so that a chunk's passes (max,
-    subtract into float32, exp, sum) stay in cache; every operation is row-wise, so the values do not depend on the
-    blocks. At (4, 128, 50 258) bf16 on one CPU thread (the running fold before the per-chunk tables, 2026-12-06, a
-    loaded 2-core machine): 38 ms with one block, 32 ms in blocks of 128 rows; a float64 log_softmax 204 ms."""
+    On the CPU the rows go through in blocks of about ``ROW_BLOCK_BYTES`` of float32 per chunk, so that a chunk's
+    passes (max, subtract into float32, exp, sum) stay in cache; on a GPU in one block (``row_block``); every
+    operation is row-wise, so the values do not depend on the blocks. At (4, 128, 50 258) bf16 on one CPU thread
+    (the running fold before the per-chunk tables, 2026-12-06, a loaded 2-core machine): 38 ms with one block, 32 ms
+    in blocks of 128 rows; a float64 log_softmax 204 ms."""
     lead, vocab = logits.shape[:-1], logits.shape[-1]
     flat = logits.reshape(-1, vocab)
     n = flat.shape[0] if rows is None else rows.numel()
     # The default chunk is the whole tensor's, also for ``rows``: the same chunk boundaries, so each row's result is
     # the one the call over all rows gives, bit for bit (a sampler restricted to some rows ranks them as before).
-    width = min(vocab, chunk if chunk is not None else chunk_width(flat.shape[0], vocab))
-    block = max(1, ROW_BLOCK_BYTES // (4 * width))
+    width = min(vocab, chunk if chunk is not None else chunk_width(flat.shape[0], vocab, logits.device))
+    block = row_block(n, width, logits.device, entropy=entropy)
     picked = None if rows is None else torch.empty(min(block, n) * width, dtype=logits.dtype, device=logits.device)
 
     def fill(first: int, last: int, start: int, z: Tensor) -> Tensor:
@@ -308,10 +344,10 @@ def head_fold(
     if features.shape[-1] != weight.shape[1]:
         raise ValueError(f"features have width {features.shape[-1]}, the head expects {weight.shape[1]}")
     n, vocab = features.shape[0], weight.shape[0]
-    width = min(vocab, chunk if chunk is not None else chunk_width(n, vocab))
+    width = min(vocab, chunk if chunk is not None else chunk_width(n, vocab, features.device))
     if draw is not None:  # whole groups in a chunk
         width = min(vocab, max(GROUP, width // GROUP * GROUP))
-    block = max(1, ROW_BLOCK_BYTES // (4 * width))
+    block = row_block(n, width, features.device, entropy=entropy)
     features, weight, bias = autocast_inputs(features, weight, bias)
     # A −∞ bias (a [MASK] inside the vocabulary) as the most negative finite logit: the same p (e^{−huge} = 0) and
     # statistics, and every logit finite, so the entropy's e^s·s needs no guard against 0·(−∞)
@@ -388,8 +424,6 @@ def fold_chunks(
     T, returned as (summary without argmax, M (n, groups) float64 relative to e^{m/T}, m + log Z float64)
     (``chunked_head_draw``)."""
     chunks = -(-vocab // width)
-    if entropy:  # two float32 buffers (s and e^s) in the cache one took: half the rows a block (measured faster)
-        block = max(1, block // 2)
     tops = torch.empty(chunks, n, device=device)  # m_c
     args = torch.empty(chunks, n, dtype=torch.long, device=device)
     sums = torch.empty(chunks, n, device=device)  # Z_c = Σ_{v∈c} e^{l_v − m_c}
