@@ -44,6 +44,7 @@ def test_the_budgets_of_the_tables():
 def test_the_warm_up_is_the_released_share_of_the_budget():
     assert steps_share(20_000, 0.125) == 2_500  # scripts/train/sudoku.sh: 2 500 of 20 000 steps
     assert steps_share(6_000, 0.125) == 750
+    assert steps_share(1_000, 0.3) == 300 and steps_share(7, 0.5) == 4  # any share, rounded
     with pytest.raises(ValueError, match="share"):
         steps_share(6_000, 1.5)
 
