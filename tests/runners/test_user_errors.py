@@ -208,3 +208,30 @@ def test_lm_eval_help_imports_neither_the_evaluator_nor_torch(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.splitlines()[-1]) == []
     assert "--mlflow_tracking_uri" in proc.stdout and "usage: lm-eval" in proc.stdout
+
+
+UNKNOWN_OPTION = """
+import json, sys
+from {module} import {name} as main
+sys.argv = ["flowlm-lm-eval", "--model", "flowlm", "--nosuch", "1"]
+try:
+    main()
+except SystemExit as stop:
+    print(json.dumps([stop.code, sorted({{"torch", "runners.lm_harness"}} & set(sys.modules))]))
+"""
+
+
+def test_lm_eval_refuses_an_unknown_option_under_its_own_name_before_importing_torch(tmp_path):
+    """lm-eval's parser reads the arguments before torch and the model are imported (87 s at a load of 9 before the
+    refusal), and its error names the command the user ran, not `lm-eval`."""
+    module, _, function = SCRIPTS["flowlm-lm-eval"].partition(":")
+    proc = subprocess.run(
+        [sys.executable, "-c", UNKNOWN_OPTION.format(module=module, name=function)],
+        cwd=tmp_path,
+        env=subprocess_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert json.loads(proc.stdout.splitlines()[-1]) == [2, []], proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1] == "flowlm-lm-eval: error: unrecognized arguments: --nosuch 1", proc.stderr
