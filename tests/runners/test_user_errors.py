@@ -235,3 +235,16 @@ def test_lm_eval_refuses_an_unknown_option_under_its_own_name_before_importing_t
     )
     assert json.loads(proc.stdout.splitlines()[-1]) == [2, []], proc.stderr[-3000:]
     assert proc.stderr.splitlines()[-1] == "flowlm-lm-eval: error: unrecognized arguments: --nosuch 1", proc.stderr
+
+
+def test_the_report_refuses_a_store_that_does_not_exist_and_makes_nothing(tmp_path):
+    """A mistyped SQLite store: MLflow made its folder and an empty database, and the report said "no runs in
+    experiments ['Default']"; now one line names the missing store, and nothing is made."""
+    from runners.report import report
+    from tests.conftest import compose_config
+
+    uri = f"sqlite:///{tmp_path}/typo/mlflow.db"
+    cfg = compose_config("report", [f"tracking_uri={uri}", f"out={tmp_path}/out", f"paths.root={tmp_path}"])
+    with pytest.raises(FileNotFoundError, match=rf"^tracking_uri: no MLflow store at {tmp_path}/typo/mlflow.db "):
+        report(cfg)
+    assert not (tmp_path / "typo").exists()
