@@ -35,6 +35,7 @@ def report(cfg: DictConfig) -> tuple[Report, str | None]:
     root = Path(cfg.paths.root).expanduser().resolve()
     cfg.paths.root = str(root)  # the default SQLite URI and artifact folder must not depend on the cwd
     OmegaConf.resolve(cfg)
+    check_store(cfg.tracking_uri)
     built = build_report(
         cfg.tracking_uri,
         Path(cfg.out).expanduser().resolve(),
@@ -63,6 +64,18 @@ def report(cfg: DictConfig) -> tuple[Report, str | None]:
     where = f"; MLflow run {run_id} (experiment {cfg.report_experiment!r})" if run_id else ""
     print(f"Report: {built.markdown} and {built.html.name} ({len(built.figures)} figures){where}", flush=True)
     return built, run_id
+
+
+def check_store(tracking_uri: str) -> None:
+    """Refuse a SQLite store that does not exist: reading it, MLflow made its folder and an empty database, and the
+    report then said "no runs in experiments ['Default']" (a mistyped path looked like an empty store)."""
+    if tracking_uri.startswith("sqlite:///"):
+        path = Path(tracking_uri[len("sqlite:///") :].split("?")[0])
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"tracking_uri: no MLflow store at {path} ({tracking_uri}): give the store the runs were logged to "
+                "(tracking_uri=sqlite:///<runs>/mlflow.db, or $MLFLOW_TRACKING_URI); nothing was made"
+            )
 
 
 def _flat_tags(tags: dict, prefix: str = "") -> dict[str, str]:

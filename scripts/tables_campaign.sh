@@ -223,12 +223,17 @@ run)
     run_plan
     ;;
 update)
+    if [[ ! -d "$CAMPAIGN/code/.git" ]]; then  # git's own "fatal: cannot change to ..." said neither why nor the fix
+        echo "update: no campaign clone in $CAMPAIGN/code (never started here): 'start' makes it from this checkout" >&2
+        exit 2
+    fi
     git -C "$CAMPAIGN/code" pull -q --ff-only "$ROOT" HEAD
     echo "the campaign's clone is at $(git -C "$CAMPAIGN/code" rev-parse --short HEAD): the next model trains from it"
     ;;
 redo)
-    [[ ($# -eq 3 || ($# -eq 4 && "$4" == --fresh)) && "$3" =~ ^[0-9]+$ ]] \
-        || { echo "usage: $0 redo EXPERIMENT SEED [--fresh] (a model of the campaign's plan)" >&2; exit 2; }
+    usage="usage: $0 redo EXPERIMENT SEED [--fresh] (a model of the campaign's plan)"
+    [[ $# -eq 3 || ($# -eq 4 && "$4" == --fresh) ]] || { echo "$usage" >&2; exit 2; }
+    [[ "$3" =~ ^[0-9]+$ ]] || { echo "redo: SEED must be an integer ≥ 0, got '$3'; $usage" >&2; exit 2; }
     if [[ " $PLAN " != *[[:space:]]"$2:$3"[[:space:]]* ]]; then  # only the plan trains: a redo elsewhere did nothing
         planned="$(for item in $PLAN; do echo "${item%%:*}"; done | awk '!seen[$0]++' | paste -sd' ' -)"
         seeds="$(for item in $PLAN; do if [[ "${item%%:*}" == "$2" ]]; then echo "${item##*:}"; fi; done \
@@ -296,7 +301,7 @@ collect)
     (cd "$ROOT" && "$ROOT/.venv/bin/flowlm-report" --config-name report_sudoku)
     ;;
 *)
-    echo "usage: $0 start|status|collect|update|redo|stop" >&2
+    echo "unknown command '$1'; usage: $0 start|status|collect|update|redo|stop" >&2
     exit 2
     ;;
 esac

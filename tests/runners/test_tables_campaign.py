@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from flowlm.project import PROJECT_DIR
 
 SCRIPT = Path(PROJECT_DIR) / "scripts" / "tables_campaign.sh"
@@ -126,6 +128,24 @@ def test_committed_rows_are_skipped_unless_redone(tmp_path):
 
     bad, _ = campaign(tmp_path, "redo", "sudoku_mdm_easy", "zero")
     assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["redo", "sudoku_mdm_easy", "zero"], "redo: SEED must be an integer ≥ 0, got 'zero'; usage: "),
+        (["update"], "update: no campaign clone in {campaign}/code (never started here): 'start' makes it"),
+        (["nosuch"], "unknown command 'nosuch'; usage: "),
+    ],
+)
+def test_a_campaign_user_error_names_what_was_wrong_in_one_line(tmp_path, args, line):
+    """A bad seed, an `update` before any `start` (git's "fatal: cannot change to ...", exit 128) and an unknown
+    command: one line saying what was wrong, exit 2, and no campaign folder made."""
+    env = {**campaign_env(tmp_path, COMMITTED), "FLOWLM_CAMPAIGN": str(tmp_path / "nowhere")}
+    done = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith(line.format(campaign=tmp_path / "nowhere"))
+    assert not (tmp_path / "nowhere").exists()
 
 
 def test_redo_names_a_bad_experiment_and_the_valid_ones(tmp_path):

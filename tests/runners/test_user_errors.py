@@ -175,23 +175,28 @@ def test_each_commands_common_mistakes_end_in_one_line(tmp_path):
     assert debug.result().returncode == 1 and "Traceback" in debug.result().stderr
 
 
+# lm-eval's helpers (lm_eval.utils: numpy, requests, jinja2), which its cli_evaluate imports for its logging alone:
+# 1.4 s of a 3.3 s --help at a load of 8 on 2 cores
+HEAVY = ("lm_eval.utils", "numpy", "requests", "jinja2")
 HELP = """
 import json, sys
+HEAVY = {heavy!r}
 from {module} import {name} as main
 sys.argv = ["flowlm-lm-eval", "--help"]
 try:
     main()
 except SystemExit as stop:
     assert not stop.code, stop.code
-print(json.dumps(sorted({{"torch", "lm_eval.evaluator", "runners.lm_harness"}} & set(sys.modules))))
+print(json.dumps(sorted({{"torch", "lm_eval.evaluator", "runners.lm_harness", *HEAVY}} & set(sys.modules))))
 """
 
 
 def test_lm_eval_help_imports_neither_the_evaluator_nor_torch(tmp_path):
-    """`flowlm-lm-eval --help` reads its arguments before importing lm-eval's evaluator and torch (8 s → 0.3 s): the
-    help of lm-eval's command line, with the command's own options first."""
+    """`flowlm-lm-eval --help` reads its arguments before importing lm-eval's evaluator and torch (8 s → 0.3 s), and
+    builds lm-eval's parser alone, without lm-eval's helpers (HEAVY): the help of lm-eval's command line, with the
+    command's own options first."""
     module, _, function = SCRIPTS["flowlm-lm-eval"].partition(":")
-    code = HELP.format(module=module, name=function)
+    code = HELP.format(module=module, name=function, heavy=HEAVY)
     proc = subprocess.run(
         [sys.executable, "-c", code],
         cwd=tmp_path,
@@ -203,3 +208,43 @@ def test_lm_eval_help_imports_neither_the_evaluator_nor_torch(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.splitlines()[-1]) == []
     assert "--mlflow_tracking_uri" in proc.stdout and "usage: lm-eval" in proc.stdout
+
+
+UNKNOWN_OPTION = """
+import json, sys
+from {module} import {name} as main
+sys.argv = ["flowlm-lm-eval", "--model", "flowlm", "--nosuch", "1"]
+try:
+    main()
+except SystemExit as stop:
+    print(json.dumps([stop.code, sorted({{"torch", "runners.lm_harness"}} & set(sys.modules))]))
+"""
+
+
+def test_lm_eval_refuses_an_unknown_option_under_its_own_name_before_importing_torch(tmp_path):
+    """lm-eval's parser reads the arguments before torch and the model are imported (87 s at a load of 9 before the
+    refusal), and its error names the command the user ran, not `lm-eval`."""
+    module, _, function = SCRIPTS["flowlm-lm-eval"].partition(":")
+    proc = subprocess.run(
+        [sys.executable, "-c", UNKNOWN_OPTION.format(module=module, name=function)],
+        cwd=tmp_path,
+        env=subprocess_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert json.loads(proc.stdout.splitlines()[-1]) == [2, []], proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1] == "flowlm-lm-eval: error: unrecognized arguments: --nosuch 1", proc.stderr
+
+
+def test_the_report_refuses_a_store_that_does_not_exist_and_makes_nothing(tmp_path):
+    """A mistyped SQLite store: MLflow made its folder and an empty database, and the report said "no runs in
+    experiments ['Default']"; now one line names the missing store, and nothing is made."""
+    from runners.report import report
+    from tests.conftest import compose_config
+
+    uri = f"sqlite:///{tmp_path}/typo/mlflow.db"
+    cfg = compose_config("report", [f"tracking_uri={uri}", f"out={tmp_path}/out", f"paths.root={tmp_path}"])
+    with pytest.raises(FileNotFoundError, match=rf"^tracking_uri: no MLflow store at {tmp_path}/typo/mlflow.db "):
+        report(cfg)
+    assert not (tmp_path / "typo").exists()
