@@ -23,8 +23,9 @@ CURVE = (  # the curve's checkpoint, sampled with the run's samplers and seed at
     "evaluate {exp}/cpu/seed{seed}/checkpoints/curve-step0000001.ckpt eval=sudoku_{family} seed={seed} "
     "eval.nfe=[4,18] eval.max_batches=4 eval.seed={seed}"
 )
-FAST = (  # an MDM's fast decoders at the training run's budgets, puzzles and sampling seed
-    "evaluate sudoku_mdm_easy/cpu/seed{seed}/checkpoints/last.ckpt eval=sudoku_mdm_fast seed={seed} "
+FAST = (  # an MDM's fast decoders (only: the run sampled the fixed-step ones) at its budgets, puzzles and seed
+    "evaluate sudoku_mdm_easy/cpu/seed{seed}/checkpoints/last.ckpt eval=sudoku_mdm_fast ~eval.samplers.ancestral "
+    "~eval.samplers.confidence seed={seed} "
     "eval.nfe=[4,18] eval.max_batches=2 eval.seed={seed}"
 )
 
@@ -53,7 +54,8 @@ echo "experiment=$exp seed=$seed" >> {tmp}/trained.txt
 run="$FLOWLM_RUNS/$exp/cpu/seed$seed"
 family=$([[ $exp == sudoku_mdm* ]] && echo mdm || echo flow)
 mkdir -p "$run/checkpoints" && touch "$run/checkpoints/last.ckpt" "$run/checkpoints/curve-step0000001.ckpt"
-printf "seed: $seed\\nfamily: $family\\ntrainer: {{max_steps: 2}}\\n" > "$run/run_config.yaml"
+printf "seed: $seed\\nfamily: $family\\nname: $exp\\ntask: sudoku_easy_6x6\\ntrainer: {{max_steps: 2}}\\n" \\
+    > "$run/run_config.yaml"
 printf "eval:\\n  nfe: [4, 18]\\n  max_batches: 2\\n  seed: $seed\\n" >> "$run/run_config.yaml"
 if [[ -e {tmp}/block ]]; then  # a long training: it runs while `block` exists; SIGTERM ends it once `linger` is gone
     echo $$ >> {tmp}/trainers.txt
