@@ -17,7 +17,7 @@ Because w is known before the loss is computed, G needs nothing the forward pass
 of rows takes its logits over the whole vocabulary once (one head product), its lse, per_token and G, and the two
 gradient products, then frees them. The backward only scales the stored gradients by the upstream scalar. So a step
 costs the head's three products (forward, ∂features, ∂W) as the dense path does, where recomputing the logits in a
-separate backward would cost a fourth; memory holds one block's (rows × |V|) float32 buffers (``BLOCK_BYTES``) plus
+separate backward would cost a fourth; memory holds one block's (rows × |V|) float32 buffers (``block_rows``) plus
 ∂features (B·L × d) and ∂W (|V| × d), which the backward writes anyway. Without grad mode (validation) only the
 loss is computed. The cap bounds g − c to (−2c, 0] (summary.py's docstring), so lse = c + log Σ_v exp(g_v − c)
 needs no running maximum.
@@ -31,13 +31,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-BLOCK_BYTES = 32 << 20  # one block's float32 (rows × |V|) buffer
+from flowlm.ops.summary import vocab_sizes
+
 MIN_BLOCK = 16  # rows; fewer make the head's matrix product inefficient
 
 
-def block_rows(vocab: int) -> int:
-    """Rows per block so that one (rows × |V|) float32 buffer takes about ``BLOCK_BYTES`` (at least ``MIN_BLOCK``)."""
-    return max(MIN_BLOCK, BLOCK_BYTES // (4 * max(vocab, 1)))
+def block_rows(vocab: int, device: torch.device | str) -> int:
+    """Rows per block so that one (rows × |V|) float32 buffer takes about ``vocab_sizes(device).ce_block_bytes`` (at
+    least ``MIN_BLOCK``): 32 MiB on the CPU, bounded by memory on a GPU, where a block costs some 30 kernel launches
+    whatever its rows (docs/gpu.md)."""
+    return max(MIN_BLOCK, vocab_sizes(device).ce_block_bytes // (4 * max(vocab, 1)))
 
 
 def _sigma(z: Tensor, cap: float) -> Tensor:
@@ -68,10 +71,15 @@ def _groups(b: int, length: int, rows: Tensor | None, device) -> tuple[Tensor, T
 def _function(device_type: str) -> type[torch.autograd.Function]:
     """The autograd Function for one autocast device type: ``custom_fwd`` records the caller's autocast, so each
     block's logits are rounded as the model's head would round them; the gradients are made in the forward."""
+    try:
+        torch.is_autocast_enabled(device_type)
+        records_autocast = torch.amp.custom_fwd(device_type=device_type)
+    except RuntimeError:  # a device type without autocast (the meta device of tests/gpu_readiness): nothing to record
+        records_autocast = lambda forward: forward  # noqa: E731
 
     class FusedCappedCE(torch.autograd.Function):
         @staticmethod
-        @torch.amp.custom_fwd(device_type=device_type)
+        @records_autocast
         def forward(ctx, features, weight, bias, tokens, weights, rows, values, cap, block, wanted):
             b, length, d = features.shape
             flat = features.reshape(-1, d)
@@ -175,7 +183,7 @@ def fused_capped_ce(
         if values.shape != (rows.shape[0], features.shape[1], weight.shape[0]):
             raise ValueError(f"soft targets {tuple(values.shape)} do not match rows {tuple(rows.shape)}")
         values = values.detach()
-    size = block if block is not None else block_rows(weight.shape[0])
+    size = block if block is not None else block_rows(weight.shape[0], features.device)
     if size < 1:
         raise ValueError(f"block must be ≥ 1 row, got {size}")
     grad = torch.is_grad_enabled()  # without it (validation) the forward makes no gradients

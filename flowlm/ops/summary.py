@@ -29,12 +29,15 @@ from torch import Tensor
 CHUNK_BYTES = 4 << 20
 ROW_BLOCK_BYTES = 1 << 20  # chunked_max_log_prob: float32 bytes of one block of rows × one chunk
 CDF_TILE_BYTES = 1 << 20  # draw_rows: float64 working tile of the first level (rows × columns × 8), about an L2 cache
+CE_BLOCK_BYTES = 32 << 20  # the training loss (flowlm/ops/fused_ce.py): one block's float32 (rows × |V|) buffer
 # On any other device (CUDA; the meta device that stands in for it in tests/gpu_readiness) a chunk is bounded by
 # memory, not by a cache: each chunk or tile costs a dozen kernel launches whatever its size, so cache-sized chunks
 # launched 20–46 DiT `small` forwards' worth of kernels per NFE at 8 × 1 024 rows (docs/gpu.md). A chunk's float32
 # logits (and draw_rows' float64 tile) take up to this much, and the rows go through in one block: at |V| = 50 258 a
 # pass is one chunk up to 1 335 rows, 7 at 8 × 1 024. The pass's buffers (the product, its float32 copy, e^s for the
-# entropy) hold a few such chunks: about 1 GiB at most.
+# entropy) hold a few such chunks: about 1 GiB at most. The fused cross-entropy of training takes blocks of rows of
+# the same size (1 335 rows at |V| = 50 258: 13 blocks at a 16 × 1 024 micro batch, where the CPU's 32 MiB made 99),
+# its buffers (σ, e^g, a soft block's q·σ, the gradient's bf16 casts) about 0.8 GiB.
 DEVICE_PASS_BYTES = 256 << 20
 MIN_CHUNK = 256  # narrower chunks make the head's matrix product inefficient
 BLOCK = 64  # row_max's block: chunks are multiples of it
@@ -47,13 +50,14 @@ class VocabSizes(NamedTuple):
     chunk_bytes: int  # float32 bytes of one chunk's logits, rows × columns (``chunk_width``)
     row_block_bytes: int | None  # float32 bytes of one block of rows × one chunk (``row_block``); None: one block
     tile_bytes: int  # float64 bytes of draw_rows' first-level tile, rows × columns
+    ce_block_bytes: int  # float32 bytes of one block of the fused cross-entropy, rows × |V| (fused_ce.block_rows)
 
 
 def vocab_sizes(device: torch.device | str) -> VocabSizes:
     """The sizes of a vocabulary pass on ``device``: cache-sized on the CPU, bounded by memory on any other device."""
     if torch.device(device).type == "cpu":  # read at each call: the tests narrow the CPU's chunks
-        return VocabSizes(CHUNK_BYTES, ROW_BLOCK_BYTES, CDF_TILE_BYTES)
-    return VocabSizes(DEVICE_PASS_BYTES, None, DEVICE_PASS_BYTES)
+        return VocabSizes(CHUNK_BYTES, ROW_BLOCK_BYTES, CDF_TILE_BYTES, CE_BLOCK_BYTES)
+    return VocabSizes(DEVICE_PASS_BYTES, None, DEVICE_PASS_BYTES, DEVICE_PASS_BYTES)
 
 
 def dense_summary(log_probs: Tensor) -> tuple[Tensor, Tensor]:

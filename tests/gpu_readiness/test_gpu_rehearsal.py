@@ -1,7 +1,8 @@
 """A first CUDA run rehearsed on the meta device (tests/gpu_readiness/meta_cuda.py, docs/gpu.md): a training step of
-every method family, every MDM sampler (block cache included), PR and the lm-eval likelihood estimator run with
-their model, inputs and generators on "meta", each against its budget: no op CUDA would refuse, the host syncs the
-docs state, and kernel launches per NFE within a stated factor of one network forward at the same shape."""
+every method family (MDM's and FMLM+'s also at OpenWebText's shape, FMLM+'s loss fused), every MDM sampler (block
+cache included), PR and the lm-eval likelihood estimator run with their model, inputs and generators on "meta", each
+against its budget: no op CUDA would refuse, the host syncs the docs state, and kernel launches per NFE (per step)
+within a stated factor of one network forward at the same shape."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from flowlm.metrics.likelihood import mdm_elbo_estimate
 from flowlm.ops.draws import draw_rows
+from flowlm.ops.fused_ce import fused_capped_ce
 from flowlm.ops.summary import chunked_head_draw, chunked_head_summary, chunked_summary, head_expectation
 from flowlm.samplers import (
     AncestralSampler,
@@ -95,6 +97,70 @@ def test_a_training_step_runs_on_the_device_without_reading_it(method):
     assert run.errors == [], run.errors
     assert run.sync_count == 0, run.sync_where
     assert run.launch_count > 100 and run.launches["addcdiv_"] > 0  # the step and AdamW ran on the device
+
+
+# Kernel launches of one training step at OpenWebText's paper shape (DiT `small`, micro batch 16 × 1 024,
+# |V| = 50 258) over one MDM forward's at that shape (558): the step after a first one (AdamW's state made), AdamW
+# with ``foreach`` as torch picks it on CUDA (on meta it would fall back to its per-tensor loop). FMLM+'s student
+# loss runs fused (flowlm/ops/fused_ce.py), its blocks of rows sized per device (``vocab_sizes``). Measured
+# 2026-12-06: MDM 2.44; FMLM+ 5.84 (a student forward, two teacher forwards on the 8 jump rows, the backward, the
+# fused loss in 14 blocks), 10.46 with the CPU's 32 MiB blocks on the device (100 blocks). docs/gpu.md states them.
+TEXT_STEP = (16, 1024, 50258)  # (micro batch, length, |V|)
+TRAIN_LAUNCH_FACTOR = {"mdm": 3.0, "fmlm_plus": 7.0}
+CE_LAUNCHES = 600  # the fused loss alone at TEXT_STEP, a quarter of its rows soft: 433 (2 969 with the CPU's blocks)
+
+
+def _text_step(method: str) -> MetaCuda:
+    """The meta run of ``method``'s second training step at ``TEXT_STEP`` (draw, bf16 loss, backward, AdamW)."""
+    batch, length, vocab = TEXT_STEP
+    torch.manual_seed(0)
+    kw = {"data_vocab_size": vocab, "seq_len": length, "backbone": SMALL, "optim": {}}
+    with torch.device(META):
+        module = (MDMModule if method == "mdm" else FMLMPlusModule)(**kw).train()
+    assert method == "mdm" or module.fused_head() is not None  # fused_loss=auto fuses FMLM+'s loss at |V| > d
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-3, foreach=True)
+    data = {
+        "tokens": torch.zeros(batch, length, dtype=torch.long, device=META),
+        "prompt_mask": torch.zeros(batch, length, dtype=torch.bool, device=META),
+    }
+    for _ in range(2):  # the second step is counted: the first also makes AdamW's state
+        with MetaCuda() as run:
+            with torch.autocast(META.type, dtype=torch.bfloat16):
+                loss = module.loss(data, module.draw(data, 0, stage="train")).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return run
+
+
+@pytest.mark.parametrize("method", sorted(TRAIN_LAUNCH_FACTOR))
+def test_a_training_step_at_a_text_vocabulary(method):
+    """MDM's and FMLM+'s training step at ``TEXT_STEP`` on "meta": no device error, no host sync, launches ≤
+    ``TRAIN_LAUNCH_FACTOR`` forwards — FMLM+'s fused loss in a handful of memory-bounded blocks, not in the CPU's
+    cache-sized ones."""
+    run = _text_step(method)
+    assert run.errors == [] and run.sync_count == 0, (run.errors, run.sync_where)
+    per_forward = run.launch_count / _forward_launches(*TEXT_STEP)
+    assert per_forward <= TRAIN_LAUNCH_FACTOR[method], (per_forward, run.launches.most_common(10))
+
+
+def test_the_fused_loss_on_the_device_is_a_handful_of_blocks():
+    """FMLM+'s fused cross-entropy alone at ``TEXT_STEP`` (d 768; 4 of the 16 rows soft, as distill or teacher
+    targets), forward with its gradient and backward under bf16 autocast: ≤ ``CE_LAUNCHES`` kernels, 14 blocks of
+    1 335 rows at most (some 30 launches each) where the CPU's 32 MiB blocks of 166 rows launched 2 969."""
+    batch, length, vocab = TEXT_STEP
+    with torch.device(META):
+        features = torch.empty(batch, length, 768, requires_grad=True)
+        weight, bias = torch.empty(vocab, 768, requires_grad=True), torch.empty(vocab, requires_grad=True)
+        tokens, weights = torch.zeros(batch, length, dtype=torch.long), torch.empty(batch, length)
+        soft = (torch.arange(4), torch.empty(4, length, vocab))
+    with MetaCuda() as run:
+        with torch.autocast(META.type, dtype=torch.bfloat16):
+            loss, _ = fused_capped_ce(features, weight, bias, tokens, weights, soft, cap=30.0)
+        loss.backward()
+    assert run.errors == [] and run.sync_count == 0, (run.errors, run.sync_where)
+    assert run.launches["mm"] == 2 * 14  # ∂features and ∂W, one block at a time
+    assert 0 < run.launch_count <= CE_LAUNCHES, (run.launch_count, run.launches.most_common(5))
 
 
 # ---------------------------------------------------------------------------------------------- samplers

@@ -13,23 +13,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import flowlm.ops.fused_ce as fused_ce_module
+import flowlm.ops.summary as summary_module
 from flowlm.objectives.flow import SOFT_CAP, log_delta
-from flowlm.ops.fused_ce import fused_capped_ce
+from flowlm.ops.fused_ce import MIN_BLOCK, block_rows, fused_capped_ce
+from flowlm.ops.summary import DEVICE_PASS_BYTES, vocab_sizes
 
 B, L, D, V = 4, 6, 12, 53
 
 
-def _case(seed: int = 0, dtype=torch.float32):
+def _case(seed: int = 0, dtype=torch.float32, b: int = B, length: int = L):
     """Features, a head with logits spread over ±3·cap (the cap's curved part and its flat tails), tokens, two soft
     rows of target distributions (rows 2 and 0: not sorted) and token weights with zeros."""
     gen = torch.Generator().manual_seed(seed)
-    features = torch.randn(B, L, D, generator=gen, dtype=dtype)
+    features = torch.randn(b, length, D, generator=gen, dtype=dtype)
     weight = torch.randn(V, D, generator=gen, dtype=dtype) * 12
     bias = torch.randn(V, generator=gen, dtype=dtype) * 5
-    tokens = torch.randint(0, V, (B, L), generator=gen)
+    tokens = torch.randint(0, V, (b, length), generator=gen)
     rows = torch.tensor([2, 0])
-    values = F.softmax(torch.randn(2, L, V, generator=gen, dtype=dtype) * 3, -1)
-    upstream = torch.randn(B, L, generator=gen, dtype=dtype)
+    values = F.softmax(torch.randn(2, length, V, generator=gen, dtype=dtype) * 3, -1)
+    upstream = torch.randn(b, length, generator=gen, dtype=dtype)
     upstream[1, 2:] = 0  # masked tokens, a one-hot row
     upstream[2, 0] = 0  # and a soft row
     return features, weight, bias, tokens, (rows, values), upstream
@@ -98,6 +101,52 @@ def test_fused_equals_dense_under_bf16_autocast(block):
     for name, got, want in zip(("features", "weight", "bias"), fused[1], dense[1], strict=True):
         assert got.dtype == torch.float32
         assert (got - want).abs().max() <= 1e-2 * want.abs().max(), name
+
+
+def test_the_cpu_keeps_its_32_mib_blocks_and_a_gpu_takes_memory_bounded_ones():
+    """``block_rows`` per device (flowlm/ops/summary.py ``vocab_sizes``, issue 51): the CPU's 32 MiB of float32 a
+    block, 166 rows at |V| = 50 258 (99 blocks at a 16 × 1 024 micro batch), at least ``MIN_BLOCK``; CUDA and meta
+    the samplers' memory bound, 1 335 rows (13 blocks)."""
+    assert vocab_sizes("cpu").ce_block_bytes == 32 << 20
+    assert block_rows(50258, "cpu") == block_rows(50258, torch.device("cpu")) == 166
+    assert block_rows(V, "cpu") == (32 << 20) // (4 * V) and block_rows(10**7, "cpu") == MIN_BLOCK
+    for device in ("cuda", torch.device("cuda", 1), "meta"):
+        assert vocab_sizes(device).ce_block_bytes == DEVICE_PASS_BYTES
+        assert block_rows(50258, device) == 1335 and 1335 * 50258 * 4 <= DEVICE_PASS_BYTES
+        assert block_rows(10**7, device) == MIN_BLOCK
+
+
+class _HeadProducts(torch.overrides.TorchFunctionMode):
+    """Counts ``F.linear`` calls: the fused function's head product, one per block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += func is F.linear
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fused_cut_as_on_a_gpu_equals_dense(monkeypatch, autocast):
+    """CPU tensors cut into the blocks a GPU takes (``vocab_sizes("cuda")``, its budget narrowed to 20 rows at
+    |V| = 53, the default ``block``): 8 × 16 tokens in seven blocks (96 one-hot tokens in five, 32 soft in two), the
+    loss, per_token and the gradients the dense path's within the float32 and bf16 tolerances above."""
+    real = summary_module.vocab_sizes
+    monkeypatch.setattr(fused_ce_module, "vocab_sizes", lambda device: real("cuda"))
+    monkeypatch.setattr(summary_module, "DEVICE_PASS_BYTES", 4 * V * 20)
+    assert block_rows(V, "cpu") == 20
+    features, weight, bias, tokens, soft, upstream = _case(6, b=8, length=16)
+    dense = _loss_and_grads(_dense_fn(tokens, soft, upstream), features, weight, bias, autocast=autocast)
+    with _HeadProducts() as products:
+        fused = _loss_and_grads(_fused_fn(tokens, soft, upstream, None), features, weight, bias, autocast=autocast)
+    assert products.count == 7
+    close, grad_rel = (1e-4, 1e-2) if autocast else (2e-5, 1e-5)
+    assert torch.allclose(fused[0], dense[0], rtol=close, atol=close), (fused[0] - dense[0]).abs().max()
+    assert torch.allclose(fused[2], dense[2], rtol=close, atol=close), (fused[2], dense[2])
+    for name, got, want in zip(("features", "weight", "bias"), fused[1], dense[1], strict=True):
+        assert (got - want).abs().max() <= grad_rel * want.abs().max(), name
 
 
 def test_zero_weights_give_zero_gradient_and_the_upstream_scales_it():

@@ -29,11 +29,12 @@ N, VOCAB, D = 40, 1000, 16
 
 def test_the_cpu_keeps_its_cache_sized_passes_and_a_gpu_takes_a_handful_of_chunks():
     """CPU: today's sizes (4 MiB chunks of at least 256 columns, 1 MiB row blocks halved for the entropy, 1 MiB
-    float64 draw tiles). CUDA and meta at 8 × 1 024 rows and |V| = 50 258: chunks of ≥ 4 096 columns (≤ 13 a pass)
-    within the memory budget, every row in one block, draw tiles of ≥ 4 096 columns; one chunk at 1 × 256."""
+    float64 draw tiles, 32 MiB blocks of the fused loss: tests/objectives/test_fused_ce.py). CUDA and meta at
+    8 × 1 024 rows and |V| = 50 258: chunks of ≥ 4 096 columns (≤ 13 a pass) within the memory budget, every row in
+    one block, draw tiles of ≥ 4 096 columns; one chunk at 1 × 256."""
     assert chunk_width(8192, 50258, "cpu") == 256 and chunk_width(256, 50258, "cpu") == 4096
     assert row_block(8192, 256, "cpu") == 1024 and row_block(8192, 256, "cpu", entropy=True) == 512
-    assert vocab_sizes(torch.device("cpu")) == (4 << 20, 1 << 20, 1 << 20)
+    assert vocab_sizes(torch.device("cpu")) == (4 << 20, 1 << 20, 1 << 20, 32 << 20)  # + fused_ce's 32 MiB blocks
     for device in ("cuda", torch.device("cuda", 1), "meta"):
         width = chunk_width(8192, 50258, device)
         assert width >= 4096 and width % BLOCK == 0 and 8192 * width * 4 <= DEVICE_PASS_BYTES, (device, width)
