@@ -12,10 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from flowlm.options import as_bool, as_int
 from lightning_modules.checkpoints import UntrustedCheckpointError, load_module, read_checkpoint, read_checkpoint_meta
 from runners import lm_harness, mt_bench
+from runners.common import RUN_SWITCHES
 from runners.lm_harness import FlowLM
 from tests.conftest import FAST, compose_config
 from tests.pretrained.test_safe_loading import crafted
@@ -101,6 +103,56 @@ def test_mt_bench_overwrite_no_does_not_replace_written_answers(checkpoints, que
     with pytest.raises(ValueError, match="^overwrite must be true or false"):
         mt_bench.run(config(tmp_path, *common, "overwrite=perhaps"))
     assert answers.read_text() == before
+
+
+@pytest.mark.parametrize(
+    ("command", "overrides", "key"),
+    [("train", ["final_eval=maybe"], "final_eval"), ("eval", ["ckpt_path=x.ckpt", "compile=perhaps"], "compile")],
+)
+def test_train_and_eval_refuse_a_switch_that_is_not_a_boolean_before_the_task_runs(command, overrides, key):
+    """`final_eval=maybe`, `compile=perhaps` (conf/train.yaml, conf/eval.yaml) were read as `if cfg.x:`: true."""
+    from runners.trial import run_trial
+
+    def never(cfg):
+        pytest.fail("the task ran")
+
+    with pytest.raises(ValueError, match=rf"^{key} must be true or false .*give {key}=true or {key}=false$"):
+        run_trial(never, compose_config(command, overrides))
+
+
+def test_train_and_eval_read_the_usual_spellings_of_their_switches_as_booleans(runs_env):
+    """`final_eval=no` is the string "no" in Hydra's config, truthy: it evaluated; each switch is a real bool by
+    the time the task reads it (MLflow's `logger.log_model=all` kept)."""
+    from runners.trial import run_trial
+
+    seen = {}
+
+    def task(cfg):
+        seen.update({key: OmegaConf.select(cfg, key) for key in RUN_SWITCHES})
+        return {"rows": []}
+
+    overrides = ["final_eval=no", "compile=off", "sweep.continue_on_error=0", "logger.log_model=all", "tf32=yes"]
+    run_trial(task, compose_config("train", overrides))
+    assert seen == {
+        **{"compile": False, "activation_checkpointing": False, "final_eval": False, "tf32": True},
+        **{"sweep.continue_on_error": False, "logger.resilient": True, "logger.log_model": "all"},
+    }
+
+
+def test_the_report_refuses_log_to_mlflow_maybe_before_reading_the_store(tmp_path):
+    """`flowlm-report log_to_mlflow=maybe` logged the report (`if cfg.log_to_mlflow:`); now refused first, in one
+    line naming the option (the probe's missing store answered before it); `no` is false."""
+    from runners.report import report
+
+    common = [f"tracking_uri=sqlite:///{tmp_path}/none/mlflow.db", f"out={tmp_path}/out", f"paths.root={tmp_path}"]
+    with pytest.raises(ValueError, match=r"^log_to_mlflow must be true or false .*got 'maybe'") as refused:
+        report(compose_config("report", [*common, "log_to_mlflow=maybe"]))
+    assert "\n" not in str(refused.value)
+    cfg = compose_config("report", [*common, "log_to_mlflow=no"])
+    with pytest.raises(FileNotFoundError, match="^tracking_uri: no MLflow store"):
+        report(cfg)
+    assert cfg.log_to_mlflow is False
+    assert not (tmp_path / "none").exists() and not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------------------------------------ integers
