@@ -155,6 +155,37 @@ def test_the_report_refuses_log_to_mlflow_maybe_before_reading_the_store(tmp_pat
     assert not (tmp_path / "none").exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("checkpoint", "bad", "match"),
+    [
+        ("run", "mc_samples=nan", r"^flowlm: mc_samples must be an integer ≥ 1, got nan$"),
+        ("run", "nfes=4", r"^flowlm: unknown model_args nfes "),
+        ("run", "sampler.temperature=nan", r"temperature"),
+        ("sudoku", "nfe=4", r"sudoku.ckpt records no tokenizer .* give model_args tokenizer=NAME_OR_DIR"),
+    ],
+)
+def test_lm_eval_refuses_bad_model_args_before_any_mlflow_run(
+    lm_checkpoints, local_tasks, tmp_path, checkpoint, bad, match
+):
+    """A bad model_args value was refused in one line, but only once lm-eval built the model, inside the MLflow run
+    (a FAILED run left in the store); now the model's checks run first, and the store is never made."""
+    store = tmp_path / "store" / "mlflow.db"
+    with pytest.raises((ValueError, TypeError), match=match) as refused:
+        lm_harness.evaluate(
+            model="flowlm", model_args=f"checkpoint={lm_checkpoints[checkpoint]},{bad}", tasks=["flowlm_qa"],
+            task_manager=local_tasks, device="cpu", tracking_uri=f"sqlite:///{store}",
+        )  # fmt: skip
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "store").exists()
+
+
+def test_the_model_args_check_reads_no_weights(lm_checkpoints, monkeypatch):
+    """``FlowLM.check_args`` (what ``tracked`` runs before the MLflow run) passes good model_args without reading the
+    weights, which lm-eval's own build of the model reads next."""
+    monkeypatch.setattr(lm_harness, "load_module", lambda *a, **k: pytest.fail("the weights were read"))
+    FlowLM.check_args(checkpoint=str(lm_checkpoints["run"]), nfe="4", mc_samples=2, device="cpu")
+
+
 # ------------------------------------------------------------------------------------------------ integers
 @pytest.mark.parametrize("value", [1.5, "abc", "1.5", True, None])
 def test_a_seed_that_is_not_an_integer_is_refused_naming_seed(value):
