@@ -74,12 +74,25 @@ def check_budgets(eval_cfg: DictConfig) -> None:
             )
 
 
+_ABSENT = object()
+# The switches of flowlm-train's and flowlm-eval's configs (conf/train.yaml, conf/eval.yaml, conf/logger), each read
+# as `if cfg.x:`: `final_eval=no` skipped nothing, `sweep.continue_on_error=no` went on after a failing trial.
+RUN_SWITCHES = (
+    *("compile", "activation_checkpointing", "final_eval", "tf32", "sweep.continue_on_error"),
+    *("logger.resilient", "logger.log_model"),
+)
+
+
 def check_switches(cfg: DictConfig, keys: tuple[str, ...]) -> None:
     """Set each switch ``keys`` names (dotted) to a real boolean, before anything is read or written: Hydra keeps
     ``trust_pickle=no`` or ``overwrite=no`` a string, which is truthy; an unclear value (``maybe``) is a ValueError
-    naming the option (``flowlm.options.as_bool``)."""
+    naming the option (``flowlm.options.as_bool``). A key the config does not hold is left alone (``logger=null``);
+    ``logger.log_model`` may also be MLflow's ``all``."""
     for key in keys:
-        value = as_bool(key, OmegaConf.select(cfg, key))
+        given = OmegaConf.select(cfg, key, default=_ABSENT)
+        if given is _ABSENT or (key == "logger.log_model" and given == "all"):
+            continue
+        value = as_bool(key, given)
         with open_dict(cfg):
             OmegaConf.update(cfg, key, value, merge=False)
 

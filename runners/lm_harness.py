@@ -170,6 +170,16 @@ class FlowLM(LM):
     ``batch_size``: rows per network call (generation: requests per sampler call; the ELBO: Monte-Carlo rows).
     """
 
+    _read_weights = True  # False in ``check_args``: every check made, the weights never read
+
+    @classmethod
+    def check_args(cls, **model_args: Any) -> None:
+        """Every check ``model_args`` get (names, values, the checkpoint's record, its tokenizer, the sampler) without
+        reading the weights: ``tracked`` runs it before the MLflow run is made (``mc_samples=nan`` left a run)."""
+        lm = cls.__new__(cls)
+        lm._read_weights = False
+        lm.__init__(**model_args)
+
     def __init__(
         self,
         checkpoint: str,
@@ -264,6 +274,8 @@ class FlowLM(LM):
         self.nfe = None if nfe is None else _positive_int("nfe", nfe)
         if self.nfe is not None:
             self.sampler.check_budget(self.nfe, free_positions=gen_length)
+        if not self._read_weights:
+            return
 
         vocab = len(tok)
         self.module = load_module(
@@ -641,9 +653,15 @@ def _resolve_device(device: str | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolved = torch.device(device)
     if resolved.type == "cuda" and not torch.cuda.is_available():
-        log.warning("flowlm: device %s is not available here; running on the CPU", device)
+        _warn_no_cuda(device)
         return torch.device("cpu")
     return resolved
+
+
+@functools.cache
+def _warn_no_cuda(device: str) -> None:
+    # once a process: ``tracked`` checks the model_args (FlowLM.check_args) before lm-eval builds the model
+    log.warning("flowlm: device %s is not available here; running on the CPU", device)
 
 
 def _stops(gen_kwargs: dict | None) -> list[str]:
@@ -796,6 +814,9 @@ def tracked(simple_evaluate: Callable, tracking_uri: str | None = None, experime
             model_args = simple_parse_args_string(model_args)
         if "checkpoint" not in model_args:
             raise TypeError("flowlm: model_args need checkpoint=PATH")
+        # the model as simple_evaluate will build it, its weights not read: a bad value is refused before any run
+        built_with = {k: call.get(k) for k in ("batch_size", "max_batch_size", "device")}
+        FlowLM.check_args(**model_args, **{k: v for k, v in built_with.items() if v is not None})
         refuse_likelihood_tasks(model_args, call)
         cfg = tracking_config(
             str(model_args["checkpoint"]),

@@ -10,6 +10,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from flowlm.project import CONF_DIR
+from runners.common import check_switches
 from runners.console import console_script
 
 if TYPE_CHECKING:
@@ -25,6 +26,8 @@ def report(cfg: DictConfig) -> tuple[Report, str | None]:
     # here, not at the top: MLflow, pandas and matplotlib are not needed for `flowlm-report --help`
     from analysis.report import build_report, log_report
     from analysis.sudoku_tables import build_sudoku_report
+
+    check_switches(cfg, ("log_to_mlflow",))  # `log_to_mlflow=no` is a truthy string: it logged
 
     if cfg.get("results_dir"):
         built = build_sudoku_report(Path(cfg.results_dir).expanduser(), Path(cfg.out).expanduser(), title=cfg.title)

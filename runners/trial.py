@@ -22,7 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from flowlm.experiment_kind import mark_model_training
-from runners.common import release_run_dir
+from runners.common import RUN_SWITCHES, check_switches, release_run_dir
 from runners.console import quiet_library_notices
 from runners.mlflow_run import ERROR_TAG, MAX_VALUE, end_with_error, run_tags, trial_params
 from runners.objectives import ObjectiveError, objective_keys, objective_values, parse_key
@@ -41,6 +41,7 @@ def run_trial(task: Callable[[DictConfig], dict], cfg: DictConfig) -> float | li
     outcome (objective values, or its error) for the multirun's summary line (``SweepCallback``).
     """
     quiet_library_notices()  # again here: a trial may run in a process of its own (joblib, submitit)
+    check_switches(cfg, RUN_SWITCHES)  # before any compute; a sweep's `continue_on_error=maybe` is the sweep's mistake
     hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
     if hydra_cfg is None or hydra_cfg.mode != RunMode.MULTIRUN:
         try:

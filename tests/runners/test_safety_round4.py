@@ -12,10 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from flowlm.options import as_bool, as_int
 from lightning_modules.checkpoints import UntrustedCheckpointError, load_module, read_checkpoint, read_checkpoint_meta
 from runners import lm_harness, mt_bench
+from runners.common import RUN_SWITCHES
 from runners.lm_harness import FlowLM
 from tests.conftest import FAST, compose_config
 from tests.pretrained.test_safe_loading import crafted
@@ -101,6 +103,87 @@ def test_mt_bench_overwrite_no_does_not_replace_written_answers(checkpoints, que
     with pytest.raises(ValueError, match="^overwrite must be true or false"):
         mt_bench.run(config(tmp_path, *common, "overwrite=perhaps"))
     assert answers.read_text() == before
+
+
+@pytest.mark.parametrize(
+    ("command", "overrides", "key"),
+    [("train", ["final_eval=maybe"], "final_eval"), ("eval", ["ckpt_path=x.ckpt", "compile=perhaps"], "compile")],
+)
+def test_train_and_eval_refuse_a_switch_that_is_not_a_boolean_before_the_task_runs(command, overrides, key):
+    """`final_eval=maybe`, `compile=perhaps` (conf/train.yaml, conf/eval.yaml) were read as `if cfg.x:`: true."""
+    from runners.trial import run_trial
+
+    def never(cfg):
+        pytest.fail("the task ran")
+
+    with pytest.raises(ValueError, match=rf"^{key} must be true or false .*give {key}=true or {key}=false$"):
+        run_trial(never, compose_config(command, overrides))
+
+
+def test_train_and_eval_read_the_usual_spellings_of_their_switches_as_booleans(runs_env):
+    """`final_eval=no` is the string "no" in Hydra's config, truthy: it evaluated; each switch is a real bool by
+    the time the task reads it (MLflow's `logger.log_model=all` kept)."""
+    from runners.trial import run_trial
+
+    seen = {}
+
+    def task(cfg):
+        seen.update({key: OmegaConf.select(cfg, key) for key in RUN_SWITCHES})
+        return {"rows": []}
+
+    overrides = ["final_eval=no", "compile=off", "sweep.continue_on_error=0", "logger.log_model=all", "tf32=yes"]
+    run_trial(task, compose_config("train", overrides))
+    assert seen == {
+        **{"compile": False, "activation_checkpointing": False, "final_eval": False, "tf32": True},
+        **{"sweep.continue_on_error": False, "logger.resilient": True, "logger.log_model": "all"},
+    }
+
+
+def test_the_report_refuses_log_to_mlflow_maybe_before_reading_the_store(tmp_path):
+    """`flowlm-report log_to_mlflow=maybe` logged the report (`if cfg.log_to_mlflow:`); now refused first, in one
+    line naming the option (the probe's missing store answered before it); `no` is false."""
+    from runners.report import report
+
+    common = [f"tracking_uri=sqlite:///{tmp_path}/none/mlflow.db", f"out={tmp_path}/out", f"paths.root={tmp_path}"]
+    with pytest.raises(ValueError, match=r"^log_to_mlflow must be true or false .*got 'maybe'") as refused:
+        report(compose_config("report", [*common, "log_to_mlflow=maybe"]))
+    assert "\n" not in str(refused.value)
+    cfg = compose_config("report", [*common, "log_to_mlflow=no"])
+    with pytest.raises(FileNotFoundError, match="^tracking_uri: no MLflow store"):
+        report(cfg)
+    assert cfg.log_to_mlflow is False
+    assert not (tmp_path / "none").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "bad", "match"),
+    [
+        ("run", "mc_samples=nan", r"^flowlm: mc_samples must be an integer ≥ 1, got nan$"),
+        ("run", "nfes=4", r"^flowlm: unknown model_args nfes "),
+        ("run", "sampler.temperature=nan", r"temperature"),
+        ("sudoku", "nfe=4", r"sudoku.ckpt records no tokenizer .* give model_args tokenizer=NAME_OR_DIR"),
+    ],
+)
+def test_lm_eval_refuses_bad_model_args_before_any_mlflow_run(
+    lm_checkpoints, local_tasks, tmp_path, checkpoint, bad, match
+):
+    """A bad model_args value was refused in one line, but only once lm-eval built the model, inside the MLflow run
+    (a FAILED run left in the store); now the model's checks run first, and the store is never made."""
+    store = tmp_path / "store" / "mlflow.db"
+    with pytest.raises((ValueError, TypeError), match=match) as refused:
+        lm_harness.evaluate(
+            model="flowlm", model_args=f"checkpoint={lm_checkpoints[checkpoint]},{bad}", tasks=["flowlm_qa"],
+            task_manager=local_tasks, device="cpu", tracking_uri=f"sqlite:///{store}",
+        )  # fmt: skip
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "store").exists()
+
+
+def test_the_model_args_check_reads_no_weights(lm_checkpoints, monkeypatch):
+    """``FlowLM.check_args`` (what ``tracked`` runs before the MLflow run) passes good model_args without reading the
+    weights, which lm-eval's own build of the model reads next."""
+    monkeypatch.setattr(lm_harness, "load_module", lambda *a, **k: pytest.fail("the weights were read"))
+    FlowLM.check_args(checkpoint=str(lm_checkpoints["run"]), nfe="4", mc_samples=2, device="cpu")
 
 
 # ------------------------------------------------------------------------------------------------ integers
