@@ -75,7 +75,7 @@ print(c["name"], c["seed"], c["trainer"]["max_steps"])' "$src/run_config.yaml") 
                 "callbacks.curve.every_n_train_steps=$every" "name=${exp}_long" \
                 "hydra.sweep.dir=$study/multirun/${exp}_long_seed$seed"
             echo "$(date -u +%FT%TZ) at step $end: the curve so far"
-            nice -n 10 bash scripts/sudoku_curve.sh "$run" "$study/results/sudoku"
+            FLOWLM_CURVE_UNTIL="$end" nice -n 10 bash scripts/sudoku_curve.sh "$run" "$study/results/sudoku"
             at="$(step)"
         done
         echo "$(date -u +%FT%TZ) done: step $at"

@@ -32,6 +32,10 @@ print(c["trainer"]["max_steps"], ",".join(map(str, nfe)),
          json.dumps(bool(e.get("skip_unfit_budgets"))), json.dumps(bool(c.get("compile")))))' \
     "$run/run_config.yaml" "$results")
 [[ "$final" =~ ^[0-9]+$ ]] || { echo "$0: $run/run_config.yaml could not be read (above)" >&2; exit 2; }
+# A run resumed past its recorded steps (scripts/sudoku_budget_study.sh) keeps its first run_config.yaml: the caller
+# says up to which step (exclusive) the checkpoints are the curve's
+final="${FLOWLM_CURVE_UNTIL:-$final}"
+[[ "$final" =~ ^[0-9]+$ ]] || { echo "$0: FLOWLM_CURVE_UNTIL must be a step count, got '$final'" >&2; exit 2; }
 found=0
 for ckpt in "$run"/checkpoints/curve-step*.ckpt; do
     [[ -f "$ckpt" ]] || continue

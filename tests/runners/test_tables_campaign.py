@@ -307,6 +307,15 @@ def test_the_curve_samples_each_kept_checkpoint_but_the_final_one_with_the_runs_
         ["bash", *script], env={**env, "FLOWLM_CURVE_REDO": "1"}, capture_output=True, text=True, timeout=60
     )
     assert redone.stdout.count("-m runners.evaluate") == 3
+    # a run resumed past its recorded steps (the budget study): the caller says where the curve ends
+    (run / "checkpoints" / "curve-step0000020.ckpt").touch()
+    longer = subprocess.run(
+        ["bash", *script], env={**env, "FLOWLM_CURVE_UNTIL": "24"}, capture_output=True, text=True, timeout=60
+    )
+    assert longer.returncode == 0, longer.stderr
+    assert [line.split()[2] for line in longer.stdout.splitlines() if line.startswith("-m runners.evaluate")] == [
+        f"ckpt_path={run}/checkpoints/curve-step{s:07d}.ckpt" for s in (8, 12, 16, 20)
+    ]
 
 
 def wait_for(condition, what: str, seconds: float = 30) -> None:
