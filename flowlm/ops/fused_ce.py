@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flowlm.ops.summary import vocab_sizes
+from flowlm.ops.summary import has_autocast, vocab_sizes
 
 MIN_BLOCK = 16  # rows; fewer make the head's matrix product inefficient
 
@@ -71,11 +71,8 @@ def _groups(b: int, length: int, rows: Tensor | None, device) -> tuple[Tensor, T
 def _function(device_type: str) -> type[torch.autograd.Function]:
     """The autograd Function for one autocast device type: ``custom_fwd`` records the caller's autocast, so each
     block's logits are rounded as the model's head would round them; the gradients are made in the forward."""
-    try:
-        torch.is_autocast_enabled(device_type)
-        records_autocast = torch.amp.custom_fwd(device_type=device_type)
-    except RuntimeError:  # a device type without autocast (the meta device of tests/gpu_readiness): nothing to record
-        records_autocast = lambda forward: forward  # noqa: E731
+    # a device type without autocast (the meta device of tests/gpu_readiness): nothing to record
+    records_autocast = torch.amp.custom_fwd(device_type=device_type) if has_autocast(device_type) else (lambda f: f)
 
     class FusedCappedCE(torch.autograd.Function):
         @staticmethod

@@ -391,17 +391,23 @@ def head_fold(
     return (*folded, (features, weight, bias)) if draw is not None else (folded, (features, weight, bias))
 
 
+def has_autocast(device_type: str) -> bool:
+    """Whether torch has autocast for ``device_type`` (the meta device of tests/gpu_readiness has none: asking
+    whether it is on raises)."""
+    try:
+        torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False
+    return True
+
+
 def autocast_inputs(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
     """``tensors`` cast once to the autocast dtype where autocast is on for their device and they are floating
     point, as each autocast op would cast them (a chunked head then casts its weight once a call, not once a row
     block and chunk: the casts cost more than the head's product, measured at |V| = 50 258)."""
     first = next(t for t in tensors if t is not None)
     kind = first.device.type
-    try:
-        enabled = torch.is_autocast_enabled(kind)
-    except RuntimeError:  # a device type without autocast (the meta device of tests/gpu_readiness): nothing to cast
-        return tensors
-    if not enabled:
+    if not has_autocast(kind) or not torch.is_autocast_enabled(kind):
         return tensors
     dtype = torch.get_autocast_dtype(kind)
     return tuple(None if t is None or not t.is_floating_point() else t.to(dtype) for t in tensors)
