@@ -35,13 +35,14 @@ ADDED_GREEDY_OPTIONS = {"confidence": "sampled"}
 KEY = ["board", "difficulty", "method", "variant", "sampler", "sampler_settings", "nfe_budget"]
 MEASURES = [
     "accuracy", "valid_pct", "distinct_valid", "train_copy_pct", "auroc", "wrong_pct", "nfe", "nfe_std", "tpf",
-    "forced_share",
+    "forced_share", "sec_per_sample",
 ]  # fmt: skip
 CAPPED = ", capped"  # a line whose NFE budget forced commits beyond its rule (forced_share > 0): not the rule alone
 TRAINING = ["steps", "budget_steps", "wall_s", "final_val_loss"]
 DIFFICULTIES = ("easy", "medium", "hard")
 UNCOND_NFE = (1, 3, 9, 27, 36)  # the paper's 1 / 3 / 9 / 27 / 81 on a 36-cell board
 PAPER_NFE = dict(zip(UNCOND_NFE, (1, 3, 9, 27, 81), strict=True))  # an unconditional NFE here → the paper's
+WALL = "wall ms / sample (per NFE)"  # the adaptive table's sampling time: what the saved calls buy in time
 LOW_NFE = 4  # the released PR setting: R = 4, N = 1
 # Row order of the tables: model (method, variant) then sampler.
 MODELS = [("MDM", "scratch"), ("FMLM+", "scratch"), ("FMLM+", "distill"), ("FMLM+", "init"), ("MLFM", "init")]
@@ -467,9 +468,10 @@ def conditional_table(agg: pd.DataFrame) -> pd.DataFrame:
 
 def adaptive_table(agg: pd.DataFrame) -> pd.DataFrame:
     """The adaptive decoders (ADAPTIVE: threshold, margin, EB) in rows of their own, one per task × model ×
-    sampler × settings × cap: the NFE spent (mean over seeds; the most one seed spent), cells per call, and accuracy
-    / % valid [Wilson 95 %]."""
-    columns = ["task", "model", "sampler", "cap", "NFE spent (mean; seed max)", "TPF", "accuracy / % valid"]
+    sampler × settings × cap: the NFE spent (mean over seeds; the most one seed spent), cells per call, the sampling
+    wall time per sample (mean over seeds; in brackets per NFE spent: what one call costs, against a fixed-step
+    sampler's) and accuracy / % valid [Wilson 95 %]."""
+    columns = ["task", "model", "sampler", "cap", "NFE spent (mean; seed max)", "TPF", WALL, "accuracy / % valid"]
     lines = []
     for d in [*DIFFICULTIES, "uncond"]:
         part = agg[(agg["difficulty"] == d) & agg["sampler"].isin(ADAPTIVE)]
@@ -484,10 +486,35 @@ def adaptive_table(agg: pd.DataFrame) -> pd.DataFrame:
                     "cap": int(line["nfe_budget"]),
                     "NFE spent (mean; seed max)": f"{line['nfe_mean']:.2f}; {line['nfe_seed_max']:.2f}",
                     "TPF": "" if pd.isna(line["tpf_mean"]) else f"{line['tpf_mean']:.2f}",
+                    WALL: wall_per_sample(line),
                     "accuracy / % valid": "" if got is None else str(got),
                 }
             )
     return pd.DataFrame(lines, columns=columns)
+
+
+def wall_per_sample(line: pd.Series) -> str:
+    """'54.1 (28.2)': an aggregate line's sampling wall time per sample in ms, and per NFE spent; '' where no row
+    recorded it."""
+    seconds = line.get("sec_per_sample_mean")
+    if seconds is None or pd.isna(seconds):
+        return ""
+    return f"{1e3 * seconds:.1f} ({1e3 * seconds / line['nfe_mean']:.1f})"
+
+
+def fixed_step_wall(agg: pd.DataFrame) -> str:
+    """' Fixed-step samplers, per NFE: easy MDM ancestral 1.6 ms, …': each task × model × fixed-step sampler's
+    sampling wall time per sample and NFE spent, over its budgets (mean), beside which the adaptive decoders' per-NFE
+    cost reads; '' where no row recorded it."""
+    fixed = agg[~agg["sampler"].isin(ADAPTIVE)]
+    if "sec_per_sample_mean" not in fixed:
+        return ""
+    fixed = fixed.assign(_per=fixed["sec_per_sample_mean"] / fixed["nfe_mean"]).dropna(subset=["_per"])
+    parts = [
+        f"{d} {_label(method, variant)} {sampler} {1e3 * part['_per'].mean():.1f} ms"
+        for (d, method, variant, sampler), part in fixed.groupby(["difficulty", "method", "variant", "sampler"])
+    ]
+    return f" Fixed-step samplers of the same rows, per NFE: {', '.join(parts)}." if parts else ""
 
 
 def tokens_per_call_nfe(paper_nfe: int, board: str = "6x6") -> int:
@@ -1210,8 +1237,9 @@ def build_sudoku_report(
         Section(
             "Adaptive decoders (their own rows)",
             "Threshold, margin and EB decode until their rule is met, under a cap: each line at its cap with the NFE "
-            "it actually spent (mean over seeds; the most one seed spent on average), cells filled per call (TPF) "
-            "and accuracy / % valid.",
+            "it actually spent (mean over seeds; the most one seed spent on average), cells filled per call (TPF), "
+            "the sampling wall time per sample (ms, and per NFE spent: the run's machine, shared, so compare within a "
+            "model and machine) and accuracy / % valid." + fixed_step_wall(agg),
             tables["adaptive"],
         ),
         Section(

@@ -1,5 +1,6 @@
 """What several samplers share beside the contract (``base.py``): their option checks, the MDM start state, the
-blocks of the semi-autoregressive samplers, and times as per-sequence tensors."""
+blocks of the semi-autoregressive samplers, times as per-sequence tensors, and network calls on the rows that need
+them."""
 
 from __future__ import annotations
 
@@ -81,3 +82,36 @@ def sequence_times(x: Tensor, s: float | Tensor, t: float | Tensor) -> tuple[Ten
     b = x.shape[0]
     s, t = (time.to(x.dtype).expand(b) if isinstance(time, Tensor) else x.new_full((b,), time) for time in (s, t))
     return s, t
+
+
+def read_counts(*counts: Tensor, bound: int) -> list[int]:
+    """Device counts (0-dim integer tensors, each in [0, ``bound``]) read back in one host read: packed into one
+    integer in base ``bound`` + 1, one ``.item()`` (a GPU waits once, and tests/host_syncs.py sees the read)."""
+    base, packed = bound + 1, counts[0]
+    for count in counts[1:]:
+        packed = packed * base + count
+    value, out = int(packed), []
+    for _ in counts:
+        value, count = divmod(value, base)
+        out.append(count)
+    return out[::-1]
+
+
+def call_rows(
+    call, x: Tensor, t: Tensor, rows: Tensor, into: Tensor | None = None
+) -> tuple[Tensor | None, list | None]:
+    """The network ``call(x, t)`` (``fn``: logits; ``head_fn``: the head's input, weight and bias) on ``rows`` (n,)
+    only, the rows that need a call, each row's output as alone (no row reads another): a batch costs the calls its
+    rows need, not its most demanding row's calls for every row. ``rows`` comes sized from a count the caller read
+    with its others (``torch.nonzero_static``: no host read here). Returns the (B, L, ·) output, the rows' results
+    written into ``into`` (the rows' earlier outputs: the ancestral no-change cache's) or beside zeros, and the
+    call's other values; (``into``, None) when no row needs it (no call)."""
+    if rows.numel() == 0:
+        return into, None
+    whole = rows.numel() == x.shape[0]
+    out = call(x, t) if whole else call(x.index_select(0, rows), t.index_select(0, rows))
+    out, *rest = out if isinstance(out, tuple) else (out,)
+    if whole:
+        return out, rest
+    into = out.new_zeros((x.shape[0], *out.shape[1:])) if into is None else into
+    return into.index_copy(0, rows, out), rest

@@ -20,8 +20,10 @@ T > 0 the draw is made at the committing positions only, by the two-level invers
 one uniform per position and call from per-row generators (before 2026-12-06: |V| Gumbel uniforms per position, a
 change of stream, the same law). Where the rule reads it (the threshold's drawn-token rule), the draw is made at every
 eligible position: on the head's chunks in the same pass as the summary (``chunked_head_draw``, the same u), else
-from the logits. Host reads per call: the eligible positions (before the network call; it also ends the loop once
-nothing is masked) and, at T > 0, the committing ones.
+from the logits. Host reads per call: how many positions are eligible and how many rows still hold [MASK], in one
+transfer (before the network call; it also ends the loop once nothing is masked), and, at T > 0, the committing
+positions. The network computes only the rows that still hold [MASK] (``call_rows``; with the block cache every
+row): a batch costs its rows' own calls (Σ ``row_nfe`` forwards of one row), not ``nfe`` forwards of every row.
 
 The NFE budget is a cap: the lower bound ⌈#masked / calls left⌉ is the fixed-step confidence sampler's schedule, and
 the budget's last call commits every masked position (every block), as that sampler's last step does; no row ever
@@ -51,7 +53,7 @@ from flowlm.ops.draws import check_generators, draw_at, row_uniforms
 from flowlm.ops.summary import PositionSummary, chunked_head_draw, chunked_head_summary, chunked_summary
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
 from flowlm.samplers.block_cache import BlockCachedReader, check_cache
-from flowlm.samplers.common import check_temperature, masked_start
+from flowlm.samplers.common import call_rows, check_temperature, masked_start, read_counts
 from flowlm.samplers.planned import PlannedSampler
 
 RANKS = ("max_prob", "margin", "entropy")
@@ -220,29 +222,34 @@ class AdaptiveMDMSampler(PlannedSampler):
             current = torch.where(masked, block, block.max() + 1).amin(-1, keepdim=True)
             # the budget's last call commits the rest, as the fixed-step sampler's last step does
             eligible = masked if calls + 1 == nfe else masked & (block == current)
-            at = eligible.view(-1).nonzero().squeeze(1)  # one host read per call: how many calls a batch needs
-            if at.numel() == 0:  # nothing masked: a row with [MASK] left has some in its current block
+            need = masked.any(-1)  # the rows the call computes (the block cache's reader keeps every row's window)
+            # one host read per call: how many positions are eligible (how many calls a batch needs) and rows need it
+            n_at, n_need = read_counts(eligible.sum(), need.sum(), bound=eligible.numel())
+            if n_at == 0:  # nothing masked: a row with [MASK] left has some in its current block
                 break
+            at = torch.nonzero_static(eligible.view(-1), size=n_at).squeeze(1)
+            rows = torch.nonzero_static(need, size=n_need).squeeze(1)
             if reader is not None:  # rows entering a block, or the last call (a full pass): refresh
                 lo = (first + current * self.block_length).clamp(max=length)[:, 0]
                 hi = (lo + self.block_length).clamp(max=length)
                 reader.block(lo, hi, None if calls + 1 == nfe else current[:, 0] != entered)
                 entered = current[:, 0]
             per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
+            time = masked.sum(-1) / n_free
             if head is None:  # the network's logits, read at the eligible positions
-                logits = fn(x, masked.sum(-1) / n_free)
+                logits = fn(x, time) if reader is not None else call_rows(fn, x, time, rows)[0]
                 by_row, linear = logits.reshape(-1, logits.shape[-1]), None
                 # the summary, unless the draw replaces all the rank and rule read (max p and its argmax)
                 stats = None if drawn_first and self.score == "max_prob" else self.stats(logits, at)
             else:  # the head's product and summary (and the draw, where the rule reads it) at the eligible positions
-                features, *linear = head(x, masked.sum(-1) / n_free)
+                features, linear = call_rows(head, x, time, rows)
                 by_row = features.reshape(-1, features.shape[-1])
                 if drawn_first:
                     stats = self.head_draw_stats(by_row[at], *linear, at, x.shape, generator, per_row)
                 else:
                     stats = self.head_stats(by_row[at], *linear, at, x.shape)
             calls += 1
-            row_nfe += masked.any(-1)
+            row_nfe += need
             if drawn_first and head is None:  # the rule reads the drawn token's p: the draw at every eligible position
                 drawn, log_p = draw_at(by_row, at, self.temperature, generator, uniforms=per_row)
                 p_drawn, token = spread(log_p.exp(), at, x.shape, 0.0), spread(drawn, at, x.shape, 0)

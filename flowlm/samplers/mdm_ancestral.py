@@ -8,6 +8,7 @@ from torch import Tensor
 
 from flowlm.ops.draws import draw_at, draw_uniforms, row_uniforms
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
+from flowlm.samplers.common import call_rows, read_counts
 from flowlm.samplers.guidance import GuidedSampler
 
 
@@ -18,12 +19,15 @@ class AncestralSampler(GuidedSampler):
     is decoded within the budget and no extra "noise removal" call is spent. A step in which no token changed
     leaves the input unchanged, so a time-agnostic network's output is reused at no NFE (``ddpm_cache``).
     ``row_nfe``: the calls each row needs, while it holds [MASK], its first and one after each step that changed it
-    (every step without the cache), as alone; ``nfe``: the batch's, a call whenever any row changed.
-    Each step reads one number back from the device, how many tokens unmask: it decides whether the next step
-    spends an NFE (the cache, and the early exit once nothing is masked). The float64 draw is made at the unmasking
-    positions only, by the two-level inverse CDF of ``draw_rows``, which also gives the drawn token's log-probability
-    from the same normaliser. Per-row generators (``flowlm.ops.draws.Generators``): each step draws from each row's
-    generator its L coins, then (T > 0) L categorical uniforms, one per position, read where the row unmasks.
+    (every step without the cache), as alone; ``nfe``: the batch's, a call whenever some row needs one. A call
+    computes only the rows that need it (``call_rows``), the others keeping their last output: a batch costs its rows'
+    own calls (Σ ``row_nfe`` forwards of one row), not ``nfe`` forwards of every row. Each step reads back from the
+    device, in one read, how many tokens unmask and how many rows the next call computes: they decide whether the
+    next step spends an NFE (the cache, and the early exit once nothing is masked). The float64 draw is made at the
+    unmasking positions only, by the two-level inverse CDF of ``draw_rows``, which also gives the drawn token's
+    log-probability from the same normaliser. Per-row generators (``flowlm.ops.draws.Generators``): each step draws
+    from each row's generator its L coins, then (T > 0) L categorical uniforms, one per position, read where the row
+    unmasks.
 
     ``cfg_scale`` w > 0: SMDM's unsupervised CFG (``flowlm.samplers.guidance``); each step spends 2 network
     evaluations, so the grid has ⌊nfe / 2⌋ steps (a cached step spends none).
@@ -44,31 +48,32 @@ class AncestralSampler(GuidedSampler):
         model, x, confidence, cost = self.start(model, prompt, prompt_mask, generator)
         batch = x.shape[0]
         masked = x == model.mask_id
-        remaining = int(masked.sum())  # tracked on the host from here: drawn tokens are data ids, never [MASK]
+        need = masked.any(-1)  # the rows the next call computes: those holding [MASK] whose input changed
+        # tracked on the host from here: drawn tokens are data ids, never [MASK]
+        remaining, n_need = read_counts(masked.sum(), need.sum(), bound=masked.numel())
         cacheable = self.cache and not model.time_conditioned
         # the network's head only at the rows that unmask, where it offers one (not with CFG): the call keeps the
         # head's input (B, L, d) instead of the logits (B, L, |V|)
         head = model.head_fn if self.reads_head else None
-        logits: Tensor | None = None  # the call's logits, or with ``head`` its head input
+        logits: Tensor | None = None  # each row's latest call's logits, or with ``head`` its head input
         calls = 0
         row_nfe = torch.zeros(batch, dtype=torch.long, device=x.device)
-        changed = torch.ones(batch, dtype=torch.bool, device=x.device)  # since the row's last call (none yet)
         for k in range(steps):
             t, s = 1.0 - k / steps, 1.0 - (k + 1) / steps
-            if logits is None:
-                if head is None:
-                    logits = model.fn(x, torch.full((batch,), t, device=x.device))
-                else:
-                    logits, *linear = head(x, torch.full((batch,), t, device=x.device))
-                calls += cost
-                row_nfe += cost * (masked.any(-1) & (changed | (not cacheable)))
+            if n_need:  # a call on the rows that need it (each row's own NFE; the others keep their last output)
+                rows = torch.nonzero_static(need, size=n_need).squeeze(1)
+                logits, linear = call_rows(head or model.fn, x, torch.full((batch,), t, device=x.device), rows, logits)
+                calls, row_nfe, n_need = calls + cost, row_nfe + cost * need, 0
             # Only the positions that unmask need the categorical draw: the unmask coins, then the draw on those rows.
             p_unmask = (t - s) / t  # (α_s − α_t)/(1 − α_t) with α = 1 − t
             u = draw_uniforms(generator, x.shape, x.device)  # the unmask coins
             categorical = row_uniforms(generator, x.shape, x.device, self.temperature)  # per row: every step
             unmask = masked & (u < p_unmask)
-            rows = unmask.nonzero(as_tuple=True)  # the step's one host read (how many positions unmask)
-            n_unmask = rows[0].numel()
+            # the next call's rows: those still holding [MASK] that changed (every one, uncached)
+            need = (masked & ~unmask).any(-1) & (unmask.any(-1) | (not cacheable))
+            # the step's one host read: how many positions unmask, and how many rows the next call computes
+            n_unmask, n_need = read_counts(unmask.sum(), need.sum(), bound=unmask.numel())
+            rows = torch.nonzero_static(unmask, size=n_unmask).unbind(-1)
             if n_unmask:
                 flat = rows[0] * x.shape[1] + rows[1]  # the rows of the call's output viewed as (B·L, ·)
                 source = logits.reshape(-1, logits.shape[-1])  # logits, or with ``head`` the head's input
@@ -85,11 +90,7 @@ class AncestralSampler(GuidedSampler):
                 x = x.index_put(rows, draw.to(x.dtype))
                 confidence = confidence.index_put(rows, p_draw)
             masked = masked & ~unmask
-            changed = unmask.any(-1)
             remaining -= n_unmask
             if remaining == 0:  # everything decoded: no further call
                 break
-            # Cache: the next call would see the same input; exact only for a time-agnostic network.
-            if not (cacheable and n_unmask == 0):
-                logits = None
         return SampleOutput(tokens=x, confidence=confidence, nfe=calls, row_nfe=row_nfe)

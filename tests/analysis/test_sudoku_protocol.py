@@ -19,6 +19,7 @@ from analysis.sudoku_tables import (
     curve_points,
     fail_verdict,
     final_rows,
+    fixed_step_wall,
     headline,
     read_results,
     samples_of,
@@ -278,6 +279,21 @@ def test_adaptive_decoders_have_rows_of_their_own_with_the_nfe_spent(tmp_path):
         "6.00; 7.00"
     )
     assert eb.loc[4, "TPF"] == f"{18 / 3.7:.2f}" and eb.loc[4, "accuracy / % valid"].startswith("71.0 ± 1.0 [")
+    assert eb.loc[4, "wall ms / sample (per NFE)"] == ""  # no row recorded its sampling time
+
+
+def test_adaptive_rows_show_their_wall_time_beside_the_fixed_step_samplers_per_nfe(tmp_path):
+    """Issue 50's goal: what a saved call buys in time. EB at cap 4 spends 3.6 / 3.7 / 3.8 NFE in 36 / 37 / 38 ms a
+    sample (10 ms a call); the MDM's confidence spends 2 ms a call at every budget."""
+    rows = read_results(_conditional(tmp_path))
+    eb = rows["sampler"] == "eb"
+    rows.loc[eb, "sec_per_sample"] = rows.loc[eb, "nfe"].astype(float) * 0.010
+    fixed = rows["sampler"] == "confidence"
+    rows.loc[fixed, "sec_per_sample"] = rows.loc[fixed, "nfe_budget"].astype(float) * 0.002
+    agg = aggregate(rows)
+    table = adaptive_table(agg).set_index("cap")
+    assert table.loc[4, "wall ms / sample (per NFE)"] == "37.0 (10.0)"
+    assert fixed_step_wall(agg) == " Fixed-step samplers of the same rows, per NFE: easy MDM confidence 2.0 ms."
 
 
 def test_the_headline_and_the_fast_baseline_use_the_nfe_spent_on_every_seed(tmp_path):

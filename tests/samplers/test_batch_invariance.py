@@ -6,6 +6,7 @@ back from the device; the evaluation callback's ``row_generators`` seeds each ro
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -112,6 +113,42 @@ def test_ancestral_rows_end_at_different_steps_alone(name):
         assert batch.nfe > max(spent) and batch.mean_nfe() < batch.nfe, (batch.nfe, spent)
     else:
         assert batch.nfe == max(spent), (batch.nfe, spent)
+
+
+class CountingRows:
+    """A MaskedDenoiser whose ``fn`` and ``head_fn`` count the rows they compute."""
+
+    def __init__(self, model, head: bool = True):
+        self.model, self.rows = model, 0
+        head_fn = model.head_fn if head else None  # without: the samplers read the network's logits
+        self.view = dataclasses.replace(
+            model, fn=self.counted(model.fn), head_fn=None if head_fn is None else self.counted(head_fn)
+        )
+
+    def counted(self, call):
+        def counting(x, t):
+            self.rows += x.shape[0]
+            return call(x, t)
+
+        return counting
+
+
+@pytest.mark.parametrize("head", [True, False], ids=["head", "logits"])
+@pytest.mark.parametrize("name", ["ancestral", "ancestral_no_cache", "threshold_max_prob", "eb"])
+@pytest.mark.parametrize("family", MODELS)
+def test_the_network_computes_only_the_rows_that_need_a_call(family, name, head):
+    """Issue 50: a batch costs the calls its rows need. Rows that finish early (few positions to fill) or whose input
+    did not change (the ancestral no-change cache) are not computed again: the rows the network computes sum to the
+    rows' own NFE, fewer than the batch's calls × its rows, and each row decodes as alone."""
+    sampler, nfe = SAMPLERS[name]
+    counting = CountingRows(MODELS[family](), head)
+    tokens, mask = ragged_prompts()
+    mask[:, :16] = True  # 4 to 6 positions to fill: the rows finish at different calls
+    with torch.no_grad():
+        batch = sampler(counting.view, prompt=tokens, prompt_mask=mask, nfe=nfe, generator=generators(SEEDS))
+        alone = each_alone(sampler, counting.model, tokens, mask, nfe)
+    assert counting.rows == int(batch.row_nfe.sum()) < batch.nfe * len(SEEDS), (counting.rows, batch.row_nfe)
+    assert all(torch.equal(row.tokens[0], batch.tokens[i]) for i, row in enumerate(alone))
 
 
 def test_draw_uniforms_per_row_are_each_rows_own_stream():
