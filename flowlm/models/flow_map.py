@@ -17,6 +17,17 @@ from flowlm.samplers.base import FlowDenoiser
 FUSED_LOSSES = ("auto", True, False)  # FlowMapModel.fused_head: auto = by shape, where the head allows it
 
 
+def is_shard(weight: Tensor) -> bool:
+    """Whether ``weight`` is an FSDP2 shard (a DTensor), not the full matrix, as parameters are outside the network's
+    forward under FSDP2. Any other tensor is whole: a plain one, or a fake one (benchmarks/memory_estimates.py), so
+    the estimate takes the path the run takes."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(weight, DTensor) or isinstance(weight.data, DTensor)
+
+
 class FlowMapModel:
     """``net(x, s, t, pinned)`` → logits over the data vocabulary at per-token times (s, t), read as
     log δ_{s,t}(x) = log_softmax(g(logits)), g the soft cap at 30. A [MASK] inside the data vocabulary (LLaDA, Dream)
@@ -68,7 +79,7 @@ class FlowMapModel:
         if self.state_space == "onehot":
             return self.process
         weight = self.net.token_embeddings
-        full = type(weight.data) is torch.Tensor and tuple(weight.shape) == (self.data_vocab_size, self.net.d_model)
+        full = not is_shard(weight) and tuple(weight.shape) == (self.data_vocab_size, self.net.d_model)
         if not full:
             if self.state_space == "embedding":
                 raise ValueError("state_space=embedding needs the full embedding matrix: not with a sharded (FSDP) DiT")
@@ -130,12 +141,12 @@ class FlowMapModel:
         if fused_loss is False:
             return None
         linear = self.net.output_head
-        plain = type(linear) is nn.Linear and type(linear.weight.data) is torch.Tensor  # not a DTensor shard
+        plain = type(linear) is nn.Linear and not is_shard(linear.weight)
         if fused_loss == "auto":
             wide = linear.out_features > linear.in_features
             return (linear.weight, self.head_bias(linear)) if plain and wide and not compiled else None
         linear = self.plain_head()
-        if type(linear.weight.data) is not torch.Tensor:  # a DTensor shard outside the network's forward
+        if is_shard(linear.weight):  # a DTensor shard outside the network's forward
             raise ValueError("method.fused_loss needs the full head weight: not with a sharded (FSDP) DiT")
         return linear.weight, self.head_bias(linear)
 

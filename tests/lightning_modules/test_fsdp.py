@@ -328,3 +328,22 @@ def test_fmlm_plus_on_a_pretrained_llama_trains_under_fsdp2_while_ranks_draw_dif
     assert "| tinygsm_fmlm_plus_init_llada | pr |" in out
     last = tmp_path / "runs" / "tinygsm_fmlm_plus_init_llada" / "cpu" / "seed0" / "checkpoints" / "last.ckpt"
     assert last.is_dir() and len(list(last.glob("*.distcp"))) == 2  # sharded: one file per rank
+
+
+def test_a_sharded_embedding_and_head_keep_fmlm_plus_on_one_hot_states_and_the_unfused_loss(one_process_group):
+    """``flow_map.is_shard``: a DTensor shard is not the whole matrix (one-hot states, the unfused loss); the same
+    module unsharded (a plain weight, as a fake one in benchmarks/memory_estimates.py) draws in the embedding space
+    (|V| = 64 > d = 32) and runs its loss fused."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flowlm.models.flow_map import is_shard
+    from lightning_modules.fmlm_plus import FMLMPlusModule
+
+    backbone = {"d_model": 32, "n_layers": 2, "n_heads": 4, "cond_dim": 32, "mlp_ratio": 2, "dropout": 0.0}
+    module = FMLMPlusModule(data_vocab_size=64, seq_len=9, backbone=backbone, optim={"warmup_steps": 1})
+    assert not is_shard(module.net.token_embeddings) and module.view.training_process().embedded
+    assert module.fused_head() is not None
+    module._device_mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    module.configure_model()
+    assert is_shard(module.net.token_embeddings) and is_shard(module.net.output_head.weight)
+    assert not module.view.training_process().embedded and module.fused_head() is None
