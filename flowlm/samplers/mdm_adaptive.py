@@ -48,7 +48,16 @@ import torch
 from torch import Tensor
 
 from flowlm.ops.draws import check_generators, draw_at, row_uniforms
-from flowlm.ops.summary import PositionSummary, chunked_head_draw, chunked_head_summary, chunked_summary
+from flowlm.ops.summary import (
+    KeptDraw,
+    PositionSummary,
+    chunked_head_draw,
+    chunked_head_keep,
+    chunked_head_summary,
+    chunked_summary,
+    draw_kept,
+    keeps_draw,
+)
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
 from flowlm.samplers.block_cache import BlockCachedReader, check_cache
 from flowlm.samplers.common import check_temperature, masked_start
@@ -108,6 +117,7 @@ class AdaptiveMDMSampler(PlannedSampler):
     rule_reads_entropy = False  # whether ``select`` reads ``CallStats.entropy`` (the EB rule)
     rule_reads_draw = False  # whether, at T > 0, the rule and the max_prob rank read the drawn token's p (Fast-dLLM)
     reads_head = True  # read the network's head in chunks where it offers one (``MaskedDenoiser.head_fn``)
+    keeps_masses = True  # at T > 0 the head's fold keeps the group masses the draw after the rank reads
 
     def __init__(
         self,
@@ -141,11 +151,16 @@ class AdaptiveMDMSampler(PlannedSampler):
 
     def head_stats(
         self, features: Tensor, weight: Tensor, bias: Tensor | None, at: Tensor, shape: tuple[int, int]
-    ) -> CallStats:
+    ) -> tuple[CallStats, KeptDraw | None]:
         """``stats`` from the head's chunks (``chunked_head_summary``) over ``features`` (n, d) of the positions
-        ``at``: the logits of no other position are computed."""
-        flat = chunked_head_summary(features, weight, bias, margin=self.score == "margin", entropy=self.reads_entropy())
-        return self.spread_stats(flat, at, shape)
+        ``at``: the logits of no other position are computed. At T > 0 (the draw at the committing positions after
+        the rank) also what that draw needs from the same pass (``chunked_head_keep``: no argmax, token None), within
+        ``keeps_draw``'s budget; else None."""
+        options = {"margin": self.score == "margin", "entropy": self.reads_entropy()}
+        if self.temperature > 0 and self.keeps_masses and keeps_draw(features.shape[0], weight.shape[0]):
+            flat, kept = chunked_head_keep(features, weight, bias, self.temperature, **options)
+            return self.spread_stats(flat, at, shape), kept
+        return self.spread_stats(chunked_head_summary(features, weight, bias, **options), at, shape), None
 
     def head_draw_stats(
         self,
@@ -229,6 +244,7 @@ class AdaptiveMDMSampler(PlannedSampler):
                 reader.block(lo, hi, None if calls + 1 == nfe else current[:, 0] != entered)
                 entered = current[:, 0]
             per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
+            kept = None  # the eligible rows' group masses, kept by the head's fold for the draw after the rank
             if head is None:  # the network's logits, read at the eligible positions
                 logits = fn(x, masked.sum(-1) / n_free)
                 by_row, linear = logits.reshape(-1, logits.shape[-1]), None
@@ -240,7 +256,7 @@ class AdaptiveMDMSampler(PlannedSampler):
                 if drawn_first:
                     stats = self.head_draw_stats(by_row[at], *linear, at, x.shape, generator, per_row)
                 else:
-                    stats = self.head_stats(by_row[at], *linear, at, x.shape)
+                    stats, kept = self.head_stats(by_row[at], *linear, at, x.shape)
             calls += 1
             row_nfe += masked.any(-1)
             if drawn_first and head is None:  # the rule reads the drawn token's p: the draw at every eligible position
@@ -259,10 +275,15 @@ class AdaptiveMDMSampler(PlannedSampler):
             forced += n_commit - n_rule
             rank = torch.empty_like(ordered).scatter_(-1, ordered, positions.expand_as(ordered))
             commit = eligible & (rank < n_commit[:, None])
-            candidate, p_candidate = stats.token, stats.confidence.float()
+            candidate = x if stats.token is None else stats.token  # None: every committing position is drawn
+            p_candidate = stats.confidence.float()
             if self.temperature > 0 and not drawn_first:  # the draw at the committing positions only
                 rows = commit.view(-1).nonzero().squeeze(1)  # T > 0: the call's second host read
-                drawn, log_p = draw_at(by_row, rows, self.temperature, generator, uniforms=per_row, linear=linear)
+                if kept is not None:  # their rows of the kept fold: their places among the (sorted) eligible ``at``
+                    own = None if per_row is None else per_row.reshape(-1)[rows]
+                    drawn, log_p = draw_kept(kept, torch.searchsorted(at, rows), generator, uniforms=own)
+                else:
+                    drawn, log_p = draw_at(by_row, rows, self.temperature, generator, uniforms=per_row, linear=linear)
                 candidate = candidate.view(-1).index_copy(0, rows, drawn).view_as(x)
                 p_candidate = p_candidate.view(-1).index_copy(0, rows, log_p.exp().float()).view_as(x)
             x = torch.where(commit, candidate, x)
