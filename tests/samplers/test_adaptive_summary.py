@@ -422,7 +422,8 @@ def test_the_samplers_that_rank_then_draw_read_the_heads_product_once(name, temp
     first and draw at the committing rows after fold the head's product once per call, keeping each ranked row's
     group masses for the draw (``chunked_head_keep``; the draw makes the drawn group's 64 logits again), where the
     path they replace folded it twice: tokens, NFE, row NFE and confidences those of that two-pass path and of the
-    logits path (one generator and per-row generators; the same u: the stream unchanged)."""
+    logits path (one generator and per-row generators; the same u: the stream unchanged); over the budget of kept
+    masses, the two-pass path's."""
     import flowlm.samplers as samplers
     from tests.samplers import oracles
 
@@ -456,3 +457,10 @@ def test_the_samplers_that_rank_then_draw_read_the_heads_product_once(name, temp
             assert torch.equal(got.tokens, other.tokens) and got.nfe == other.nfe
             assert got.row_nfe is None or torch.equal(got.row_nfe, other.row_nfe)
             torch.testing.assert_close(got.confidence, other.confidence, rtol=1e-5, atol=1e-6)
+    # over the kept masses' budget (``keeps_draw``) the draw makes its rows' head product again: the two-pass path
+    monkeypatch.setattr(summary_module, "KEPT_BYTES", 4 * 5 - 1)  # under one row of five groups
+    folds.clear()
+    with torch.no_grad():
+        over = make[0](**options)(model, prompt=prompt, prompt_mask=mask, nfe=nfe, generator=gen())
+    assert len(folds) == two_folds and torch.equal(over.tokens, two.tokens)
+    assert torch.equal(over.confidence, two.confidence)
