@@ -18,10 +18,11 @@ tests/samplers/oracles.py ``DenseStats``); on the suite's DiT from the head's ow
 (``chunked_head_summary``: the network's whole logits are never made). Where no rank or rule reads the draw, at
 T > 0 the draw is made at the committing positions only, by the two-level inverse CDF (``flowlm.ops.draws.draw_rows``):
 one uniform per position and call from per-row generators (before 2026-12-06: |V| Gumbel uniforms per position, a
-change of stream, the same law). Where the rule reads it (the threshold's drawn-token rule), the draw is made at every
-eligible position: on the head's chunks in the same pass as the summary (``chunked_head_draw``, the same u), else
-from the logits. Host reads per call: the eligible positions (before the network call; it also ends the loop once
-nothing is masked) and, at T > 0, the committing ones.
+change of stream, the same law); on the head's chunks from the 64-column group masses the summary's pass kept
+(``chunked_head_keep``, ``draw_kept``: the same u, each eligible row's head product made once a call). Where the rule
+reads it (the threshold's drawn-token rule), the draw is made at every eligible position: on the head's chunks in the
+same pass as the summary (``chunked_head_draw``, the same u), else from the logits. Host reads per call: the eligible
+positions (before the network call; it also ends the loop once nothing is masked) and, at T > 0, the committing ones.
 
 The NFE budget is a cap: the lower bound ⌈#masked / calls left⌉ is the fixed-step confidence sampler's schedule, and
 the budget's last call commits every masked position (every block), as that sampler's last step does; no row ever

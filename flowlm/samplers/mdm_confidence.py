@@ -21,13 +21,14 @@ class ConfidenceSampler(GuidedSampler):
     of a committed token is p_θ(token). The network sees the fraction of still-masked non-prompt tokens as its
     time, if it is time-conditioned.
 
-    Cost beyond the network: the ranking reads the logits of the still-masked positions once in float32 (log max p =
-    max logit − logsumexp; on the suite's DiT the head itself runs in vocabulary chunks at those positions only,
-    ``MaskedDenoiser.head_fn``, and the network's whole logits are never made; the masked ones of a row are among
-    its first ``most_masked`` slots, a number tracked on the host, ``slots``); with "max_prob" the ranking does not
-    depend on the draw, so the float64 draw is made at the committing positions only: at most ⌈#masked / steps_left⌉
-    rows per sequence, by the two-level inverse CDF of ``draw_rows``, so the step reads nothing back. "sampled"
-    ranks by the draw itself and draws at every masked position (the full path). Per-row generators
+    Cost beyond the network: the ranking reads the logits of the still-masked positions once in float32 (log max p = max
+    logit − logsumexp; on the suite's DiT the head itself runs in vocabulary chunks at those positions only,
+    ``MaskedDenoiser.head_fn``, and the network's whole logits are never made; the masked ones of a row are among its
+    first ``most_masked`` slots, a number tracked on the host, ``slots``); with "max_prob" the ranking does not depend
+    on the draw, so the float64 draw is made at the committing positions only: at most ⌈#masked / steps_left⌉ rows per
+    sequence, by the two-level inverse CDF of ``draw_rows``, so the step reads nothing back (on the head's chunks from
+    the group masses the ranking's pass kept, ``chunked_head_keep``: each row's head product made once). "sampled" ranks
+    by the draw itself and draws at every masked position (the full path). Per-row generators
     (``flowlm.ops.draws.Generators``): each step draws from each row's generator one categorical u per position (the
     full path: |V| Gumbel uniforms per position), read where the row draws.
 
