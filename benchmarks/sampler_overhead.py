@@ -120,6 +120,28 @@ VARIANTS = [
 ]
 
 
+def kept_variants() -> list[tuple[str, str, dict, dict]]:
+    """The samplers that rank, then draw at the committing rows, at T = 1 and 0.7: with the head's group masses kept
+    by the rank's fold (``<name>_t1``), the path before (``<name>_2pass_t1``: the committing rows' head product made
+    again for the draw, tests/samplers/oracles.py ``TwoPass*``) and the logits path (``<name>_logits_t1``)."""
+    oracles = "tests.samplers.oracles."
+    rows = []
+    for name, config, options, two_pass, logits in [
+        ("confidence", "confidence", {}, "TwoPassConfidence", "LogitsConfidence"),
+        ("eb", "eb", {}, "TwoPassEB", "LogitsEB"),
+        ("threshold_max", "threshold", {"confidence": "max_prob"}, "TwoPassThreshold", "LogitsThreshold"),
+        ("semi_ar_max", "semi_ar", {"score": "max_prob"}, "TwoPassSemiAR", "LogitsSemiAR"),
+    ]:
+        for kind, target in [("", None), ("_2pass", two_pass), ("_logits", logits)]:
+            for temperature, tag in [(1.0, "1"), (0.7, "07")]:
+                over = {**options, "temperature": temperature, **({"_target_": oracles + target} if target else {})}
+                rows.append((f"{name}{kind}_t{tag}", config, over, {}))
+    return rows
+
+
+VARIANTS += [row for row in kept_variants() if row[0] not in {v[0] for v in VARIANTS}]
+
+
 # With --compile-tails: the samplers whose passes over the logits have a compiled version (flowlm/ops/compiled.py).
 COMPILED = ["confidence", "pr", "a_priori", "flow_map", "block"]
 COMPILED_VARIANTS = [("pr_dense_compiled", "pr", {}, {"dense": True, "compile": True})]

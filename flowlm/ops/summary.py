@@ -293,25 +293,89 @@ def chunked_head_draw(
 ) -> tuple[PositionSummary, Tensor, Tensor]:
     """(summary, token, log p) per row: a draw from softmax(l / T), T > 0, and log softmax(l) at the drawn token
     (untempered, float64), l = features · Wᵀ + b, read in the same single pass over the head's vocabulary chunks as
-    ``chunked_head_summary`` (whose margin and entropy it also returns where asked for; no argmax: None).
-
-    The draw is ``flowlm.ops.draws.draw_rows``'s two-level inverse CDF with the same u (one per row: torch.rand's
-    (n, 1) from ``generator``, or ``uniforms`` (n,) from per-row generators), its first level over groups of
-    ``GROUP`` columns: each chunk folds the float32 masses Σ_{v∈g} e^{(l_v − m_c)/T} of its groups (an extra
-    reduction over e^{s} at T = 1, an extra exp at T ≠ 1); at the end M_g = e^{(m_c − m)/T}·mass in float64, the
-    group is the first with Σ_{g'≤g} M_{g'} > u·Σ M, and inside it the token is the first whose cumulative float64
-    weight exceeds the residual fraction, the group's logits made again from its GROUP rows of the head
-    (``torch.baddbmm``: on this CPU the chunk's product's values bit for bit, tested). So the token is draw_rows'
-    with the same u on the same logits unless u·Σ M falls within float32 rounding (≈ 1e-7 relative) of a group's
-    boundary, and the law is softmax(l / T) to that rounding (tokens with e^{(l_v − m_c)/T} below float32's range,
-    p < e^{−87} relative to their chunk's most likely token, are never drawn); log p = l_v − (m + log Z), Z the
-    fold's float32 Σ e^{l − m}."""
+    ``chunked_head_summary`` (whose margin and entropy it also returns where asked for; no argmax: None): the draw of
+    ``draw_kept`` at every row of ``chunked_head_keep`` (``draw_rows``' two-level inverse CDF with the same u, one
+    per row: torch.rand's (n, 1) from ``generator``, or ``uniforms`` (n,) from per-row generators)."""
     if temperature <= 0:
         raise ValueError(f"chunked_head_draw draws at T > 0, got {temperature}")
-    summary, masses, log_norm, (features, weight, bias) = head_fold(
+    summary, kept = chunked_head_keep(features, weight, bias, temperature, chunk=chunk, margin=margin, entropy=entropy)
+    token, log_p = draw_kept(kept, None, generator, uniforms=uniforms)
+    return summary, token, log_p
+
+
+# The group masses a fold keeps for a later draw (``chunked_head_keep``): rows × ⌈|V| / GROUP⌉ float32, 1/64 of the
+# logits' (25.8 MB, 24.6 MiB, at 8 × 1 024 rows, |V| = 50 258). A sampler keeps them only within this budget, on
+# any device (``keeps_draw``: 85 000 rows at that vocabulary); above it the draw makes its rows' head product again.
+KEPT_BYTES = 256 << 20
+
+
+def keeps_draw(rows: int, vocab: int) -> bool:
+    """Whether a fold over ``rows`` rows keeps its group masses for a later draw (within ``KEPT_BYTES``)."""
+    return rows * -(-vocab // GROUP) * 4 <= KEPT_BYTES
+
+
+class KeptDraw(NamedTuple):
+    """What a draw at T from some of a head fold's rows needs after the fold (``chunked_head_keep``, ``draw_kept``):
+    per row the float32 masses Σ_{v∈g} e^{(l_v − m_c)/T} of each ``GROUP`` of columns, m_c − m per chunk, and the
+    untempered m + log Z (float64); the fold's chunk width, T, and the head's inputs as it ran them."""
+
+    groups: Tensor  # (n, groups) float32
+    gaps: Tensor  # (n, chunks) float32: m_c − m
+    log_norm: Tensor  # (n,) float64
+    width: int
+    temperature: float
+    features: Tensor  # (n, d), in the autocast dtype where autocast is on
+    weight: Tensor
+    bias: Tensor | None
+
+
+@torch.no_grad()
+def chunked_head_keep(
+    features: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    temperature: float,
+    *,
+    chunk: int | None = None,
+    margin: bool = False,
+    entropy: bool = False,
+) -> tuple[PositionSummary, KeptDraw]:
+    """``chunked_head_summary`` (no argmax: None) and, from the same single pass over the head's chunks, what a later
+    draw at T > 0 at any of its rows needs (``KeptDraw``, ``draw_kept``): a sampler that ranks its rows first and
+    draws at the committing ones after makes their head product once, not twice. The extra cost in the pass: a sum
+    per ``GROUP`` of e^{s} at T = 1, an exp of s / T at T ≠ 1."""
+    if temperature <= 0:
+        raise ValueError(f"a kept draw is made at T > 0, got {temperature}")
+    summary, groups, gaps, log_norm, width, (features, weight, bias) = head_fold(
         features, weight, bias, chunk=chunk, margin=margin, entropy=entropy, draw=temperature
     )
+    return summary, KeptDraw(groups, gaps, log_norm, width, temperature, features, weight, bias)
+
+
+@torch.no_grad()
+def draw_kept(
+    kept: KeptDraw, rows: Tensor | None, generator: torch.Generator | None, *, uniforms: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """(token, log p) at the rows ``rows`` (None: every row) of a ``chunked_head_keep`` fold: a draw from
+    softmax(l / T) and the untempered log softmax(l) at the drawn token (float64), one u per drawn row (torch.rand's
+    (n, 1) from ``generator``, or ``uniforms`` (n,)), as ``chunked_head_draw`` (whose draw this is) over those rows.
+
+    The draw is ``flowlm.ops.draws.draw_rows``'s two-level inverse CDF with the same u, its first level over the kept
+    group masses: M_g = e^{(m_c − m)/T}·mass_g in float64, the group the first with Σ_{g'≤g} M_{g'} > u·Σ M; inside it
+    the token the first whose cumulative float64 weight exceeds the residual fraction, the group's logits made again
+    from its GROUP rows of the head (``torch.baddbmm``: on this CPU the chunk's product's values bit for bit,
+    tested). So the token is draw_rows' with the same u on the same logits unless u·Σ M falls within float32 rounding
+    (≈ 1e-7 relative) of a group's boundary, and the law is softmax(l / T) to that rounding (tokens with
+    e^{(l_v − m_c)/T} below float32's range, p < e^{−87} relative to their chunk's most likely token, are never
+    drawn); log p = l_v − (m + log Z), Z the fold's float32 Σ e^{l − m}."""
+
+    def at(t: Tensor) -> Tensor:
+        return t if rows is None else t[rows]
+
+    features, weight, bias, temperature = at(kept.features), kept.weight, kept.bias, kept.temperature
     n, vocab = features.shape[0], weight.shape[0]
+    owner = torch.arange(kept.groups.shape[1], device=features.device) * GROUP // kept.width  # each group's chunk
+    masses = at(kept.groups).double().mul_((at(kept.gaps).double() / temperature).exp_()[:, owner])
     cdf = masses.cumsum_(-1)
     u = torch.rand((n, 1), generator=generator, device=cdf.device, dtype=torch.float64) if uniforms is None else None
     target = (u if uniforms is None else uniforms.reshape(n, 1).to(torch.float64)) * cdf[:, -1:]
@@ -330,7 +394,7 @@ def chunked_head_draw(
         torch.searchsorted(weights, frac * weights[:, -1:], right=True), weights.argmax(-1, keepdim=True)
     )
     token = (g * GROUP + inner).squeeze(-1)
-    return summary, token, logits.gather(1, inner).squeeze(-1) - log_norm
+    return token, logits.gather(1, inner).squeeze(-1) - at(kept.log_norm)
 
 
 def head_fold(
@@ -388,7 +452,7 @@ def head_fold(
         finite=True,
         draw=draw,
     )
-    return (*folded, (features, weight, bias)) if draw is not None else (folded, (features, weight, bias))
+    return (*folded, width, (features, weight, bias)) if draw is not None else (folded, (features, weight, bias))
 
 
 def has_autocast(device_type: str) -> bool:
@@ -431,8 +495,8 @@ def fold_chunks(
     rows in blocks of ``block``, columns in chunks of ``width``, each chunk's max, argmax, Z_c, S_c (and runner-up)
     kept in a (chunks, n) table and combined at the end (``chunked_summary``). ``finite``: every logit is finite
     (no guard for a −∞ one). ``draw`` = T: also each ``GROUP`` of columns' mass (chunks whole groups) for a draw at
-    T, returned as (summary without argmax, M (n, groups) float64 relative to e^{m/T}, m + log Z float64)
-    (``chunked_head_draw``)."""
+    T, returned as (summary without argmax, the masses (n, groups) float32, m_c − m (n, chunks) float32,
+    m + log Z float64) (``chunked_head_keep``)."""
     chunks = -(-vocab // width)
     tops = torch.empty(chunks, n, device=device)  # m_c
     args = torch.empty(chunks, n, dtype=torch.long, device=device)
@@ -502,10 +566,8 @@ def fold_chunks(
     )
     if groups is None:
         return summary
-    # M_g = e^{(m_c − m)/T}·mass_g (float64), g in chunk c; and m + log Z, the untempered log-normaliser
-    owner = torch.arange(groups.shape[1], device=device) * GROUP // width
-    masses = groups.double().mul_((gap.double() / draw).exp_()[:, owner])
-    return summary, masses, best.double() + total.double().log()
+    # the group masses, m_c − m, and m + log Z, the untempered log-normaliser (``draw_kept``)
+    return summary, groups, gap, best.double() + total.double().log()
 
 
 def group_masses(e: Tensor, out: Tensor, start: int) -> None:

@@ -18,12 +18,14 @@ tests/samplers/oracles.py ``DenseStats``); on the suite's DiT from the head's ow
 (``chunked_head_summary``: the network's whole logits are never made). Where no rank or rule reads the draw, at
 T > 0 the draw is made at the committing positions only, by the two-level inverse CDF (``flowlm.ops.draws.draw_rows``):
 one uniform per position and call from per-row generators (before 2026-12-06: |V| Gumbel uniforms per position, a
-change of stream, the same law). Where the rule reads it (the threshold's drawn-token rule), the draw is made at every
-eligible position: on the head's chunks in the same pass as the summary (``chunked_head_draw``, the same u), else
-from the logits. Host reads per call: how many positions are eligible and how many rows still hold [MASK], in one
-transfer (before the network call; it also ends the loop once nothing is masked), and, at T > 0, the committing
-positions. The network computes only the rows that still hold [MASK] (``call_rows``; with the block cache every
-row): a batch costs its rows' own calls (Σ ``row_nfe`` forwards of one row), not ``nfe`` forwards of every row.
+change of stream, the same law); on the head's chunks from the 64-column group masses the summary's pass kept
+(``chunked_head_keep``, ``draw_kept``: the same u, each eligible row's head product made once a call). Where the rule
+reads it (the threshold's drawn-token rule), the draw is made at every eligible position: on the head's chunks in the
+same pass as the summary (``chunked_head_draw``, the same u), else from the logits. Host reads per call: how many
+positions are eligible and how many rows still hold [MASK], in one read (before the network call; it also ends the
+loop once nothing is masked), and, at T > 0, the committing positions. The network computes only the rows that still
+hold [MASK] (``call_rows``; with the block cache every row): a batch costs its rows' own calls (Σ ``row_nfe``
+forwards of one row), not ``nfe`` forwards of every row.
 
 The NFE budget is a cap: the lower bound ⌈#masked / calls left⌉ is the fixed-step confidence sampler's schedule, and
 the budget's last call commits every masked position (every block), as that sampler's last step does; no row ever
@@ -50,7 +52,16 @@ import torch
 from torch import Tensor
 
 from flowlm.ops.draws import check_generators, draw_at, row_uniforms
-from flowlm.ops.summary import PositionSummary, chunked_head_draw, chunked_head_summary, chunked_summary
+from flowlm.ops.summary import (
+    KeptDraw,
+    PositionSummary,
+    chunked_head_draw,
+    chunked_head_keep,
+    chunked_head_summary,
+    chunked_summary,
+    draw_kept,
+    keeps_draw,
+)
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
 from flowlm.samplers.block_cache import BlockCachedReader, check_cache
 from flowlm.samplers.common import call_rows, check_temperature, masked_start, read_counts
@@ -110,6 +121,7 @@ class AdaptiveMDMSampler(PlannedSampler):
     rule_reads_entropy = False  # whether ``select`` reads ``CallStats.entropy`` (the EB rule)
     rule_reads_draw = False  # whether, at T > 0, the rule and the max_prob rank read the drawn token's p (Fast-dLLM)
     reads_head = True  # read the network's head in chunks where it offers one (``MaskedDenoiser.head_fn``)
+    keeps_masses = True  # at T > 0 the head's fold keeps the group masses the draw after the rank reads
 
     def __init__(
         self,
@@ -143,11 +155,16 @@ class AdaptiveMDMSampler(PlannedSampler):
 
     def head_stats(
         self, features: Tensor, weight: Tensor, bias: Tensor | None, at: Tensor, shape: tuple[int, int]
-    ) -> CallStats:
+    ) -> tuple[CallStats, KeptDraw | None]:
         """``stats`` from the head's chunks (``chunked_head_summary``) over ``features`` (n, d) of the positions
-        ``at``: the logits of no other position are computed."""
-        flat = chunked_head_summary(features, weight, bias, margin=self.score == "margin", entropy=self.reads_entropy())
-        return self.spread_stats(flat, at, shape)
+        ``at``: the logits of no other position are computed. At T > 0 (the draw at the committing positions after
+        the rank) also what that draw needs from the same pass (``chunked_head_keep``: no argmax, token None), within
+        ``keeps_draw``'s budget; else None."""
+        options = {"margin": self.score == "margin", "entropy": self.reads_entropy()}
+        if self.temperature > 0 and self.keeps_masses and keeps_draw(features.shape[0], weight.shape[0]):
+            flat, kept = chunked_head_keep(features, weight, bias, self.temperature, **options)
+            return self.spread_stats(flat, at, shape), kept
+        return self.spread_stats(chunked_head_summary(features, weight, bias, **options), at, shape), None
 
     def head_draw_stats(
         self,
@@ -228,7 +245,7 @@ class AdaptiveMDMSampler(PlannedSampler):
             if n_at == 0:  # nothing masked: a row with [MASK] left has some in its current block
                 break
             at = torch.nonzero_static(eligible.view(-1), size=n_at).squeeze(1)
-            rows = torch.nonzero_static(need, size=n_need).squeeze(1)
+            calling = torch.nonzero_static(need, size=n_need).squeeze(1)  # the rows the call computes
             if reader is not None:  # rows entering a block, or the last call (a full pass): refresh
                 lo = (first + current * self.block_length).clamp(max=length)[:, 0]
                 hi = (lo + self.block_length).clamp(max=length)
@@ -236,18 +253,19 @@ class AdaptiveMDMSampler(PlannedSampler):
                 entered = current[:, 0]
             per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
             time = masked.sum(-1) / n_free
+            kept = None  # the eligible rows' group masses, kept by the head's fold for the draw after the rank
             if head is None:  # the network's logits, read at the eligible positions
-                logits = fn(x, time) if reader is not None else call_rows(fn, x, time, rows)[0]
+                logits = fn(x, time) if reader is not None else call_rows(fn, x, time, calling)[0]
                 by_row, linear = logits.reshape(-1, logits.shape[-1]), None
                 # the summary, unless the draw replaces all the rank and rule read (max p and its argmax)
                 stats = None if drawn_first and self.score == "max_prob" else self.stats(logits, at)
             else:  # the head's product and summary (and the draw, where the rule reads it) at the eligible positions
-                features, linear = call_rows(head, x, time, rows)
+                features, linear = call_rows(head, x, time, calling)
                 by_row = features.reshape(-1, features.shape[-1])
                 if drawn_first:
                     stats = self.head_draw_stats(by_row[at], *linear, at, x.shape, generator, per_row)
                 else:
-                    stats = self.head_stats(by_row[at], *linear, at, x.shape)
+                    stats, kept = self.head_stats(by_row[at], *linear, at, x.shape)
             calls += 1
             row_nfe += need
             if drawn_first and head is None:  # the rule reads the drawn token's p: the draw at every eligible position
@@ -266,10 +284,15 @@ class AdaptiveMDMSampler(PlannedSampler):
             forced += n_commit - n_rule
             rank = torch.empty_like(ordered).scatter_(-1, ordered, positions.expand_as(ordered))
             commit = eligible & (rank < n_commit[:, None])
-            candidate, p_candidate = stats.token, stats.confidence.float()
+            candidate = x if stats.token is None else stats.token  # None: every committing position is drawn
+            p_candidate = stats.confidence.float()
             if self.temperature > 0 and not drawn_first:  # the draw at the committing positions only
                 rows = commit.view(-1).nonzero().squeeze(1)  # T > 0: the call's second host read
-                drawn, log_p = draw_at(by_row, rows, self.temperature, generator, uniforms=per_row, linear=linear)
+                if kept is not None:  # their rows of the kept fold: their places among the (sorted) eligible ``at``
+                    own = None if per_row is None else per_row.reshape(-1)[rows]
+                    drawn, log_p = draw_kept(kept, torch.searchsorted(at, rows), generator, uniforms=own)
+                else:
+                    drawn, log_p = draw_at(by_row, rows, self.temperature, generator, uniforms=per_row, linear=linear)
                 candidate = candidate.view(-1).index_copy(0, rows, drawn).view_as(x)
                 p_candidate = p_candidate.view(-1).index_copy(0, rows, log_p.exp().float()).view_as(x)
             x = torch.where(commit, candidate, x)

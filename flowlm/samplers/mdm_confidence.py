@@ -7,7 +7,7 @@ from torch import Tensor
 
 from flowlm.ops.compiled import compilable, tails_enabled
 from flowlm.ops.draws import draw_at, pick_tokens, row_uniforms
-from flowlm.ops.summary import chunked_head_summary, chunked_max_log_prob
+from flowlm.ops.summary import chunked_head_keep, chunked_head_summary, chunked_max_log_prob, draw_kept, keeps_draw
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
 from flowlm.samplers.guidance import GuidedSampler
 
@@ -21,13 +21,14 @@ class ConfidenceSampler(GuidedSampler):
     of a committed token is p_θ(token). The network sees the fraction of still-masked non-prompt tokens as its
     time, if it is time-conditioned.
 
-    Cost beyond the network: the ranking reads the logits of the still-masked positions once in float32 (log max p =
-    max logit − logsumexp; on the suite's DiT the head itself runs in vocabulary chunks at those positions only,
-    ``MaskedDenoiser.head_fn``, and the network's whole logits are never made; the masked ones of a row are among
-    its first ``most_masked`` slots, a number tracked on the host, ``slots``); with "max_prob" the ranking does not
-    depend on the draw, so the float64 draw is made at the committing positions only: at most ⌈#masked / steps_left⌉
-    rows per sequence, by the two-level inverse CDF of ``draw_rows``, so the step reads nothing back. "sampled"
-    ranks by the draw itself and draws at every masked position (the full path). Per-row generators
+    Cost beyond the network: the ranking reads the logits of the still-masked positions once in float32 (log max p = max
+    logit − logsumexp; on the suite's DiT the head itself runs in vocabulary chunks at those positions only,
+    ``MaskedDenoiser.head_fn``, and the network's whole logits are never made; the masked ones of a row are among its
+    first ``most_masked`` slots, a number tracked on the host, ``slots``); with "max_prob" the ranking does not depend
+    on the draw, so the float64 draw is made at the committing positions only: at most ⌈#masked / steps_left⌉ rows per
+    sequence, by the two-level inverse CDF of ``draw_rows``, so the step reads nothing back (on the head's chunks from
+    the group masses the ranking's pass kept, ``chunked_head_keep``: each row's head product made once). "sampled" ranks
+    by the draw itself and draws at every masked position (the full path). Per-row generators
     (``flowlm.ops.draws.Generators``): each step draws from each row's generator one categorical u per position (the
     full path: |V| Gumbel uniforms per position), read where the row draws.
 
@@ -39,6 +40,7 @@ class ConfidenceSampler(GuidedSampler):
     family = "mdm"
     confidence_kind = "a-priori"  # p_θ(token) when it is committed, before the masked rest is drawn
     reads_head = True  # read the network's head in chunks where it offers one (``MaskedDenoiser.head_fn``)
+    keeps_masses = True  # at T > 0 the head's fold keeps the group masses the draw after the rank reads
 
     def __init__(
         self, *, temperature: float = 0.0, score: str = "max_prob", draws: str = "committed", cfg_scale: float = 0.0
@@ -82,8 +84,13 @@ class ConfidenceSampler(GuidedSampler):
                 slot, live = slots(masked, most_masked)
                 # the slots' rows of logits viewed as (B·L, |V|)
                 flat = slot + torch.arange(x.shape[0], device=x.device)[:, None] * x.shape[1]
+                kept = None
                 if head is None:
                     score, candidate = (t.view(slot.shape) for t in max_log_prob(logits, rows=flat.reshape(-1)))
+                elif self.temperature > 0 and self.keeps_masses and keeps_draw(flat.numel(), linear[0].shape[0]):
+                    # the head's product at the slots, once: the draw at the committing slots reads its group masses
+                    read, kept = chunked_head_keep(by_feature[flat.reshape(-1)], *linear, self.temperature)
+                    score, candidate = read.log_max.view(slot.shape), x.gather(1, slot)  # every committing one drawn
                 else:  # the head's product at the slots only
                     read = chunked_head_summary(by_feature[flat.reshape(-1)], *linear)
                     score, candidate = read.log_max.view(slot.shape), read.argmax.view(slot.shape)
@@ -97,15 +104,20 @@ class ConfidenceSampler(GuidedSampler):
                     top = order[:, :k_max]  # every committing slot of a row is among its first k_max
                     per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
                     at = flat.gather(1, top).view(-1)
-                    source = logits.reshape(-1, logits.shape[-1]) if head is None else by_feature
-                    drawn, log_p = draw_at(
-                        source,
-                        at,
-                        self.temperature,
-                        generator,
-                        uniforms=per_row,
-                        linear=None if head is None else linear,
-                    )
+                    if kept is not None:  # the slots' rows of the kept fold: slot (b, j) is its row b·W + j
+                        kept_rows = top + torch.arange(top.shape[0], device=top.device)[:, None] * flat.shape[1]
+                        own = None if per_row is None else per_row.reshape(-1)[at]
+                        drawn, log_p = draw_kept(kept, kept_rows.view(-1), generator, uniforms=own)
+                    else:
+                        source = logits.reshape(-1, logits.shape[-1]) if head is None else by_feature
+                        drawn, log_p = draw_at(
+                            source,
+                            at,
+                            self.temperature,
+                            generator,
+                            uniforms=per_row,
+                            linear=None if head is None else linear,
+                        )
                     candidate = candidate.scatter(1, top, drawn.view(top.shape))
                     p_candidate = score.scatter(1, top, log_p.float().view(top.shape))
                 x, confidence = commit_slots(x, confidence, slot, commit, candidate, p_candidate)

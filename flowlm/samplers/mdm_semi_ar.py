@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from flowlm.ops.draws import draw_at, row_uniforms
-from flowlm.ops.summary import chunked_head_summary
+from flowlm.ops.summary import chunked_head_keep, chunked_head_summary, draw_kept, keeps_draw
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput, Sampler
 from flowlm.samplers.block_cache import BlockCachedReader, check_cache
 from flowlm.samplers.common import block_ids
@@ -44,6 +44,7 @@ class SemiARConfidenceSampler(GuidedSampler):
     """
 
     reads_head = True  # read the network's head at the block's slots where it offers one (``MaskedDenoiser.head_fn``)
+    keeps_masses = True  # at T > 0 the head's fold keeps the group masses the draw after the rank reads
 
     family = "mdm"
     confidence_kind = "a-priori"
@@ -172,6 +173,8 @@ class SemiARConfidenceSampler(GuidedSampler):
         by_row = logits.reshape(-1, logits.shape[-1])
         live = eligible.gather(1, slot)
         per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
+        vocab = None if linear is None else linear[0].shape[0]
+        kept = None  # the slots' group masses, kept by the head's fold for the draw after the rank
 
         def draw(rows: Tensor) -> tuple[Tensor, Tensor]:  # at the flat positions ``rows``
             return draw_at(by_row, rows, self.temperature, generator, uniforms=per_row, linear=linear)
@@ -179,6 +182,10 @@ class SemiARConfidenceSampler(GuidedSampler):
         if draw_all:
             drawn, log_p = draw(flat)
             candidate, score = drawn.view(slot.shape), log_p.view(slot.shape)
+        elif linear is not None and self.temperature > 0 and self.keeps_masses and keeps_draw(flat.numel(), vocab):
+            # log max p from the head's chunks at the slots, the draw at the committing ones from the same pass
+            read, kept = chunked_head_keep(by_row[flat], *linear, self.temperature)
+            score, candidate = read.log_max.view(slot.shape), x.gather(1, slot)  # every committing one drawn
         elif linear is not None:  # argmax and log max p from the head's chunks at the slots
             read = chunked_head_summary(by_row[flat], *linear)
             score, candidate = read.log_max.view(slot.shape), read.argmax.view(slot.shape)
@@ -191,7 +198,12 @@ class SemiARConfidenceSampler(GuidedSampler):
         if self.temperature > 0 and not draw_all:  # "max_prob": the draw at the committing slots only
             top = order[:, :width]
             committing = block_rows.gather(1, top).view(-1)
-            drawn, log_p = draw(committing)
+            if kept is None:
+                drawn, log_p = draw(committing)
+            else:  # the slots' rows of the kept fold: slot (b, j) is its row b·W + j
+                kept_rows = (top + torch.arange(top.shape[0], device=top.device)[:, None] * slot.shape[1]).view(-1)
+                own = None if per_row is None else per_row.reshape(-1)[committing]
+                drawn, log_p = draw_kept(kept, kept_rows, generator, uniforms=own)
             candidate = candidate.scatter(1, top, drawn.view(top.shape))
             p_candidate = score.scatter(1, top, log_p.float().view(top.shape))
         return commit_slots(x, confidence, slot, commit, candidate, p_candidate)

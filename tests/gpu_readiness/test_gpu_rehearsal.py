@@ -15,7 +15,14 @@ import torch
 from flowlm.metrics.likelihood import mdm_elbo_estimate
 from flowlm.ops.draws import draw_rows
 from flowlm.ops.fused_ce import fused_capped_ce
-from flowlm.ops.summary import chunked_head_draw, chunked_head_summary, chunked_summary, head_expectation
+from flowlm.ops.summary import (
+    chunked_head_draw,
+    chunked_head_keep,
+    chunked_head_summary,
+    chunked_summary,
+    draw_kept,
+    head_expectation,
+)
 from flowlm.samplers import (
     AncestralSampler,
     ConfidenceSampler,
@@ -170,8 +177,10 @@ SAMPLERS = {
     "ancestral_t0": (lambda b: AncestralSampler(temperature=0.0), "mdm", lambda n: 1 + n),
     "confidence": (lambda b: ConfidenceSampler(), "mdm", lambda n: 1),  # the loop length
     "confidence_t1": (lambda b: ConfidenceSampler(temperature=1.0, score="sampled"), "mdm", lambda n: 1),
+    "confidence_t07": (lambda b: ConfidenceSampler(temperature=0.7), "mdm", lambda n: 1),  # the draw from kept masses
     "threshold": (lambda b: ThresholdSampler(), "mdm", lambda n: n),  # per call: which positions are eligible
     "eb": (lambda b: EBSampler(), "mdm", lambda n: n),
+    "eb_t1": (lambda b: EBSampler(temperature=1.0), "mdm", lambda n: 2 * n),  # and per call: which positions commit
     "semi_ar": (lambda b: SemiARConfidenceSampler(block_length=b), "mdm", lambda n: 2),  # the plan: unique, tolist
     "semi_ar_prefix": (lambda b: SemiARConfidenceSampler(block_length=b, cache="prefix"), "mdm", lambda n: 2 + n),
     "semi_ar_dual": (lambda b: SemiARConfidenceSampler(block_length=b, cache="dual"), "mdm", lambda n: 2 + n),
@@ -237,7 +246,9 @@ def test_a_sampler_call_on_the_device(name):
 
 
 @pytest.mark.parametrize("shape", TEXT_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("name", ["ancestral", "confidence", "threshold", "eb", "semi_ar", "pr"])
+@pytest.mark.parametrize(
+    "name", ["ancestral", "confidence", "confidence_t07", "threshold", "eb", "eb_t1", "semi_ar", "pr"]
+)
 def test_a_sampler_call_at_a_text_vocabulary(name, shape):
     """The same at |V| = 50 258 (1 × 256 and 8 × 1 024, no prompt, NFE 4), where passes over the vocabulary are
     chunked: launches per NFE ≤ ``TEXT_LAUNCH_FACTOR`` forwards for every sampler, at either batch (the chunks sized
@@ -250,7 +261,9 @@ def test_a_sampler_call_at_a_text_vocabulary(name, shape):
     assert per_nfe <= TEXT_LAUNCH_FACTOR, (per_nfe, run.launches.most_common(10))
 
 
-@pytest.mark.parametrize("op", ["summary", "summary_rows", "head_summary", "head_draw", "draw_rows", "expectation"])
+@pytest.mark.parametrize(
+    "op", ["summary", "summary_rows", "head_summary", "head_draw", "head_keep", "draw_rows", "expectation"]
+)
 def test_a_vocabulary_pass_on_the_device_is_a_handful_of_chunks(op):
     """Each chunked pass over a text vocabulary (|V| = 50 258) at 8 × 1 024 rows launches ≤ ``PASS_LAUNCHES``
     kernels on the device: its chunks and tiles bounded by memory (a few hundred MiB), the rows in one block — with
@@ -266,6 +279,9 @@ def test_a_vocabulary_pass_on_the_device_is_a_handful_of_chunks(op):
         "summary_rows": lambda: chunked_summary(logits, rows=rows),
         "head_summary": lambda: chunked_head_summary(features, weight, bias, margin=True, entropy=True),
         "head_draw": lambda: chunked_head_draw(features, weight, bias, 0.7, meta_generator(0), entropy=True),
+        "head_keep": lambda: draw_kept(  # the fold keeping its group masses, then a draw at a quarter of its rows
+            chunked_head_keep(features, weight, bias, 0.7, entropy=True)[1], rows[::4], meta_generator(0)
+        ),
         "draw_rows": lambda: draw_rows(logits, 0.7, meta_generator(0)),
         "expectation": lambda: head_expectation(features, weight, bias, cap=30.0, table=table),
     }

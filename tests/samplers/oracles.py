@@ -202,3 +202,28 @@ class LogitsSemiAR(SemiARConfidenceSampler):
     chunks, and on every network before 2026-12-06's ``head_fn``)."""
 
     reads_head = False
+
+
+class TwoPassConfidence(ConfidenceSampler):
+    """``ConfidenceSampler`` on the head's chunks making the committing rows' head product a second time for the
+    draw at T > 0 (``draw_at``), as before its fold kept the group masses (2026-12-06)."""
+
+    keeps_masses = False
+
+
+class TwoPassSemiAR(SemiARConfidenceSampler):
+    """``SemiARConfidenceSampler`` (``score="max_prob"`` at T > 0) drawing from a second head product."""
+
+    keeps_masses = False
+
+
+class TwoPassThreshold(ThresholdSampler):
+    """``ThresholdSampler`` (``confidence="max_prob"`` at T > 0) drawing from a second head product."""
+
+    keeps_masses = False
+
+
+class TwoPassEB(EBSampler):
+    """``EBSampler`` at T > 0 drawing from a second head product."""
+
+    keeps_masses = False

@@ -16,7 +16,8 @@ from flowlm.backbones.llama import BidirectionalLM
 from flowlm.models.mdm import MaskedModel
 from flowlm.ops.summary import chunked_summary
 from flowlm.samplers import EBSampler, MaskedDenoiser, ThresholdSampler
-from tests.backbones.test_block_cache import V, random_mdm
+from lightning_modules.mdm import MDMModule
+from tests.backbones.test_block_cache import BACKBONE, V, random_mdm
 from tests.backbones.test_block_cache_llama import TINY, away_from_init, dream_net, smdm_module
 from tests.samplers.oracles import DenseEB, DenseThreshold, LogitsEB, LogitsThreshold
 
@@ -186,7 +187,7 @@ class LoraLike(torch.nn.Module):
         return self.base(h)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
 @pytest.mark.parametrize(
     ("options", "with_head", "without"),
     [
@@ -199,7 +200,7 @@ class LoraLike(torch.nn.Module):
 def test_the_head_in_chunks_decodes_as_the_networks_logits(options, with_head, without, temperature):
     """On the DiT the adaptive decoders read the head in vocabulary chunks at the eligible positions only, and draw
     from the committing rows' head product (the threshold's drawn-token rule at T > 0: at every eligible position in
-    the same pass, ``chunked_head_draw``): tokens, NFE and confidences those of the logits path (T = 0 and 1, one
+    the same pass, ``chunked_head_draw``): tokens, NFE and confidences those of the logits path (T = 0, 1 and 0.7, one
     generator and per-row generators); the network's whole logits are never made."""
     plain = random_mdm().denoiser()
     calls = []
@@ -232,7 +233,7 @@ HEAD_SAMPLERS = {  # name → (sampler class, its logits-path oracle, options, N
 }
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
 @pytest.mark.parametrize("name", HEAD_SAMPLERS)
 def test_the_fixed_step_samplers_read_the_head_at_the_rows_they_need(name, temperature):
     """On the DiT the confidence sampler runs the head at its masked slots, the ancestral sampler at the rows that
@@ -331,7 +332,7 @@ LLAMA_SAMPLERS = {  # name → (sampler class, its logits-path oracle, options, 
 }
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
 @pytest.mark.parametrize("name", LLAMA_SAMPLERS)
 def test_every_mdm_sampler_reads_the_llama_familys_head_as_its_logits(name, temperature):
     """On the tiny LLaMA family (SMDM's layout, Dream's shifted logits, LLaDA's with a tied head) every MDM sampler
@@ -391,3 +392,75 @@ def test_the_llama_family_under_the_block_cache_reads_its_windows_logits(cache):
                     )
                 assert torch.equal(got.tokens, want.tokens), (family, kind)
                 torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-5, atol=1e-6)
+
+
+KEPT_SAMPLERS = {  # name → (sampler class, its two-pass oracle, its logits-path oracle, options, NFE budget)
+    "confidence": ("ConfidenceSampler", "TwoPassConfidence", "LogitsConfidence", {}, 6),
+    "semi_ar_max_prob": (
+        "SemiARConfidenceSampler",
+        "TwoPassSemiAR",
+        "LogitsSemiAR",
+        {"block_length": 6, "score": "max_prob"},
+        8,
+    ),
+    "threshold_max_prob": (
+        "ThresholdSampler",
+        "TwoPassThreshold",
+        "LogitsThreshold",
+        {"threshold": 0.3, "confidence": "max_prob"},
+        10,
+    ),
+    "eb": ("EBSampler", "TwoPassEB", "LogitsEB", {"gamma": 0.5}, 10),
+    "eb_margin_blocks": ("EBSampler", "TwoPassEB", "LogitsEB", {"gamma": 0.5, "score": "margin", "block_length": 6}, 9),
+}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("name", KEPT_SAMPLERS)
+def test_the_samplers_that_rank_then_draw_read_the_heads_product_once(name, temperature, monkeypatch):
+    """On a DiT over 300 tokens (its head in chunks of 64 columns: five chunks, five groups) the samplers that rank
+    first and draw at the committing rows after fold the head's product once per call, keeping each ranked row's
+    group masses for the draw (``chunked_head_keep``; the draw makes the drawn group's 64 logits again), where the
+    path they replace folded it twice: tokens, NFE, row NFE and confidences those of that two-pass path and of the
+    logits path (one generator and per-row generators; the same u: the stream unchanged); over the budget of kept
+    masses, the two-pass path's."""
+    import flowlm.samplers as samplers
+    from tests.samplers import oracles
+
+    monkeypatch.setattr(summary_module, "CHUNK_BYTES", 4 * 64)  # chunks of 64 columns at any row count
+    monkeypatch.setattr(summary_module, "MIN_CHUNK", 64)
+    folds = []
+    fold = summary_module.head_fold
+    monkeypatch.setattr(summary_module, "head_fold", lambda *a, **k: folds.append(1) or fold(*a, **k))
+    kind, two_pass, logits_path, options, nfe = KEPT_SAMPLERS[name]
+    options = {**options, "temperature": temperature}
+    make = (getattr(samplers, kind), getattr(oracles, two_pass), getattr(oracles, logits_path))
+    torch.manual_seed(0)
+    module = MDMModule(data_vocab_size=WIDE_V, seq_len=24, backbone=BACKBONE, optim={})
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.4)
+    model = module.eval().denoiser()
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, WIDE_V, (4, 24), generator=g)
+    mask = torch.arange(24) < torch.tensor([[3], [5], [0], [8]])
+    for gen in (lambda: torch.Generator().manual_seed(4), lambda: [torch.Generator().manual_seed(s) for s in range(4)]):
+        runs = []
+        for sampler in make:
+            folds.clear()
+            with torch.no_grad():
+                runs.append(sampler(**options)(model, prompt=prompt, prompt_mask=mask, nfe=nfe, generator=gen()))
+            runs.append(len(folds))
+        got, got_folds, two, two_folds, want, _ = runs
+        assert got_folds == got.nfe and two_folds > two.nfe, (got_folds, two_folds, got.nfe)  # once, not twice
+        for other in (two, want):
+            assert torch.equal(got.tokens, other.tokens) and got.nfe == other.nfe
+            assert got.row_nfe is None or torch.equal(got.row_nfe, other.row_nfe)
+            torch.testing.assert_close(got.confidence, other.confidence, rtol=1e-5, atol=1e-6)
+    # over the kept masses' budget (``keeps_draw``) the draw makes its rows' head product again: the two-pass path
+    monkeypatch.setattr(summary_module, "KEPT_BYTES", 4 * 5 - 1)  # under one row of five groups
+    folds.clear()
+    with torch.no_grad():
+        over = make[0](**options)(model, prompt=prompt, prompt_mask=mask, nfe=nfe, generator=gen())
+    assert len(folds) == two_folds and torch.equal(over.tokens, two.tokens)
+    assert torch.equal(over.confidence, two.confidence)

@@ -1,7 +1,8 @@
 """The draw made in the head's vocabulary chunks (flowlm/ops/summary.py ``chunked_head_draw``, issue 50): with the
 same u it draws ``draw_rows``' tokens on the head's logits (the logits path's stream unchanged), its log p is the
 float64 log-softmax's to float32 rounding, and its law is softmax(l / T) (a chi-square test at T = 1 and 0.7 on a
-vocabulary of 150 tokens in three chunks, three groups and a narrower last one)."""
+vocabulary of 150 tokens in three chunks, three groups and a narrower last one). The same draw at some rows of a
+fold that kept its group masses (``chunked_head_keep``, ``draw_kept``) is the second head pass's it replaces."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 import flowlm.ops.summary as summary_module
 from flowlm.ops.draws import draw_rows
-from flowlm.ops.summary import chunked_head_draw
+from flowlm.ops.summary import GROUP, chunked_head_draw, chunked_head_keep, draw_kept
 
 
 def head(vocab: int, d: int = 8, seed: int = 0):
@@ -126,3 +127,44 @@ def test_a_small_vocabulary_makes_no_more_logits_again_than_it_has():
     assert 0 < max(spy.sizes) <= 50 * 6
     logits = torch.nn.functional.linear(features, weight, bias)
     assert torch.equal(token, draw_rows(logits, 1.0, torch.Generator().manual_seed(2))[0])
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_a_kept_fold_draws_at_some_rows_as_a_second_head_pass(temperature, autocast):
+    """chunked_head_keep over 200 rows, then draw_kept at 37 of them in any order (a sampler's committing rows after
+    its rank): the summary's log max p, margin and entropy those of chunked_head_summary (no argmax); the tokens those
+    of chunked_head_draw over those rows' features (the second head pass it replaces) and of draw_rows on their
+    logits with the same u (one generator; per-row uniforms), log p to 1e-6; the draw makes only the drawn groups'
+    logits again (each product ≤ rows × GROUP); at no rows nothing is drawn and the generator is untouched."""
+    weight, bias = head(1000, d=16)
+    features = torch.randn(200, 16, generator=torch.Generator().manual_seed(1)) * 0.8
+    rows = torch.randperm(200, generator=torch.Generator().manual_seed(2))[:37]
+    u = torch.rand(200, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = torch.nn.functional.linear(features, weight, bias).float()
+        for chunk in (None, 128, 320):
+            summary, kept = chunked_head_keep(
+                features, weight, bias, temperature, chunk=chunk, margin=True, entropy=True
+            )
+            plain = summary_module.chunked_head_summary(features, weight, bias, chunk=chunk, margin=True, entropy=True)
+            assert summary.argmax is None and kept.groups.shape == (200, -(-1000 // GROUP))
+            for got, expected in zip(summary[::2] + summary[3:], plain[::2] + plain[3:], strict=True):
+                torch.testing.assert_close(got, expected)
+            spy = LargestProduct()
+            with spy:
+                token, log_p = draw_kept(kept, rows, torch.Generator().manual_seed(5))
+            assert 0 < max(spy.sizes) <= rows.numel() * GROUP
+            _, again, again_log_p = chunked_head_draw(
+                features[rows], weight, bias, temperature, torch.Generator().manual_seed(5), chunk=chunk
+            )
+            want, want_log_p = draw_rows(logits, temperature, torch.Generator().manual_seed(5), rows=rows)
+            assert torch.equal(token, again) and torch.equal(token, want), chunk
+            torch.testing.assert_close(log_p, want_log_p, rtol=0, atol=1e-6)
+            torch.testing.assert_close(log_p, again_log_p, rtol=0, atol=1e-6)
+            token, _ = draw_kept(kept, rows, None, uniforms=u[rows])
+            assert torch.equal(token, draw_rows(logits, temperature, None, rows=rows, uniforms=u)[0]), chunk
+        gen = torch.Generator().manual_seed(6)
+        token, log_p = draw_kept(kept, rows[:0], gen)
+    assert token.shape == (0,) and token.dtype == torch.long and log_p.dtype == torch.float64
+    assert torch.equal(gen.get_state(), torch.Generator().manual_seed(6).get_state())

@@ -15,11 +15,13 @@ from flowlm.ops.draws import draw_rows
 from flowlm.ops.summary import (
     BLOCK,
     DEVICE_PASS_BYTES,
+    GROUP,
     chunk_width,
     chunked_head_draw,
     chunked_head_summary,
     chunked_summary,
     head_expectation,
+    keeps_draw,
     row_block,
     vocab_sizes,
 )
@@ -146,3 +148,11 @@ def test_head_expectation_cut_as_on_a_gpu_is_dense(device_sizes, cap):
     assert torch.equal(index, logits.argmax(-1))
     torch.testing.assert_close(log_max, p.amax(-1).log(), atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(mean, p @ table, atol=1e-5, rtol=1e-4)
+
+
+def test_the_kept_group_masses_are_bounded():
+    """A fold that keeps its rows' group masses for a later draw (``chunked_head_keep``) holds rows × ⌈|V| / 64⌉
+    float32: 25.8 MB at 8 × 1 024 rows and |V| = 50 258, kept on any device; the samplers keep them only within
+    ``KEPT_BYTES`` (256 MiB: up to 85 380 rows at that vocabulary), else draw from a second head pass."""
+    assert 8192 * -(-50258 // GROUP) * 4 == 25_755_648 and summary_module.KEPT_BYTES == 256 << 20
+    assert keeps_draw(8192, 50258) and keeps_draw(85_380, 50258) and not keeps_draw(85_381, 50258)
