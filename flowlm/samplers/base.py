@@ -41,7 +41,9 @@ class MaskedDenoiser:
     cache (flowlm/samplers/block_cache.py). ``head_fn(x, t)``, where the network can: ``(features (B, L, d), W (V, d),
     b (V,) or None)``, the network up to its output head's input and the head over the data vocabulary, fn's logits
     being features·Wᵀ + b, for decoders that read the head in vocabulary chunks at some positions only
-    (``flowlm.ops.summary.chunked_head_summary``).
+    (``flowlm.ops.summary.chunked_head_summary``). ``rows_alone``: whether fn and head_fn compute each row from that
+    row's x and t alone (no batch-wide state), so that a sampler may call them on the rows that need a call
+    (``flowlm.samplers.common.call_rows``); False for a view holding the batch's prompt mask (CFG's guided view).
     """
 
     fn: Callable[[Tensor, Tensor], Tensor]
@@ -49,6 +51,7 @@ class MaskedDenoiser:
     time_conditioned: bool = False
     windowed: Callable[[int], Callable[..., Tensor]] | None = None
     head_fn: Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor | None]] | None = None
+    rows_alone: bool = True
 
 
 def plain_linear(head: object) -> bool:

@@ -84,7 +84,8 @@ def guided_denoiser(model: MaskedDenoiser, prompt_mask: Tensor, cfg_scale: float
         excluded = (cond == -torch.inf) | (un == -torch.inf)  # [MASK] inside the head: −∞ in both, not NaN
         return guided.masked_fill(excluded, -torch.inf)
 
-    return MaskedDenoiser(fn=fn, mask_id=model.mask_id, time_conditioned=model.time_conditioned)
+    # the view holds the batch's prompt mask: it computes whole batches only
+    return MaskedDenoiser(fn=fn, mask_id=model.mask_id, time_conditioned=model.time_conditioned, rows_alone=False)
 
 
 class GuidedSampler(PlannedSampler):

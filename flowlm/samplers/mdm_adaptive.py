@@ -245,7 +245,9 @@ class AdaptiveMDMSampler(PlannedSampler):
             if n_at == 0:  # nothing masked: a row with [MASK] left has some in its current block
                 break
             at = torch.nonzero_static(eligible.view(-1), size=n_at).squeeze(1)
-            calling = torch.nonzero_static(need, size=n_need).squeeze(1)  # the rows the call computes
+            # the rows the call computes (every row where the view holds the batch: ``rows_alone`` False)
+            calling = torch.nonzero_static(need, size=n_need) if model.rows_alone else torch.arange(b, device=x.device)
+            calling = calling.view(-1)
             if reader is not None:  # rows entering a block, or the last call (a full pass): refresh
                 lo = (first + current * self.block_length).clamp(max=length)[:, 0]
                 hi = (lo + self.block_length).clamp(max=length)

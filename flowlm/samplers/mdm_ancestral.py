@@ -20,14 +20,14 @@ class AncestralSampler(GuidedSampler):
     leaves the input unchanged, so a time-agnostic network's output is reused at no NFE (``ddpm_cache``).
     ``row_nfe``: the calls each row needs, while it holds [MASK], its first and one after each step that changed it
     (every step without the cache), as alone; ``nfe``: the batch's, a call whenever some row needs one. A call
-    computes only the rows that need it (``call_rows``), the others keeping their last output: a batch costs its rows'
-    own calls (Σ ``row_nfe`` forwards of one row), not ``nfe`` forwards of every row. Each step reads back from the
-    device, in one read, how many tokens unmask and how many rows the next call computes: they decide whether the
-    next step spends an NFE (the cache, and the early exit once nothing is masked). The float64 draw is made at the
-    unmasking positions only, by the two-level inverse CDF of ``draw_rows``, which also gives the drawn token's
-    log-probability from the same normaliser. Per-row generators (``flowlm.ops.draws.Generators``): each step draws
-    from each row's generator its L coins, then (T > 0) L categorical uniforms, one per position, read where the row
-    unmasks.
+    computes only the rows that need it (``call_rows``; every row where the view holds the batch, CFG's), the others
+    keeping their last output: a batch costs its rows' own calls (Σ ``row_nfe`` forwards of one row), not ``nfe``
+    forwards of every row. Each step reads back from the device, in one read, how many tokens unmask and how many
+    rows the next call computes: they decide whether the next step spends an NFE (the cache, and the early exit once
+    nothing is masked). The float64 draw is made at the unmasking positions only, by the two-level inverse CDF of
+    ``draw_rows``, which also gives the drawn token's log-probability from the same normaliser. Per-row generators
+    (``flowlm.ops.draws.Generators``): each step draws from each row's generator its L coins, then (T > 0) L
+    categorical uniforms, one per position, read where the row unmasks.
 
     ``cfg_scale`` w > 0: SMDM's unsupervised CFG (``flowlm.samplers.guidance``); each step spends 2 network
     evaluations, so the grid has ⌊nfe / 2⌋ steps (a cached step spends none).
@@ -61,7 +61,9 @@ class AncestralSampler(GuidedSampler):
         for k in range(steps):
             t, s = 1.0 - k / steps, 1.0 - (k + 1) / steps
             if n_need:  # a call on the rows that need it (each row's own NFE; the others keep their last output)
-                rows = torch.nonzero_static(need, size=n_need).squeeze(1)
+                whole = not model.rows_alone  # a view that holds the batch (CFG's guided view): every row
+                rows = torch.arange(batch, device=x.device) if whole else torch.nonzero_static(need, size=n_need)
+                rows = rows.view(-1)
                 logits, linear = call_rows(head or model.fn, x, torch.full((batch,), t, device=x.device), rows, logits)
                 calls, row_nfe, n_need = calls + cost, row_nfe + cost * need, 0
             # Only the positions that unmask need the categorical draw: the unmask coins, then the draw on those rows.

@@ -59,10 +59,16 @@ def test_nfe_prompt_masks_and_completion(sampler, nfe):
     assert out.nfe == net.calls <= nfe  # NFE reported = network calls made, within budget
     assert (out.tokens[prompt_mask] == prompt[prompt_mask]).all()  # prompt untouched
     assert (out.tokens != MASK).all() and out.tokens.max() < V  # everything decoded
+    # each call's rows (the ancestral sampler's: the rows that need it), told apart by their prompts
+    assert len({tuple(p) for p in prompt[:, :4].tolist()}) == len(prompt)
+    masked_counts = {}
     for x in net.inputs:  # the prompt is visible at every call
-        assert (x[prompt_mask] == prompt[prompt_mask]).all()
-    masked_counts = [(x == MASK).sum().item() for x in net.inputs]
-    assert masked_counts == sorted(masked_counts, reverse=True)  # masked tokens never increase
+        for row in x:
+            (b,) = (row[:4] == prompt[:, :4]).all(-1).nonzero()[0].tolist()
+            assert (row[prompt_mask[b]] == prompt[b, prompt_mask[b]]).all()
+            masked_counts.setdefault(b, []).append(int((row == MASK).sum()))
+    for counts in masked_counts.values():
+        assert counts == sorted(counts, reverse=True)  # a row's masked tokens never increase
     assert ((out.confidence > 0) & (out.confidence <= 1)).all()
 
 
