@@ -20,7 +20,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 STUDY="$(realpath -m "${FLOWLM_STUDY:-$ROOT/../flowlm_budget_study}")"
 PYTHON="${FLOWLM_PYTHON:-$ROOT/.venv/bin/python}"
-THREADS="${FLOWLM_THREADS:-$(nproc)}"
+# One thread a process by default: two campaigns (one per model) and the tests share the 2-core machine, and a
+# 2-thread training beside another job ran 3–10× slower than on one thread (docs/results.md#the-campaign)
+THREADS="${FLOWLM_THREADS:-1}"
 
 running() { [[ -f "$STUDY/study.pid" ]] && kill -0 "$(cat "$STUDY/study.pid")" 2>/dev/null; }
 

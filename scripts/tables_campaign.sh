@@ -34,7 +34,9 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 CAMPAIGN="$(realpath -m "${FLOWLM_CAMPAIGN:-$ROOT/../flowlm_campaign}")"  # made by the commands that write in it
 LOCK="$CAMPAIGN/campaign.lock"
 PYTHON="${FLOWLM_PYTHON:-$ROOT/.venv/bin/python}"
-THREADS="${FLOWLM_THREADS:-$(nproc)}"
+# One thread a process by default: two campaigns (one per model) and the tests share the 2-core machine, and a
+# 2-thread training beside another job ran 3–10× slower than on one thread (docs/results.md#the-campaign)
+THREADS="${FLOWLM_THREADS:-1}"
 COMMITTED="${FLOWLM_COMMITTED:-$ROOT/results/sudoku}"
 
 # The plan, in order (experiment:seed), issue 47's fixed-budget protocol: (a) the headline pair, the easy MDM and
