@@ -766,6 +766,35 @@ def curve_table(gains: pd.DataFrame) -> pd.DataFrame:
     return table.rename(columns={"gain": "gain over the last quarter (points)"})
 
 
+def budget_candidates(points: pd.DataFrame) -> pd.DataFrame:
+    """Issue 47's budget, chosen from a curve trained past the budget (scripts/sudoku_budget_study.sh; the tables'
+    own run's points before it): for every step B of the easy MDM's curves at one call per generated position, the
+    point at the last checkpoint at or before 3/4 of B on the same seeds and the gain from there to B; ``accepted``
+    where the gain is < BUDGET_GAIN points. The budget to choose is the smallest B every curve accepts
+    (``chosen_budget``)."""
+    columns = ["sampler", "NFE", "budget", "step at 3/4", "at 3/4", "at budget", "gain", "accepted"]
+    easy = points[(points["task"] == "easy") & (points["model"] == "MDM")]
+    one = [nfe == generated_positions(b, "easy") for nfe, b in zip(easy["nfe_budget"], easy["board"], strict=True)]
+    lines = []
+    for (sampler, nfe), curve in easy[pd.Series(one, index=easy.index, dtype=bool)].groupby(["sampler", "nfe_budget"]):
+        for _, at in curve.iterrows():
+            earlier = curve[(curve["step"] <= LAST_QUARTER * at["step"]) & (curve["seeds"] == at["seeds"])]
+            if earlier.empty:
+                continue
+            quarter = earlier.iloc[-1]
+            gain = at["mean"] - quarter["mean"]
+            lines.append([sampler, int(nfe), int(at["step"]), int(quarter["step"]), quarter["mean"], at["mean"], gain,
+                          bool(gain < BUDGET_GAIN)])  # fmt: skip
+    return pd.DataFrame(lines, columns=columns).sort_values(["budget", "sampler"]).reset_index(drop=True)
+
+
+def chosen_budget(candidates: pd.DataFrame) -> int | None:
+    """The smallest budget whose every curve (sampler) gains < BUDGET_GAIN over its last quarter, from
+    ``budget_candidates``; None where none does yet."""
+    accepted = candidates.groupby("budget")["accepted"].all()
+    return int(accepted[accepted].index.min()) if accepted.any() else None
+
+
 def budget_check(gains: pd.DataFrame) -> str:
     """Whether the training budget is accepted: the easy MDM's curves at one call per generated position gain less
     than BUDGET_GAIN points over the last quarter of the steps (issue 47); one sentence."""

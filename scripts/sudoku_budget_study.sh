@@ -9,6 +9,8 @@
 # Resumable: run it again (after a stop, a session's end, a reboot) and it goes on from the last checkpoint, and
 # samples only the checkpoints not sampled yet. One study at a time per folder (its run folder's lock).
 #
+#   scripts/sudoku_budget_study.sh budget                    # the rule on every curve point so far: each step's
+#                                                            # gain over its last quarter, and the budget it gives
 #   scripts/sudoku_budget_study.sh start RUN_DIR MAX_STEPS   # e.g. ../flowlm_campaign/runs/sudoku_mdm_easy/cpu/seed0 24000
 #   scripts/sudoku_budget_study.sh status
 #   scripts/sudoku_budget_study.sh stop
@@ -98,8 +100,25 @@ stop)
         echo "study: not running"
     fi
     ;;
+budget)
+    # The rule applied to every curve point so far: the committed tables' rows (the run's own steps) and the study's
+    # (committed under results/sudoku_budget_study/ and still in $STUDY/results), one row per (row, seed, step)
+    shift
+    (($# > 0)) || set -- "$ROOT/results/sudoku" "$ROOT/results/sudoku_budget_study" "$STUDY/results"
+    cd "$ROOT" && "$PYTHON" -c '
+import sys
+from pathlib import Path
+import pandas as pd
+from analysis.sudoku_tables import KEY, STEP, budget_candidates, chosen_budget, curve_points, read_results
+rows = pd.concat([read_results(f) for f in sys.argv[1:] if Path(f).is_dir()], ignore_index=True)
+rows = rows.sort_values("date").drop_duplicates(subset=[*KEY, "seed", STEP], keep="last")
+table = budget_candidates(curve_points(rows))
+print(table.to_string(index=False, float_format=lambda v: f"{v:.1f}"))
+chosen = chosen_budget(table)
+print("budget: " + (f"{chosen} steps (the smallest every curve accepts)" if chosen else "none accepted yet"))' "$@"
+    ;;
 *)
-    echo "usage: $0 start RUN_DIR MAX_STEPS | status | stop" >&2
+    echo "usage: $0 start RUN_DIR MAX_STEPS | status | stop | budget [RESULTS_DIR ...]" >&2
     exit 2
     ;;
 esac

@@ -12,8 +12,10 @@ from analysis.sudoku_tables import (
     adaptive_table,
     aggregate,
     aup_table,
+    budget_candidates,
     budget_check,
     build_sudoku_report,
+    chosen_budget,
     conditional_table,
     curve_gains,
     curve_points,
@@ -98,6 +100,27 @@ def test_curve_points_and_the_gain_over_the_last_quarter(curves):
     flat = gains.reset_index().assign(gain=lambda g: g["sampler"].map({"ancestral": 0.4, "pr": 27.5}))
     # only the easy MDM at one call per position decides
     assert budget_check(flat).endswith("ancestral +0.4 → accepted.")
+
+
+def test_the_budget_is_the_first_step_whose_last_quarter_gains_less_than_a_point(curves):
+    """Issue 47's choice from a curve run past the budget: the mean of seeds 0 and 1 at 41 (one call per position)
+    gains 89.3 − 85.0 = 4.3 over 4 500 → 6 000, 89.3 − 70.0 = 19.3 over 3 000 → 4 500 … never < 1: no budget yet;
+    a confidence curve flat from 2 250 on and an ancestral one whose last two points add 0.5 accept 6 000 only where
+    both do."""
+    points = curve_points(read_results(curves))
+    table = budget_candidates(points).set_index(["budget", "sampler"])
+    assert table.loc[(6000, "ancestral"), "step at 3/4"] == 4500
+    assert table.loc[(6000, "ancestral"), "gain"] == pytest.approx(4.3)
+    assert table.loc[(3000, "ancestral"), "step at 3/4"] == 2250  # the last checkpoint at ≤ 3/4 of 3 000
+    assert "pr" not in table.index.get_level_values("sampler") and chosen_budget(table.reset_index()) is None
+    flat = points[points["sampler"] == "ancestral"].assign(
+        sampler="confidence", mean=lambda p: p["step"].map(lambda s: 99.0 if s >= 2250 else 50.0)
+    )
+    late = points.assign(mean=lambda p: p["mean"].where(p["step"] < 6000, 85.5))  # 85.0 at 4 500 → 85.5 at 6 000
+    both = budget_candidates(pd.concat([late, flat]))
+    assert chosen_budget(both) == 6000  # confidence accepts 3 000 on, ancestral first at 6 000
+    jump = flat.assign(mean=lambda p: p["mean"].where(p["step"] < 6000, 100.5))  # confidence +1.5 at the end
+    assert chosen_budget(budget_candidates(pd.concat([late, jump]))) is None  # every curve must accept
 
 
 def test_seeds_that_ended_at_other_steps_make_no_gain(tmp_path):

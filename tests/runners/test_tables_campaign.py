@@ -431,3 +431,30 @@ def test_the_budget_study_refuses_before_starting_anything(tmp_path):
     bad = start("many")
     assert bad.returncode == 2 and bad.stderr.startswith("usage:")
     assert not study.exists()
+
+
+def test_the_budget_study_names_the_budget_its_curves_accept(tmp_path):
+    """scripts/sudoku_budget_study.sh budget: the tables' rows up to the run's budget and the study's past it, read
+    from their folders as one curve (a row in both counted once): each step's gain over its last quarter, and the
+    smallest step every curve accepts."""
+    from callbacks.results_csv import write_rows
+    from tests.analysis.test_sudoku_tables import row
+
+    def points(steps_values, folder):
+        rows = [
+            row("MDM", "scratch", sampler, 41, 0, v + (15 if sampler == "confidence" else 0), eval_step=s, steps=s)
+            for s, v in steps_values
+            for sampler in ("ancestral", "confidence")
+        ]
+        write_rows(tmp_path / folder / "easy" / "mdm_seed0.csv", rows)
+
+    points([(1500, 40.0), (3000, 70.0), (4500, 80.0), (6000, 84.0)], "tables")
+    points([(6000, 84.0), (7500, 85.5), (9000, 86.0), (12000, 86.5)], "study")  # 6 000 in both folders
+    script = ["bash", str(SCRIPT.with_name("sudoku_budget_study.sh")), "budget"]
+    env = {**os.environ, "FLOWLM_STUDY": str(tmp_path / "none"), "FLOWLM_PYTHON": sys.executable}
+    out = subprocess.run([*script, str(tmp_path / "tables"), str(tmp_path / "study")], env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    # 12 000: 86.5 against 86.0 at 9 000 (+0.5) on both curves; 9 000: +2.0 against 6 000
+    assert out.stdout.strip().endswith("budget: 12000 steps (the smallest every curve accepts)"), out.stdout
+    assert " ancestral   41    9000         6000    84.0       86.0   2.0     False" in out.stdout
