@@ -3,7 +3,8 @@
 # checkpoint the tables sweep kept at an eighth of the budget (checkpoints/curve-step*.ckpt, the final one excepted:
 # the training run sampled its final weights itself, on every val puzzle) sampled offline with `flowlm-eval`, with the
 # run's own samplers (eval=sudoku_<family>) and seeds read from its run_config.yaml, at its headline budgets — NFE 4
-# and its largest (an MDM's one call per position) — on the first 4 val batches (512 puzzles: ±4 points at 50 %),
+# and its largest (an MDM's one call per position) — on the first 4 val batches (512 puzzles: ±4 points at 50 %;
+# FLOWLM_CURVE_BATCHES sets how many: a step sampled on fewer puzzles than that asks is sampled again),
 # its DiT blocks compiled as in training: the curve costs a small share of the training. The rows go to
 # <results>/<task>/<name>_seed<n>_eval.csv, one per checkpoint step (the rows' eval_step), which the report plots.
 # Used by scripts/tables_campaign.sh after each model. Resumable: a step whose rows that file already holds at every
@@ -17,20 +18,25 @@ set -euo pipefail
 run="$1" results="$2"
 shift 2
 PYTHON="${FLOWLM_PYTHON:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}"
+batches="${FLOWLM_CURVE_BATCHES:-4}"  # val batches of 128 puzzles a checkpoint; 16 is all 2 000 (the budget study's)
+[[ "$batches" =~ ^[1-9][0-9]*$ ]] || { echo "$0: FLOWLM_CURVE_BATCHES must be a positive integer, got '$batches'" >&2; exit 2; }
 [[ -f "$run/run_config.yaml" && -f "$run/checkpoints/last.ckpt" ]] \
     || { echo "$0: $run holds no finished run (run_config.yaml and checkpoints/last.ckpt)" >&2; exit 2; }
 # the run's evaluation settings, and its final step (its own rows; the curve's checkpoint there is not sampled again)
-read -r final budgets csv settings < <("$PYTHON" -c '
+read -r final budgets csv want settings < <("$PYTHON" -c '
 import json, os, sys, yaml
 c = yaml.safe_load(open(sys.argv[1]))
 e = c["eval"]
 nfe = sorted({b for b in e["nfe"] if b == 4} | {max(e["nfe"])})
+d = c.get("data") or {}
+batch = d.get("val_batch_size") or d.get("batch_size") or 128  # the puzzles a checkpoint is sampled on, at most
+want = min(int(sys.argv[3]) * batch, d.get("num_val") or float("inf"))
 print(c["trainer"]["max_steps"], ",".join(map(str, nfe)),
-      os.path.join(sys.argv[2], c["task"], "%s_seed%s_eval.csv" % (c["name"], c["seed"])),
+      os.path.join(sys.argv[2], c["task"], "%s_seed%s_eval.csv" % (c["name"], c["seed"])), want,
       "eval=sudoku_%s seed=%s eval.nfe=[%s] eval.max_batches=%s eval.seed=%s eval.skip_unfit_budgets=%s compile=%s"
-      % (c["family"], c["seed"], ",".join(map(str, nfe)), 4, e["seed"],
+      % (c["family"], c["seed"], ",".join(map(str, nfe)), sys.argv[3], e["seed"],
          json.dumps(bool(e.get("skip_unfit_budgets"))), json.dumps(bool(c.get("compile")))))' \
-    "$run/run_config.yaml" "$results")
+    "$run/run_config.yaml" "$results" "$batches")
 [[ "$final" =~ ^[0-9]+$ ]] || { echo "$0: $run/run_config.yaml could not be read (above)" >&2; exit 2; }
 # A run resumed past its recorded steps (scripts/sudoku_budget_study.sh) keeps its first run_config.yaml: the caller
 # says up to which step (exclusive) the checkpoints are the curve's
@@ -44,8 +50,9 @@ for ckpt in "$run"/checkpoints/curve-step*.ckpt; do
     found=$((found + 1))
     if [[ "${FLOWLM_CURVE_REDO:-0}" != 1 && -f "$csv" ]] && "$PYTHON" -c '
 import csv, sys
-have = {r["nfe_budget"] for r in csv.DictReader(open(sys.argv[1])) if r.get("eval_step") == sys.argv[2]}
-sys.exit(0 if set(sys.argv[3].split(",")) <= have else 1)' "$csv" "$step" "$budgets"; then
+rows = [r for r in csv.DictReader(open(sys.argv[1])) if r.get("eval_step") == sys.argv[2]]
+have = {r["nfe_budget"] for r in rows if int(float(r.get("samples") or 0)) >= int(sys.argv[4])}
+sys.exit(0 if set(sys.argv[3].split(",")) <= have else 1)' "$csv" "$step" "$budgets" "$want"; then
         echo "$(date -u +%FT%TZ) curve: step $step of $final already sampled ($csv)"
         continue
     fi

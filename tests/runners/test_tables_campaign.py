@@ -297,12 +297,19 @@ def test_the_curve_samples_each_kept_checkpoint_but_the_final_one_with_the_runs_
 
     rows = tmp_path / "results" / "t" / "m_seed3_eval.csv"  # step 4 sampled at both budgets, step 8 at one
     rows.parent.mkdir(parents=True)
-    rows.write_text("eval_step,nfe_budget\n4,4\n4,41\n8,4\n12,18\n")
+    rows.write_text("eval_step,nfe_budget,samples\n4,4,512\n4,41,512\n8,4,512\n12,18,512\n")
     resumed = subprocess.run(["bash", *script], env=env, capture_output=True, text=True, timeout=60)
     assert resumed.returncode == 0, resumed.stderr
     assert "step 4 of 16 already sampled" in resumed.stdout
     sampled = [line.split()[2] for line in resumed.stdout.splitlines() if line.startswith("-m runners.evaluate")]
     assert sampled == [f"ckpt_path={run}/checkpoints/curve-step{s:07d}.ckpt" for s in (8, 12)]
+    # more puzzles asked (the budget study's 16 batches) than step 4 was sampled on: sampled again, on 16 batches
+    more = subprocess.run(
+        ["bash", *script], env={**env, "FLOWLM_CURVE_BATCHES": "16"}, capture_output=True, text=True, timeout=60
+    )
+    lines = [line.split() for line in more.stdout.splitlines() if line.startswith("-m runners.evaluate")]
+    assert [c[2] for c in lines] == [f"ckpt_path={run}/checkpoints/curve-step{s:07d}.ckpt" for s in (4, 8, 12)]
+    assert all("eval.max_batches=16" in c for c in lines)
     redone = subprocess.run(
         ["bash", *script], env={**env, "FLOWLM_CURVE_REDO": "1"}, capture_output=True, text=True, timeout=60
     )
