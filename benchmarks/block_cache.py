@@ -9,10 +9,16 @@ layout, ``--llama-width`` wide, 4 layers, 4 heads, SwiGLU 8/3 × the width). Rep
 rotates) and the medians compared. The FLOP estimate counts, per layer and computed position, the token-linear work
 (2 × the layer's multiply-adds per token: QKV, attention output, MLP) and the attention (4·n·L·d for n queries over
 L keys), and the head (2·d·|V| per position): a full pass is n = L; a prefix step n = the block and what follows it;
-a dual step n = the block. The block's first step is a full pass either way.
+a dual step n = the block. The block's first step is a full pass either way. Two estimates of the head: at the
+block's positions only, every step, whatever the cache (what the decoder reads, and since 2026-12-06 what it runs:
+the head in vocabulary chunks at the block's slots, through the cache too), the limit; and at every position a pass
+runs (the estimate before 2026-12-06, when the cached passes returned logits over their window), for continuity.
+``--before`` adds the cached rows as they ran before 2026-12-06 (the windowed passes' logits over the whole window,
+merged into a (B, L, |V|) buffer), side by side in the same run.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/block_cache.py                       # the GSM8K shape, tiny DiT
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/block_cache.py --backbone llama --reps 1   # a tiny LLaMA
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/block_cache.py --prompt-len 128 --answer-len 128 --before --reps 1
     .venv/bin/python benchmarks/block_cache.py --prompt-len 32 --answer-len 32 --block 8 --vocab 64 --reps 1  # smoke
 """
 
@@ -26,19 +32,42 @@ import torch
 
 from flowlm.backbones.dit import SIZES
 from flowlm.samplers import SemiARConfidenceSampler
+from flowlm.samplers.block_cache import BlockCachedReader
 from lightning_modules.mdm import MDMModule
 
 CACHES = ("none", "prefix", "dual")
 
 
+class LogitsWindows(SemiARConfidenceSampler):
+    """The cached decoder as it ran before 2026-12-06: the windowed passes' logits over the whole window (the head
+    at every position a pass runs), merged into a (B, L, |V|) buffer; without cache it reads the head as now."""
+
+    def network(self, model, length):  # noqa: D102
+        if self.cache == "none":
+            return super().network(model, length)
+        reader = BlockCachedReader(model, self.cache, self.refresh, length)
+        return reader, reader
+
+
 def flops(
-    cache: str, *, length: int, prompt: int, block: int, steps: int, d: int, layers: int, vocab: int, linear: int
+    cache: str,
+    *,
+    length: int,
+    prompt: int,
+    block: int,
+    steps: int,
+    d: int,
+    layers: int,
+    vocab: int,
+    linear: int,
+    head_at_block: bool = True,
 ) -> float:
     """Forward FLOPs of one decode (per sequence) by the estimate in the module docstring; ``linear``: a layer's
-    multiply-adds per token."""
+    multiply-adds per token; ``head_at_block``: the head at the block's positions only (else at every position run)."""
 
     def window(n: int) -> float:
-        return layers * (2 * linear * n + 4 * n * length * d) + 2 * d * vocab * n
+        head = min(block, length - start) if head_at_block else n
+        return layers * (2 * linear * n + 4 * n * length * d) + 2 * d * vocab * head
 
     total = 0.0
     for start in range(prompt, length, block):
@@ -94,6 +123,7 @@ def main() -> None:
     ap.add_argument("--size", default="tiny", help="the DiT's size")
     ap.add_argument("--llama-width", type=int, default=128, help="the tiny LLaMA's hidden size")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--before", action="store_true", help="add the cached rows as they ran before 2026-12-06")
     args = ap.parse_args()
     length = args.prompt_len + args.answer_len
     module, shape = network(args, length)
@@ -102,30 +132,39 @@ def main() -> None:
     mask = (torch.arange(length) < args.prompt_len).expand(args.batch, -1)
     nfe = args.steps * -(-args.answer_len // args.block)
     samplers = {c: SemiARConfidenceSampler(block_length=args.block, cache=c) for c in CACHES}
-    times: dict[str, list[float]] = {c: [] for c in CACHES}
+    if args.before:
+        samplers |= {f"{c} (before)": LogitsWindows(block_length=args.block, cache=c) for c in CACHES[1:]}
+    rows = list(samplers)
+    times: dict[str, list[float]] = {c: [] for c in rows}
     with torch.no_grad():
         full = full_forward_seconds(model, prompt, args.reps)
         for rep in range(args.reps):
-            for c in CACHES[rep % 3 :] + CACHES[: rep % 3]:
+            turn = rep % len(rows)
+            for c in rows[turn:] + rows[:turn]:
                 start = time.perf_counter()
                 out = samplers[c](model, prompt=prompt, prompt_mask=mask, nfe=nfe, generator=None)
                 times[c].append(time.perf_counter() - start)
                 assert out.nfe == nfe
     decode = {"length": length, "prompt": args.prompt_len, "block": args.block, "steps": args.steps}
     work = {c: flops(c, **decode, **shape, vocab=args.vocab) for c in CACHES}
+    old = {c: flops(c, **decode, **shape, vocab=args.vocab, head_at_block=False) for c in CACHES}
     base = statistics.median(times["none"])
     setting = f"prompt {args.prompt_len} + answer {args.answer_len}, blocks of {args.block}, {args.steps} steps each"
     threads = torch.get_num_threads()
     net = f"{args.size} DiT" if args.backbone == "dit" else f"tiny LLaMA (d {shape['d']}, {shape['layers']} layers)"
     print(f"{net}, |V| {args.vocab}, {setting} (NFE {nfe}), batch {args.batch}, {threads} threads")
     print(f"one full forward on ids: {full:.4f} s")
-    print("| cache | s / decode (median) | s / NFE ÷ full forward | speed-up | FLOP ratio (limit) | speed-up / limit |")
-    print("|---|---|---|---|---|---|")
-    for c in CACHES:
-        med = statistics.median(times[c])
-        limit = work["none"] / work[c]
-        per_nfe = med / nfe / full
-        print(f"| {c} | {med:.3f} | {per_nfe:.2f} | {base / med:.2f}× | {limit:.2f}× | {base / med / limit:.2f} |")
+    print(
+        "| cache | s / decode (median) | s / NFE ÷ full forward | speed-up | FLOP ratio (limit) | speed-up / limit "
+        "| FLOP ratio, head at every position run | speed-up / it |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for c in rows:
+        med, kind = statistics.median(times[c]), c.split()[0]
+        limit, was = work["none"] / work[kind], old["none"] / old[kind]
+        gain = base / med
+        cells = f"{med:.3f} | {med / nfe / full:.2f} | {gain:.2f}× | {limit:.2f}× | {gain / limit:.2f}"
+        print(f"| {c} | {cells} | {was:.2f}× | {gain / was:.2f} |")
 
 
 if __name__ == "__main__":

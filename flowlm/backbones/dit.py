@@ -534,12 +534,12 @@ class DiT(nn.Module):
         return BlockKVCache(len(self.blocks), length)
 
     def forward_window(
-        self, x: Tensor, s: Tensor, cache: BlockKVCache, start: int, fresh: Tensor | None = None
+        self, x: Tensor, s: Tensor, cache: BlockKVCache, start: int, fresh: Tensor | None = None, *, features=False
     ) -> Tensor:
         """Logits (B, n, |V|) of positions start … start + n − 1 (ids x (B, n)) attending to every position's keys
         and values: the window's from this pass where ``fresh`` (B, n) holds (all: None), the others' as ``cache``
         holds them; stores the fresh ones. With start 0 and the whole sequence it is ``forward`` (per-sequence times
-        s (B,)) and fills the cache."""
+        s (B,)) and fills the cache. ``features``: the head's input (B, n, d) instead (``head_features``)."""
         h = self.input_embeddings(x)
         b, n, _ = h.shape
         if start < 0 or start + n > cache.max_len:
@@ -548,7 +548,7 @@ class DiT(nn.Module):
         c = self.condition(s, None, b, n)
         for i, block in enumerate(self.blocks):
             h = block(h, c, cache=cache, layer=i)
-        return self.final(h, c)
+        return self.final.features(h, c) if features else self.final(h, c)
 
     def forward_cached(self, x: Tensor, s: Tensor, cache: KVCache, t: Tensor | None = None) -> Tensor:
         """Logits (B, n, |V|) for the n new positions cache.length … cache.length + n − 1 only, given as ids or

@@ -211,12 +211,13 @@ class BidirectionalLM(nn.Module):
         return BlockCache(len(self.layers), length)
 
     def forward_window(
-        self, x: Tensor, s: Tensor | None, cache: BlockCache, start: int, fresh: Tensor | None = None
+        self, x: Tensor, s: Tensor | None, cache: BlockCache, start: int, fresh: Tensor | None = None, *, features=False
     ) -> Tensor:
         """Logits (B, n, head_rows) of positions start … start + n − 1 (ids x (B, n)) through transformers' own
         layers at those position ids, attending bidirectionally to every position's keys and values: the window's
         from this pass where ``fresh`` (B, n) holds (all: None), the cache's elsewhere; stores the fresh ones. With
         start 0 and the whole sequence it is ``forward`` and fills the cache. ``s`` is ignored (time-agnostic).
+        ``features``: the head's input (B, n, d) instead (``lm_head`` of it is the logits).
 
         Shifted logits (Dream): position p reads the output at p − 1, so a window from start > 0 also runs position
         start − 1 (its id as the cache holds it), a query only: its keys are not written."""
@@ -240,7 +241,7 @@ class BidirectionalLM(nn.Module):
             out = out[:, :-1]
         elif self.shift_logits:
             out = shift_logits(out)
-        return self.lm_head(out)
+        return out if features else self.lm_head(out)
 
     def token_logits(self, x: Tensor) -> Tensor:
         """Logits over the head's tokens with the [MASK] logit (when the head has one) at −∞: a sampler never
@@ -275,12 +276,15 @@ class BidirectionalLM(nn.Module):
                 *data_head(self.lm_head, self.head_rows, self.mask_id),
             )
 
-        def windowed(length: int):
+        def windowed(length: int, head: bool = False):
             cache = self.new_block_cache(length)
+            linear = data_head(self.lm_head, self.head_rows, self.mask_id) if head else None
 
-            def read(x: Tensor, t: Tensor, start: int, fresh: Tensor | None = None) -> Tensor:
+            def read(x: Tensor, t: Tensor, start: int, fresh: Tensor | None = None):
                 if start == 0:
                     check(x)
+                if linear is not None:  # the head's input: the sampler runs the head at the rows it reads
+                    return (self.forward_window(x, t, cache, start, fresh, features=True), *linear)
                 return self.without_mask_logit(self.forward_window(x, t, cache, start, fresh))
 
             return read

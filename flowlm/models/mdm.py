@@ -39,14 +39,18 @@ class MaskedModel:
         """Logits over the data vocabulary (B, L, V), [MASK] removed."""
         return drop_mask_logit(logits, self.data_vocab_size, self.mask_id)
 
-    def windowed(self, length: int) -> Callable[..., Tensor]:
+    def windowed(self, length: int, head: bool = False) -> Callable[..., Tensor | tuple]:
         """A reader over a new block KV cache of ``length`` positions (flowlm/samplers/block_cache.py): ``(x window
         (B, n), t, start, fresh) → data logits (B, n, V)`` of positions start … start + n − 1, the window's keys
-        written where ``fresh`` (B, n) holds (None: all); a window from 0 over the whole sequence is a full pass."""
+        written where ``fresh`` (B, n) holds (None: all); a window from 0 over the whole sequence is a full pass.
+        ``head`` (where ``chunked_head``): ``(features (B, n, d), W, b)`` as ``head_pass`` gives them instead."""
         cache = self.net.new_block_cache(length)
+        linear = data_head(self.net.output_head, self.data_vocab_size, self.mask_id) if head else None
 
-        def read(x: Tensor, t: Tensor, start: int, fresh: Tensor | None = None) -> Tensor:
+        def read(x: Tensor, t: Tensor, start: int, fresh: Tensor | None = None) -> Tensor | tuple:
             time = t if self.time_conditioning else torch.zeros_like(t)
+            if linear is not None:  # the head's input: the sampler runs the head at the rows it reads
+                return (self.net.forward_window(x, time, cache, start, fresh, features=True), *linear)
             return self.data_logits(self.net.forward_window(x, time, cache, start, fresh))
 
         return read

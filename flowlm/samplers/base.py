@@ -38,9 +38,11 @@ class MaskedDenoiser:
     """An MDM as samplers see it: ``fn(x_t ids (B, L), t (B,)) → logits over the data vocabulary (B, L, V)``.
     ``time_conditioned``: whether fn depends on t (a time-agnostic one makes the ancestral no-change cache exact).
     ``windowed(L)``, where the network can: a reader ``(x window, t, start, fresh) → its logits`` over a new block KV
-    cache (flowlm/samplers/block_cache.py). ``head_fn(x, t)``, where the network can: ``(features (B, L, d), W (V, d),
-    b (V,) or None)``, the network up to its output head's input and the head over the data vocabulary, fn's logits
-    being features·Wᵀ + b, for decoders that read the head in vocabulary chunks at some positions only
+    cache (flowlm/samplers/block_cache.py); ``windowed(L, head=True)`` where ``head_fn`` is given too: the reader
+    returns ``(features, W, b)`` as ``head_fn`` does. ``head_fn(x, t)``, where the network can: ``(features
+    (B, L, d), W (V, d), b (V,) or None)``, the network up to its output head's input and the head over the data
+    vocabulary, fn's logits being features·Wᵀ + b, for decoders that read the head in vocabulary chunks at some
+    positions only
     (``flowlm.ops.summary.chunked_head_summary``). ``rows_alone``: whether fn and head_fn compute each row from that
     row's x and t alone (no batch-wide state), so that a sampler may call them on the rows that need a call
     (``flowlm.samplers.common.call_rows``); False for a view holding the batch's prompt mask (CFG's guided view).
@@ -49,7 +51,7 @@ class MaskedDenoiser:
     fn: Callable[[Tensor, Tensor], Tensor]
     mask_id: int
     time_conditioned: bool = False
-    windowed: Callable[[int], Callable[..., Tensor]] | None = None
+    windowed: Callable[..., Callable[..., Tensor | tuple]] | None = None
     head_fn: Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor | None]] | None = None
     rows_alone: bool = True
 

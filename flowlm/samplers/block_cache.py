@@ -42,18 +42,23 @@ class BlockCachedReader:
     empty (lo ≥ hi: nothing left) is idle. A call runs the network once over the columns that cover every row's
     window (their bounds: the call's one host read); the rest of a row's keys, and its logits outside its window,
     are those its last full pass left, so a row decodes alike alone and inside any batch. Returns logits
-    (B, L, |V|)."""
+    (B, L, |V|); with ``head`` (where the network offers ``head_fn``) ``(features (B, L, d), W, b)`` as ``head_fn``
+    does, the head's input instead, kept and merged the same way: the decoder runs the head at the rows it reads
+    only, where logits would cost the head over the whole window and a (B, L, |V|) merge each call."""
 
-    def __init__(self, model: MaskedDenoiser, cache: str, refresh: int | None, length: int) -> None:
+    def __init__(
+        self, model: MaskedDenoiser, cache: str, refresh: int | None, length: int, *, head: bool = False
+    ) -> None:
         if model.windowed is None:
             raise ValueError(
                 f"cache={cache!r} needs a network with windowed passes (the suite's DiT or a LLaMA-family backbone); "
                 "this model has none: use cache=none"
             )
-        self.read = model.windowed(length)
+        self.head = head and model.head_fn is not None
+        self.read = model.windowed(length, head=True) if self.head else model.windowed(length)
         self.cache, self.refresh = cache, refresh
         self.lo = self.hi = self.step = None
-        self.logits: Tensor | None = None
+        self.logits: Tensor | None = None  # the logits (with ``head``: the head's input) each row last computed
 
     def block(self, lo: Tensor, hi: Tensor, rows: Tensor | None = None) -> None:
         """Rows ``rows`` (B,) bool (None: every row) enter a block spanning [lo, hi) (B,): their next call is a full
@@ -64,7 +69,7 @@ class BlockCachedReader:
             self.lo, self.hi = torch.where(rows, lo, self.lo), torch.where(rows, hi, self.hi)
             self.step = torch.where(rows, 0, self.step)
 
-    def __call__(self, x: Tensor, t: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, t: Tensor) -> Tensor | tuple[Tensor, Tensor, Tensor | None]:
         length = x.shape[1]
         live = self.lo < self.hi
         due = live & ((self.step == 0) if self.refresh is None else (self.step % self.refresh == 0))
@@ -78,8 +83,9 @@ class BlockCachedReader:
         cols = torch.arange(start, stop, device=x.device)
         fresh = (cols >= lo[:, None]) & (cols < hi[:, None])
         out = self.read(x[:, start:stop], t, start, fresh)
+        out, linear = (out[0], out[1:]) if self.head else (out, ())
         if self.logits is None:  # the first call: a full pass (the cache refuses anything else)
             self.logits = out
         else:
             self.logits[:, start:stop] = torch.where(fresh[..., None], out, self.logits[:, start:stop])
-        return self.logits
+        return (self.logits, *linear) if self.head else self.logits

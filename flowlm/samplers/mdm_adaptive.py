@@ -226,13 +226,16 @@ class AdaptiveMDMSampler(PlannedSampler):
         n_blocks = 1 if self.block_length is None else -(-length // self.block_length)
         row_nfe = torch.zeros(b, dtype=torch.long, device=x.device)
         forced = torch.zeros(b, dtype=torch.long, device=x.device)  # commits beyond the rule's count
-        reader = None if self.cache == "none" else BlockCachedReader(model, self.cache, self.refresh, length)
+        reader = None
+        if self.cache != "none":
+            reader = BlockCachedReader(model, self.cache, self.refresh, length, head=self.reads_head)
         fn, entered = (model.fn, None) if reader is None else (reader, torch.full_like(n_free, -1))
-        # the head in vocabulary chunks at the eligible positions, where the network offers it (not through the block
-        # cache, whose windowed passes return logits); where the rule reads the draw (the threshold's published rule
-        # at T > 0) the draw at every eligible position is made in the same pass (``chunked_head_draw``)
+        # the head in vocabulary chunks at the eligible positions, where the network offers it (through the block
+        # cache too: its reader then gives the head's input); where the rule reads the draw (the threshold's
+        # published rule at T > 0) the draw at every eligible position is made in the same pass (``chunked_head_draw``)
         drawn_first = self.temperature > 0 and self.rule_reads_draw
         head = model.head_fn if reader is None and self.reads_head else None
+        cached_head = reader is not None and reader.head
         calls = 0
         while calls < nfe:
             masked = x == model.mask_id
@@ -256,13 +259,16 @@ class AdaptiveMDMSampler(PlannedSampler):
             per_row = row_uniforms(generator, x.shape, x.device, self.temperature)
             time = masked.sum(-1) / n_free
             kept = None  # the eligible rows' group masses, kept by the head's fold for the draw after the rank
-            if head is None:  # the network's logits, read at the eligible positions
+            if head is None and not cached_head:  # the network's logits, read at the eligible positions
                 logits = fn(x, time) if reader is not None else call_rows(fn, x, time, calling)[0]
                 by_row, linear = logits.reshape(-1, logits.shape[-1]), None
                 # the summary, unless the draw replaces all the rank and rule read (max p and its argmax)
                 stats = None if drawn_first and self.score == "max_prob" else self.stats(logits, at)
             else:  # the head's product and summary (and the draw, where the rule reads it) at the eligible positions
-                features, linear = call_rows(head, x, time, calling)
+                if cached_head:
+                    features, *linear = reader(x, time)
+                else:
+                    features, linear = call_rows(head, x, time, calling)
                 by_row = features.reshape(-1, features.shape[-1])
                 if drawn_first:
                     stats = self.head_draw_stats(by_row[at], *linear, at, x.shape, generator, per_row)
@@ -270,7 +276,7 @@ class AdaptiveMDMSampler(PlannedSampler):
                     stats, kept = self.head_stats(by_row[at], *linear, at, x.shape)
             calls += 1
             row_nfe += need
-            if drawn_first and head is None:  # the rule reads the drawn token's p: the draw at every eligible position
+            if drawn_first and linear is None:  # the rule reads the drawn token's p: the draw at every eligible one
                 drawn, log_p = draw_at(by_row, at, self.temperature, generator, uniforms=per_row)
                 p_drawn, token = spread(log_p.exp(), at, x.shape, 0.0), spread(drawn, at, x.shape, 0)
                 stats = CallStats(p_drawn, token) if stats is None else stats._replace(confidence=p_drawn, token=token)

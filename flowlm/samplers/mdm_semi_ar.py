@@ -110,9 +110,12 @@ class SemiARConfidenceSampler(GuidedSampler):
         row_plan, plans = schedule
         model, x, confidence, cost = self.start(model, prompt, prompt_mask, generator)
         fn, reader = self.network(model, x.shape[1])
-        # the network's head at the block's slots only, where it offers one (not through the block cache, whose
-        # windowed passes return logits, nor with CFG)
-        head = model.head_fn if reader is None and self.reads_head else None
+        # the network's head at the block's slots only, where it offers one (through the block cache too: its
+        # reader then gives the head's input; not with CFG)
+        if reader is None:
+            head = model.head_fn if self.reads_head else None
+        else:
+            head = reader if reader.head else None
         block_id, n_free = self.blocks(prompt_mask)
         positions = torch.arange(x.shape[1], device=x.device)
         each_plan = torch.tensor([plan[1:] for plan in plans], dtype=torch.long, device=x.device).view(-1, 2)
@@ -140,8 +143,10 @@ class SemiARConfidenceSampler(GuidedSampler):
 
     def network(self, model: MaskedDenoiser, length: int):
         """The network call, through the block KV cache where asked, and that cache's reader (None without)."""
-        reader = None if self.cache == "none" else BlockCachedReader(model, self.cache, self.refresh, length)
-        return (model.fn if reader is None else reader), reader
+        if self.cache == "none":
+            return model.fn, None
+        reader = BlockCachedReader(model, self.cache, self.refresh, length, head=self.reads_head)
+        return reader, reader
 
     def blocks(self, prompt_mask: Tensor) -> tuple[Tensor, Tensor]:
         """Each position's block among its row's positions to fill (``block_ids``), and each row's count of them."""

@@ -123,6 +123,8 @@ class BatchPlannedSemiAR(SemiARConfidenceSampler):
         n_blocks, steps, most_free = schedule
         model, x, confidence, cost = self.start(model, prompt, prompt_mask, generator)
         fn, reader = self.network(model, x.shape[1])
+        # the network read as the sampler reads it (the head's input where it offers one): the plan is what differs
+        head = (model.head_fn if self.reads_head else None) if reader is None else (reader if reader.head else None)
         block_id, n_free = self.blocks(prompt_mask)
         positions = torch.arange(x.shape[1], device=x.device)
         calls = 0
@@ -136,11 +138,14 @@ class BatchPlannedSemiAR(SemiARConfidenceSampler):
             most = min(self.block_length, max(most_free - b * self.block_length, 0))
             for k in range(steps):  # one call's commits as the sampler's own (``commit``): the plan is what differs
                 masked = x == model.mask_id
-                logits = fn(x, masked.sum(-1) / n_free)
+                if head is None:
+                    logits, linear = fn(x, masked.sum(-1) / n_free), None
+                else:
+                    logits, *linear = head(x, masked.sum(-1) / n_free)
                 calls += cost
                 left = steps - k
                 x, confidence = self.commit(
-                    x, confidence, logits, masked & in_block, slot, left, -(-most // left), generator
+                    x, confidence, logits, masked & in_block, slot, left, -(-most // left), generator, linear=linear
                 )
                 most -= -(-most // left)
         return SampleOutput(tokens=x, confidence=confidence, nfe=calls)
