@@ -12,7 +12,9 @@ repetitions are interleaved (the order alternates) and the medians compared.
 
 The limit: the network positions a layout runs per request, counted on an untimed first pass (every id the
 embedding reads: the Monte-Carlo rows and the greedy call alike), item against max_length: the speed-up if the cost
-were proportional to positions (attention, quadratic in the row, would give the item rows a little more).
+were proportional to positions. The FLOP limit adds the attention, quadratic in the row (per layer 4·L·d a position
+of a row of L, beside 2 × the layer's multiply-adds per token, and the head's 2·d·|V|): the speed-up if the cost
+were proportional to forward FLOPs; at max_length 1 024 the attention is most of a max_length row's work.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/likelihood_rows.py                      # 48 items, max_length 256
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/likelihood_rows.py --max-length 1024 --reps 1
@@ -89,13 +91,16 @@ def item_set(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[tuple[s
     return items
 
 
-def counted_positions(lm: FlowLM, requests: list[Instance]) -> tuple[int, int]:
-    """(positions, network calls) one pass over ``requests`` runs: every id any embedding of the module reads."""
-    seen = [0, 0]
+def counted_positions(lm: FlowLM, requests: list[Instance]) -> tuple[int, int, int]:
+    """(positions, Σ rows × length², network calls) one pass over ``requests`` runs: the ids (B, L) any embedding of
+    the module reads."""
+    seen = [0, 0, 0]
 
     def hook(_module, args):
-        seen[0] += args[0].numel()
-        seen[1] += 1
+        rows, length = args[0].shape
+        seen[0] += rows * length
+        seen[1] += rows * length * length
+        seen[2] += 1
 
     handles = [m.register_forward_pre_hook(hook) for m in lm.module.modules() if isinstance(m, torch.nn.Embedding)]
     try:
@@ -103,7 +108,14 @@ def counted_positions(lm: FlowLM, requests: list[Instance]) -> tuple[int, int]:
     finally:
         for handle in handles:
             handle.remove()
-    return seen[0], seen[1]
+    return seen[0], seen[1], seen[2]
+
+
+def forward_flops(positions: int, squares: int, *, width: int, layers: int, vocab: int) -> float:
+    """Forward FLOPs of the counted rows: per layer 2 × the token-linear multiply-adds (Q, K, V, O; SwiGLU gate, up,
+    down) a position and the attention's 4·L·d a position of a row of L; the head's 2·d·|V| a position."""
+    linear = 4 * width * width + 3 * width * (8 * width // 3)
+    return layers * (2 * linear * positions + 4 * width * squares) + 2 * width * vocab * positions
 
 
 def main() -> None:
@@ -150,6 +162,8 @@ def main() -> None:
     rate = {rows: n / statistics.median(times[rows]) for rows in LAYOUTS}
     per_request = {rows: counts[rows][0] / n for rows in LAYOUTS}
     base = "max_length"
+    shape = {"width": args.width, "layers": args.layers, "vocab": vocab}
+    work = {rows: forward_flops(*counts[rows][:2], **shape) for rows in LAYOUTS}
     print(
         f"# lm-eval likelihood rows: {n} loglikelihood requests, items {min(lengths)}–{max(lengths)} tokens (mean "
         f"{statistics.fmean(lengths):.1f}), max_length {args.max_length}, mc_samples {args.mc_samples}, batch_size "
@@ -157,19 +171,24 @@ def main() -> None:
         f"{args.reps} interleaved repetitions (medians)"
     )
     columns = ("rows", "s / pass", "requests / s", "positions / request", "network calls", "speed-up", "limit")
-    print("| " + " | ".join(columns) + " | speed-up / limit |")
-    print("|---" * (len(columns) + 1) + "|")
+    print("| " + " | ".join(columns) + " | speed-up / limit | FLOP limit | speed-up / FLOP limit |")
+    print("|---" * (len(columns) + 3) + "|")
     for rows in LAYOUTS:
         speed = rate[rows] / rate[base]
         limit = per_request[base] / per_request[rows]
         print(
             f"| {rows} | {statistics.median(times[rows]):.3f} | {rate[rows]:.2f} | {per_request[rows]:.1f} | "
-            f"{counts[rows][1]} | {speed:.2f}× | {limit:.2f}× | {speed / limit:.3f} |"
+            f"{counts[rows][2]} | {speed:.2f}× | {limit:.2f}× | {speed / limit:.3f} | {work[base] / work[rows]:.2f}× | "
+            f"{speed * work[rows] / work[base]:.3f} |"
         )
     print(f"mean item length: {statistics.fmean(lengths):.3f} tokens; max_length {args.max_length}")
     print(f"row positions per request: item {per_request['item']:.3f}, max_length {per_request[base]:.3f}")
     speed, limit = rate["item"] / rate[base], per_request[base] / per_request["item"]
-    print(f"ratio item/max_length requests per second: {speed:.3f} (limit {limit:.3f}: {speed / limit:.3f} of it)")
+    flop = work[base] / work["item"]
+    print(
+        f"ratio item/max_length requests per second: {speed:.3f} (limit {limit:.3f}: {speed / limit:.3f} of it; "
+        f"FLOP limit {flop:.3f}: {speed / flop:.3f} of it)"
+    )
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ def test_likelihood_rows_prints_item_rows_shorter_than_max_length():
     """benchmarks/likelihood_rows.py at a tiny size (its own process, one thread): the table's columns for both row
     layouts, and the positions counted on the network: item rows run (mc_samples + 1 greedy) × the mean item length
     positions a request, strictly fewer than max_length rows' (mc_samples + 1) × max_length; the limit is their
-    ratio."""
+    ratio, and the FLOP limit above it (the attention)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     args = "--items 6 --min-len 10 --max-len 30 --max-length 64 --mc-samples 4 --width 32 --layers 1 --reps 1"
     run = subprocess.run(
@@ -127,12 +127,16 @@ def test_likelihood_rows_prints_item_rows_shorter_than_max_length():
     assert header in run.stdout, run.stdout
     number = r"\d+\.\d+"
     for rows in ("max_length", "item"):
-        cells = rf"^\| {rows} \| {number} \| {number} \| {number} \| \d+ \| {number}× \| {number}× \| {RATIO} \|$"
+        cells = rf"^\| {rows} \| {number} \| {number} \| {number} \| \d+ \| {number}× \| {number}× \| {RATIO} \| "
+        cells += rf"{number}× \| {RATIO} \|$"
         assert re.search(cells, run.stdout, re.M), run.stdout
     mean = float(re.search(rf"^mean item length: ({RATIO}) tokens; max_length 64$", run.stdout, re.M).group(1))
     positions = re.search(rf"^row positions per request: item ({RATIO}), max_length ({RATIO})$", run.stdout, re.M)
     item, full = float(positions.group(1)), float(positions.group(2))
     assert item < full, run.stdout  # item rows strictly shorter
     assert full == 5 * 64 and item == pytest.approx(5 * mean, abs=0.01)  # 4 Monte-Carlo rows + the greedy call
-    ratio = re.search(rf"^ratio item/max_length requests per second: ({RATIO}) \(limit ({RATIO}): ", run.stdout, re.M)
+    line = rf"^ratio item/max_length requests per second: ({RATIO}) \(limit ({RATIO}): {RATIO} of it; "
+    line += rf"FLOP limit ({RATIO})"
+    ratio = re.search(line, run.stdout, re.M)
     assert ratio and float(ratio.group(2)) == pytest.approx(64 / mean, abs=2e-3), run.stdout
+    assert float(ratio.group(3)) > float(ratio.group(2))  # the attention, quadratic in the row, favours short rows
