@@ -5,8 +5,9 @@ A randomly initialised LLaMA-family MDM (transformers' Llama layers in SMDM's la
 layers, 4 heads, SwiGLU 8/3 × the width; [MASK] the extra embedding row) on the repository's tiny tokenizer (512 ids
 + [PAD]) is written as flowlm-train writes a checkpoint (a temporary folder) and loaded by ``runners.lm_harness.FlowLM``
 twice, once per layout, the same ``--mc-samples``, ``--batch-size`` and seed. The item set: ``--items``
-context / continuation pairs cut from the TinyStories sample, each item (context + continuation) 10–60 tokens
-(``--min-len``/``--max-len``), the continuation at least 4 tokens (never enumerated exactly at 8 samples or fewer).
+context / continuation pairs cut from the TinyStories sample, each item (context + continuation) cut at 10–60 tokens
+(``--min-len``/``--max-len``), the continuation at least 4 (never enumerated exactly at 8 samples or fewer); the
+lengths the model encodes (BOS included, re-encoding may move a cut by a token) are printed.
 Both layouts score the same lm-eval ``Instance``s through ``FlowLM.loglikelihood`` (the ELBO and the greedy check);
 repetitions are interleaved (the order alternates) and the medians compared.
 
@@ -17,7 +18,7 @@ of a row of L, beside 2 × the layer's multiply-adds per token, and the head's 2
 were proportional to forward FLOPs; at max_length 1 024 the attention is most of a max_length row's work.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/likelihood_rows.py                      # 48 items, max_length 256
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/likelihood_rows.py --max-length 1024 --reps 1
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/likelihood_rows.py --max-length 1024 --reps 2
     .venv/bin/python benchmarks/likelihood_rows.py --items 4 --max-length 64 --width 32 --layers 1 --reps 1  # smoke
 """
 
