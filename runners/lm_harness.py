@@ -531,10 +531,19 @@ class FlowLM(LM):
                 )
             fitted.append((self._fit(prefix, self.max_length - len(continuation), "scored"), continuation))
         group = self.batch_size if self.family == "ar" else max(1, self.batch_size // self.mc_samples)
-        out: list[tuple[float, bool]] = []
-        chunks = [fitted[i : i + group] for i in range(0, len(fitted), group)]
+        # Item rows: the requests in order of length, so that a chunk's rows share few lengths and fill its calls
+        # (each request's value is its own: draws seeded by its context, rows computed alone); answered in order.
+        order = sorted(range(len(fitted)), key=lambda i: sum(map(len, fitted[i]))) if self.rows == "item" else None
+        ordered = fitted if order is None else [fitted[i] for i in order]
+        scored: list[tuple[float, bool]] = []
+        chunks = [ordered[i : i + group] for i in range(0, len(ordered), group)]
         for chunk in tqdm(chunks, desc=f"flowlm {self.family} likelihood", disable=disable_tqdm):
-            out += self._score_mdm(chunk) if self.family == "mdm" else self._score_ar(chunk)
+            scored += self._score_mdm(chunk) if self.family == "mdm" else self._score_ar(chunk)
+        if order is None:
+            return scored
+        out: list[tuple[float, bool]] = [(0.0, False)] * len(fitted)
+        for i, value in zip(order, scored, strict=True):
+            out[i] = value
         return out
 
     def _rows(self, pairs, length: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -410,6 +410,27 @@ def test_the_choices_of_a_question_share_their_draws_and_short_ones_are_exact(ch
     assert seeds[0] == seeds[1] and length == lm.max_length
 
 
+def test_item_rows_are_scored_in_order_of_length_and_answered_in_order(checkpoints, monkeypatch):
+    """rows=item: the requests are chunked in order of length (calls of few lengths, full), and each answer is the
+    one its request gets alone (its draws seeded by its context), in the requests' order."""
+    lm = lm_harness.FlowLM(checkpoint=str(checkpoints["mdm"]), mc_samples=4, batch_size=8, device="cpu", rows="item")
+    pairs = [("The dog ran", " to the big park"), ("Once", " upon"), ("The cat sat on", " the mat"), ("A", " b c"),
+             ("Then the bird flew", " away"), ("Hi", " there it is now")]  # fmt: skip
+    alone = [lm.loglikelihood([Instance("loglikelihood", {}, pair, 0)])[0] for pair in pairs]
+    lengths = []
+    real = lm_harness.mdm_elbo_estimate
+
+    def spy(model, tokens, pinned, scored, **kwargs):
+        lengths.append(tokens.shape[1])
+        return real(model, tokens, pinned, scored, **kwargs)
+
+    monkeypatch.setattr(lm_harness, "mdm_elbo_estimate", spy)
+    together = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
+    assert lengths == sorted(lengths) and len(set(lengths)) > 1, lengths  # chunks of 2 requests, shortest first
+    for (value, greedy), (one, one_greedy) in zip(together, alone, strict=True):
+        assert value == pytest.approx(one, abs=1e-5) and greedy == one_greedy
+
+
 def test_item_rows_are_as_long_as_the_item(checkpoints, monkeypatch):
     """rows=item (LLaDA's and Dream's harnesses; the default for the LLaMA family): each row is its context and
     continuation, rows of one length batched together."""
