@@ -788,11 +788,17 @@ def budget_candidates(points: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(lines, columns=columns).sort_values(["budget", "sampler"]).reset_index(drop=True)
 
 
-def chosen_budget(candidates: pd.DataFrame) -> int | None:
-    """The smallest budget whose every curve (sampler) gains < BUDGET_GAIN over its last quarter, from
-    ``budget_candidates``; None where none does yet."""
-    accepted = candidates.groupby("budget")["accepted"].all()
-    return int(accepted[accepted].index.min()) if accepted.any() else None
+def chosen_budget(candidates: pd.DataFrame, *, confirmed: bool = True) -> int | None:
+    """The smallest budget from which on every measured step's curves (every sampler) gain < BUDGET_GAIN over their
+    last quarter, from ``budget_candidates`` — one accepted step between rejected ones is a gain within the points'
+    error, not a plateau; ``confirmed``: with at least one later step accepted too (else the last step may be
+    named alone, provisionally). None where no step qualifies yet."""
+    accepted = candidates.groupby("budget")["accepted"].all().sort_index()
+    rejected_after = accepted[::-1].eq(False).cummax()[::-1]  # some step at or after this one is rejected
+    stable = accepted[~rejected_after]
+    if confirmed:
+        stable = stable[stable.index < accepted.index.max()]
+    return int(stable.index.min()) if len(stable) else None
 
 
 def budget_check(gains: pd.DataFrame) -> str:

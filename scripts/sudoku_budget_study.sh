@@ -117,8 +117,13 @@ rows = pd.concat([read_results(f) for f in sys.argv[1:] if Path(f).is_dir()], ig
 rows = rows.sort_values("date").drop_duplicates(subset=[*KEY, "seed", STEP], keep="last")
 table = budget_candidates(curve_points(rows))
 print(table.to_string(index=False, float_format=lambda v: f"{v:.1f}"))
-chosen = chosen_budget(table)
-print("budget: " + (f"{chosen} steps (the smallest every curve accepts)" if chosen else "none accepted yet"))' "$@"
+chosen, provisional = chosen_budget(table), chosen_budget(table, confirmed=False)
+if chosen:
+    print(f"budget: {chosen} steps (every curve accepts it and every later step)")
+elif provisional:
+    print(f"budget: none confirmed yet; {provisional} steps provisionally (its curves accept it, no later step yet)")
+else:
+    print("budget: none accepted yet")' "$@"
     ;;
 *)
     echo "usage: $0 start RUN_DIR MAX_STEPS | status | stop | budget [RESULTS_DIR ...]" >&2

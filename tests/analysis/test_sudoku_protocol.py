@@ -118,9 +118,23 @@ def test_the_budget_is_the_first_step_whose_last_quarter_gains_less_than_a_point
     )
     late = points.assign(mean=lambda p: p["mean"].where(p["step"] < 6000, 85.5))  # 85.0 at 4 500 → 85.5 at 6 000
     both = budget_candidates(pd.concat([late, flat]))
-    assert chosen_budget(both) == 6000  # confidence accepts 3 000 on, ancestral first at 6 000
+    # confidence accepts 3 000 on, ancestral first at 6 000, the last step: named provisionally, not confirmed
+    assert chosen_budget(both, confirmed=False) == 6000 and chosen_budget(both) is None
     jump = flat.assign(mean=lambda p: p["mean"].where(p["step"] < 6000, 100.5))  # confidence +1.5 at the end
-    assert chosen_budget(budget_candidates(pd.concat([late, jump]))) is None  # every curve must accept
+    assert chosen_budget(budget_candidates(pd.concat([late, jump])), confirmed=False) is None  # every curve
+
+
+def test_a_budget_is_confirmed_only_by_later_steps_that_accept_it_too():
+    """A gain within the points' error: accepted at 12 000, rejected at 13 500, accepted at 15 000 and 16 500 — the
+    budget is 15 000 (confirmed by 16 500), not the lone 12 000."""
+    table = pd.DataFrame(
+        {"sampler": "ancestral", "budget": [9000, 10500, 12000, 13500, 15000, 16500],
+         "accepted": [False, False, True, False, True, True]}
+    )  # fmt: skip
+    assert chosen_budget(table) == 15000 and chosen_budget(table, confirmed=False) == 15000
+    assert chosen_budget(table[table["budget"] <= 15000]) is None
+    assert chosen_budget(table[table["budget"] <= 15000], confirmed=False) == 15000
+    assert chosen_budget(table[table["budget"] <= 13500], confirmed=False) is None
 
 
 def test_seeds_that_ended_at_other_steps_make_no_gain(tmp_path):
