@@ -32,11 +32,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import lightning
 import torch
 from lm_eval.api.instance import Instance
 
 from datamodules.sources import load_tokenizer
+from lightning_modules.checkpoints import checkpoint_of
 from lightning_modules.mdm import MDMModule
 from runners.lm_harness import FlowLM
 
@@ -63,14 +63,7 @@ def write_checkpoint(path: Path, *, vocab: int, length: int, width: int, layers:
         "name": "likelihood_rows_llama",
         "data": {"_target_": "datamodules.gsm8k.GSM8KDataModule", "tokenizer": str(TOKENIZER), "seq_len": length},
     }
-    ckpt = {
-        "state_dict": module.state_dict(),
-        "hyper_parameters": dict(module.hparams),
-        "pytorch-lightning_version": lightning.__version__,
-        "global_step": 0,
-    }
-    module.on_save_checkpoint(ckpt)
-    torch.save(ckpt, path)
+    torch.save(checkpoint_of(module, global_step=0), path)
     return path
 
 

@@ -225,6 +225,22 @@ def export_checkpoint(path: Path) -> dict:
     }
 
 
+def checkpoint_of(module, **extra) -> dict:
+    """What Lightning saves for ``module`` without a trainer's states (its state dict, hyper-parameters and version,
+    ``extra``'s keys, then the module's ``on_save_checkpoint``: the flowlm record): a checkpoint in the format
+    ``flowlm-train`` writes, for ``torch.save`` (benchmarks and tests build theirs this way)."""
+    import lightning
+
+    ckpt = {
+        "state_dict": module.state_dict(),
+        "hyper_parameters": dict(module.hparams),
+        "pytorch-lightning_version": lightning.__version__,
+        **extra,
+    }
+    module.on_save_checkpoint(ckpt)
+    return ckpt
+
+
 def read_checkpoint_meta(
     path: str | os.PathLike, *, data_vocab_size: int | None = None, trust_pickle: bool = False
 ) -> dict:

@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning
 import lm_eval
 import pytest
 import torch
@@ -31,6 +30,7 @@ from flowlm.metrics.likelihood import (
 from flowlm.metrics.mt_bench import chat_renderer
 from flowlm.samplers import MaskedDenoiser
 from lightning_modules.ar import ARModule
+from lightning_modules.checkpoints import checkpoint_of
 from lightning_modules.fmlm_plus import FMLMPlusModule
 from lightning_modules.mdm import MDMModule
 from lightning_modules.mlfm import MLFMModule
@@ -56,14 +56,7 @@ def write_checkpoint(path: Path, module_class, data: dict | None = None, record:
         "data": data or {"_target_": "datamodules.gsm8k.GSM8KDataModule", "tokenizer": TOKENIZER, "seq_len": L},
         **(record or {}),
     }
-    ckpt = {
-        "state_dict": module.state_dict(),
-        "hyper_parameters": dict(module.hparams),
-        "pytorch-lightning_version": lightning.__version__,
-        "global_step": 7,
-    }
-    module.on_save_checkpoint(ckpt)
-    torch.save(ckpt, path)
+    torch.save(checkpoint_of(module, global_step=7), path)
     return path
 
 
