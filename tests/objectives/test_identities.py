@@ -107,7 +107,8 @@ LAWS = torch.tensor([[0.6, 0.3, 0.1], [0.1, 0.2, 0.7]], dtype=torch.float64)  # 
 
 class FixedLaw:
     """A time-conditioned stub MDM whose p_θ is a fixed known law per position (even, odd), whatever the input:
-    it is called at every step (no cache), so each step's input shows which tokens the step unmasked."""
+    it is called at every step (no cache) on the whole batch (``rows_alone=False``: not only the rows still masked),
+    so each step's input shows which tokens the step unmasked."""
 
     def __init__(self, length: int):
         self.logits = (LAWS.log().float() + 4.0)[torch.arange(length) % 2]  # unnormalised: the sampler normalises
@@ -118,7 +119,7 @@ class FixedLaw:
         return self.logits.expand(x.shape[0], -1, -1)
 
     def view(self) -> MaskedDenoiser:
-        return MaskedDenoiser(fn=self, mask_id=MASK3, time_conditioned=True)
+        return MaskedDenoiser(fn=self, mask_id=MASK3, time_conditioned=True, rows_alone=False)
 
 
 def test_ancestral_unmasks_with_probability_t_minus_s_over_t_and_draws_from_p():
