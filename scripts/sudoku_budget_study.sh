@@ -60,6 +60,9 @@ print(c["name"], c["seed"], c["trainer"]["max_steps"])' "$src/run_config.yaml") 
     # The curve on every val puzzle (16 batches: 2 000), not the tables' 512: the rule reads gains of about a point,
     # under the ±1.5-point error of 512 puzzles at 88 %; a point sampled on fewer is sampled again
     export FLOWLM_CURVE_BATCHES="${FLOWLM_STUDY_BATCHES:-16}"
+    # the rows' name (the run folder keeps the source run's run_config.yaml, named after it): the curve's resume reads
+    # the study's own CSV, so each leg samples only its new checkpoints
+    export FLOWLM_CURVE_NAME="${exp}_long"
     setsid nohup bash -c '
         set -euo pipefail
         study="$1" threads="$2" python="$3" exp="$4" seed="$5" budget="$6" max="$7" every="$8" leg="$9"

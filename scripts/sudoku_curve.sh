@@ -32,14 +32,15 @@ d = c.get("data") or {}
 batch = d.get("val_batch_size") or d.get("batch_size") or 128  # the puzzles a checkpoint is sampled on, at most
 want = min(int(sys.argv[3]) * batch, d.get("num_val") or float("inf"))
 print(c["trainer"]["max_steps"], ",".join(map(str, nfe)),
-      os.path.join(sys.argv[2], c["task"], "%s_seed%s_eval.csv" % (c["name"], c["seed"])), want,
+      os.path.join(sys.argv[2], c["task"], "%s_seed%s_eval.csv" % (sys.argv[4] or c["name"], c["seed"])), want,
       "eval=sudoku_%s seed=%s eval.nfe=[%s] eval.max_batches=%s eval.seed=%s eval.skip_unfit_budgets=%s compile=%s"
       % (c["family"], c["seed"], ",".join(map(str, nfe)), sys.argv[3], e["seed"],
          json.dumps(bool(e.get("skip_unfit_budgets"))), json.dumps(bool(c.get("compile")))))' \
-    "$run/run_config.yaml" "$results" "$batches")
+    "$run/run_config.yaml" "$results" "$batches" "${FLOWLM_CURVE_NAME:-}")
 [[ "$final" =~ ^[0-9]+$ ]] || { echo "$0: $run/run_config.yaml could not be read (above)" >&2; exit 2; }
 # A run resumed past its recorded steps (scripts/sudoku_budget_study.sh) keeps its first run_config.yaml: the caller
-# says up to which step (exclusive) the checkpoints are the curve's
+# says up to which step (exclusive) the checkpoints are the curve's, and (FLOWLM_CURVE_NAME) the name its rows
+# carry, whose CSV says which steps are sampled already
 final="${FLOWLM_CURVE_UNTIL:-$final}"
 [[ "$final" =~ ^[0-9]+$ ]] || { echo "$0: FLOWLM_CURVE_UNTIL must be a step count, got '$final'" >&2; exit 2; }
 found=0

@@ -310,6 +310,13 @@ def test_the_curve_samples_each_kept_checkpoint_but_the_final_one_with_the_runs_
     lines = [line.split() for line in more.stdout.splitlines() if line.startswith("-m runners.evaluate")]
     assert [c[2] for c in lines] == [f"ckpt_path={run}/checkpoints/curve-step{s:07d}.ckpt" for s in (4, 8, 12)]
     assert all("eval.max_batches=16" in c for c in lines)
+    # the budget study's run keeps its source's run_config.yaml (name m): its rows, named m_long, say what is done
+    done = "".join(f"{s},{b},512\n" for s in (4, 8, 12) for b in (4, 41))
+    (rows.parent / "m_long_seed3_eval.csv").write_text("eval_step,nfe_budget,samples\n" + done)
+    named = subprocess.run(
+        ["bash", *script], env={**env, "FLOWLM_CURVE_NAME": "m_long"}, capture_output=True, text=True, timeout=60
+    )
+    assert "step 12 of 16 already sampled" in named.stdout and "-m runners.evaluate" not in named.stdout
     redone = subprocess.run(
         ["bash", *script], env={**env, "FLOWLM_CURVE_REDO": "1"}, capture_output=True, text=True, timeout=60
     )
