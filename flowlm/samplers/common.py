@@ -97,6 +97,15 @@ def read_counts(*counts: Tensor, bound: int) -> list[int]:
     return out[::-1]
 
 
+def rows_to_call(model, need: Tensor, n_need: int) -> Tensor:
+    """The rows (n,) a call computes: those ``need`` (B,) marks, ``n_need`` of them (read with the caller's other
+    counts: ``torch.nonzero_static``, no host read), or every row where the view holds the batch (``rows_alone``
+    False: CFG's guided view)."""
+    if not model.rows_alone:
+        return torch.arange(need.shape[0], device=need.device)
+    return torch.nonzero_static(need, size=n_need).view(-1)
+
+
 def call_rows(
     call, x: Tensor, t: Tensor, rows: Tensor, into: Tensor | None = None
 ) -> tuple[Tensor | None, list | None]:

@@ -64,7 +64,7 @@ from flowlm.ops.summary import (
 )
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
 from flowlm.samplers.block_cache import BlockCachedReader, check_cache
-from flowlm.samplers.common import call_rows, check_temperature, masked_start, read_counts
+from flowlm.samplers.common import call_rows, check_temperature, masked_start, read_counts, rows_to_call
 from flowlm.samplers.planned import PlannedSampler
 
 RANKS = ("max_prob", "margin", "entropy")
@@ -248,9 +248,7 @@ class AdaptiveMDMSampler(PlannedSampler):
             if n_at == 0:  # nothing masked: a row with [MASK] left has some in its current block
                 break
             at = torch.nonzero_static(eligible.view(-1), size=n_at).squeeze(1)
-            # the rows the call computes (every row where the view holds the batch: ``rows_alone`` False)
-            calling = torch.nonzero_static(need, size=n_need) if model.rows_alone else torch.arange(b, device=x.device)
-            calling = calling.view(-1)
+            calling = rows_to_call(model, need, n_need)
             if reader is not None:  # rows entering a block, or the last call (a full pass): refresh
                 lo = (first + current * self.block_length).clamp(max=length)[:, 0]
                 hi = (lo + self.block_length).clamp(max=length)

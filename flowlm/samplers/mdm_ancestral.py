@@ -8,7 +8,7 @@ from torch import Tensor
 
 from flowlm.ops.draws import draw_at, draw_uniforms, row_uniforms
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
-from flowlm.samplers.common import call_rows, read_counts
+from flowlm.samplers.common import call_rows, read_counts, rows_to_call
 from flowlm.samplers.guidance import GuidedSampler
 
 
@@ -61,9 +61,7 @@ class AncestralSampler(GuidedSampler):
         for k in range(steps):
             t, s = 1.0 - k / steps, 1.0 - (k + 1) / steps
             if n_need:  # a call on the rows that need it (each row's own NFE; the others keep their last output)
-                whole = not model.rows_alone  # a view that holds the batch (CFG's guided view): every row
-                rows = torch.arange(batch, device=x.device) if whole else torch.nonzero_static(need, size=n_need)
-                rows = rows.view(-1)
+                rows = rows_to_call(model, need, n_need)
                 logits, linear = call_rows(head or model.fn, x, torch.full((batch,), t, device=x.device), rows, logits)
                 calls, row_nfe, n_need = calls + cost, row_nfe + cost * need, 0
             # Only the positions that unmask need the categorical draw: the unmask coins, then the draw on those rows.
