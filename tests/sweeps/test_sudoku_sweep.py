@@ -68,13 +68,13 @@ def check_job(name: str, job, experiments: list[str], i: int, nfe_of) -> None:
     samplers["mlfm"] = {"mlfm", "mlfm_ccfg", "mlfm_ccfg_otp"}
     OmegaConf.resolve(job)
     # the fixed-budget protocol: the released optimizer and schedule, no early stop, a checkpoint every eighth
-    assert job.trainer.max_steps == job.budget == 6000 and job.callbacks.convergence.stop is False, name
-    assert job.method.optim.lr == 3e-4 and job.method.optim.warmup_steps == 750, name
+    assert job.trainer.max_steps == job.budget == 20000 and job.callbacks.convergence.stop is False, name
+    assert job.method.optim.lr == 3e-4 and job.method.optim.warmup_steps == 2500, name  # the released 2 500
     assert job.method.optim.weight_decay == 0.0 and list(job.method.optim.betas) == [0.9, 0.999], name
     assert (job.callbacks.ema.decay, job.callbacks.ema.warmup) == (0.9999, True), name
     assert job.trainer.precision == "bf16-mixed" and job.trainer.gradient_clip_val == 1.0, name
     curve = job.callbacks.curve
-    assert (curve.every_n_train_steps, curve.save_top_k, curve.save_last) == (750, -1, False), name
+    assert (curve.every_n_train_steps, curve.save_top_k, curve.save_last) == (2500, -1, False), name
     assert curve.dirpath == job.callbacks.checkpoint.dirpath and curve.filename.startswith("curve-"), name
     assert job.data.num_val == 2000 and job.eval.max_batches is None, name
     assert job.callbacks.results_csv.dir.endswith("sudoku") and job.sweep.run_dirs == "experiment", name
