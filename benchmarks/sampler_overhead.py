@@ -117,6 +117,11 @@ VARIANTS = [
     ),
     ("semi_ar_t1", "semi_ar", {"temperature": 1.0}, {}),
     ("semi_ar_logits_t1", "semi_ar", {"_target_": "tests.samplers.oracles.LogitsSemiAR", "temperature": 1.0}, {}),
+    # the threshold decoder's other ranks (top-2 margin, negative entropy), at T = 0 and T = 1
+    ("threshold_margin", "threshold", {"score": "margin"}, {}),
+    ("threshold_margin_t1", "threshold", {"score": "margin", "temperature": 1.0}, {}),
+    ("threshold_entropy", "threshold", {"score": "entropy"}, {}),
+    ("threshold_entropy_t1", "threshold", {"score": "entropy", "temperature": 1.0}, {}),
 ]
 
 

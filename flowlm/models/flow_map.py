@@ -111,11 +111,20 @@ class FlowMapModel:
         return bias.index_fill(0, torch.tensor([self.mask_id], device=bias.device), -torch.inf)
 
     def summary(
-        self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor | None = None, *, embedded: bool = False
+        self,
+        x: Tensor,
+        s: Tensor,
+        t: Tensor,
+        pinned: Tensor | None = None,
+        *,
+        embedded: bool = False,
+        rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """(max_v log δ_{s,t}(x), argmax_v) per position (B, L), from the head in vocabulary chunks
-        (flowlm/ops/summary.py). The argmax is that of the logits (the cap is monotone), the first index on a tie."""
-        log_max, argmax, _ = self._head_pass(x, s, t, pinned, embedded=embedded, mean=False)
+        (flowlm/ops/summary.py); with ``rows`` (n,), flat indices into the B·L positions, the head runs at those
+        positions only (the blocks at every position, as attention needs) and the values come as (n,). The argmax is
+        that of the logits (the cap is monotone), the first index on a tie."""
+        log_max, argmax, _ = self._head_pass(x, s, t, pinned, embedded=embedded, mean=False, rows=rows)
         return log_max, argmax
 
     def lifted(
@@ -126,10 +135,20 @@ class FlowMapModel:
         return self._head_pass(x, s, t, pinned, embedded=embedded, mean=True)[2]
 
     def _head_pass(
-        self, x: Tensor, s: Tensor, t: Tensor, pinned: Tensor | None, *, embedded: bool, mean: bool
+        self,
+        x: Tensor,
+        s: Tensor,
+        t: Tensor,
+        pinned: Tensor | None,
+        *,
+        embedded: bool,
+        mean: bool,
+        rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         head = self.plain_head()
         features = self.head_input(x, s, t, pinned, embedded=embedded)
+        if rows is not None:  # the head at these positions only
+            features = features.reshape(-1, features.shape[-1]).index_select(0, rows)
         table = self.net.token_embeddings if mean else None
         return head_expectation(features, head.weight, self.head_bias(head), cap=SOFT_CAP, table=table)
 

@@ -79,6 +79,25 @@ def row_max(z: Tensor) -> tuple[Tensor, Tensor]:
     return top, block * BLOCK + inner
 
 
+def row_max_runner(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``row_max`` and the runner-up: the largest entry of each row with its max's own entry left out (the max
+    again where it is tied), from the same blocks' maxima — the other blocks' and the max's block without that
+    entry — with no second pass over z. Equal to leaving the entry out of z and taking ``amax``."""
+    n, width = z.shape
+    if width % BLOCK or not z.is_contiguous() or width == BLOCK:
+        top, arg = row_max(z)
+        runner = z.scatter(1, arg[:, None], -torch.inf).amax(-1)
+        return top, arg, runner
+    blocks = z.view(n, width // BLOCK, BLOCK)
+    maxima = blocks.amax(-1)  # (n, blocks)
+    top, block = maxima.max(-1)
+    own = blocks.gather(1, block[:, None, None].expand(n, 1, BLOCK)).squeeze(1)  # the max's block (n, BLOCK)
+    inner = own.argmax(-1)
+    others = maxima.scatter(1, block[:, None], -torch.inf).amax(-1)
+    within = own.scatter(1, inner[:, None], -torch.inf).amax(-1)
+    return top, block * BLOCK + inner, torch.maximum(others, within)
+
+
 def chunk_width(rows: int, vocab: int, device: torch.device | str) -> int:
     """Vocabulary chunk so that rows × chunk float32 logits take about ``vocab_sizes(device).chunk_bytes`` (at least
     ``MIN_CHUNK``, a multiple of ``BLOCK``)."""
@@ -515,13 +534,12 @@ def fold_chunks(
             last = min(n, first + block)
             k = last - first
             z = fill(first, last, start, buffer[: k * w].view(k, w))  # contiguous float32, changed in place
-            if groups is None or runners is not None:
+            if runners is not None:  # the chunk's runner-up (its max's own entry left out) from the same blocks
+                top, arg, runners[c, first:last] = row_max_runner(z)
+            elif groups is None:
                 top, arg = row_max(z)
             else:  # a draw reads no argmax: the max alone (row_max's block argmax costs as much as the amax)
                 top, arg = z.amax(-1), None
-            if runners is not None:  # the chunk's runner-up: its max's own entry left out, then put back
-                runners[c, first:last] = z.scatter_(1, arg[:, None], -torch.inf).amax(-1)
-                z.scatter_(1, arg[:, None], top[:, None])
             tops[c, first:last] = top
             if arg is not None:
                 args[c, first:last] = arg + start

@@ -85,8 +85,9 @@ class FlowDenoiser:
     fn and pinned_fn read states of that space. Samplers build every state through it (``noise``, ``data``,
     ``lift``), so they run unchanged in either.
 
-    ``summary_fn(x, s, t, pinned)``, when the model has it, returns in the pinned form only (max_v log δ, argmax_v)
-    per position, without a (B, L, |V|) log δ (``flowlm.ops.summary``); greedy drafts call ``summary_at``.
+    ``summary_fn(x, s, t, pinned, rows=None)``, when the model has it, returns in the pinned form only
+    (max_v log δ, argmax_v) per position, without a (B, L, |V|) log δ (``flowlm.ops.summary``), or at the flat
+    positions ``rows`` only; greedy drafts call ``summary_at``.
     ``lift_fn(x, s, t, pinned)``, likewise, returns the denoiser's mean as a state, δ·E (B, L, d), in the embedding
     space only; flow-map sub-steps call ``lifted_at``.
     """
@@ -110,12 +111,18 @@ class FlowDenoiser:
             return self.pinned_fn(x, s, t, pinned)
         return self.fn(x, torch.where(pinned, 1.0, s[:, None]), torch.where(pinned, 1.0, t[:, None]))
 
-    def summary_at(self, x: Tensor, s: float | Tensor, t: float | Tensor, pinned: Tensor) -> tuple[Tensor, Tensor]:
-        """(max_v log δ_{s,t}(x), argmax_v) per position (B, L), as ``at`` times: all a greedy draft reads. The one
-        place the path is chosen: the model's ``summary_fn`` (no (B, L, |V|) log δ), else read off ``at``."""
+    def summary_at(
+        self, x: Tensor, s: float | Tensor, t: float | Tensor, pinned: Tensor, rows: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(max_v log δ_{s,t}(x), argmax_v) per position (B, L), as ``at`` times: all a greedy draft reads; with
+        ``rows`` (n,), flat indices into the B·L positions, at those positions only (n,): the head runs there alone.
+        The one place the path is chosen: the model's ``summary_fn`` (no (B, L, |V|) log δ), else read off ``at``."""
         if self.summary_fn is None:
-            return dense_summary(self.at(x, s, t, pinned))
-        return self.summary_fn(x, *sequence_times(x, s, t), pinned)
+            log_max, argmax = dense_summary(self.at(x, s, t, pinned))
+            return (log_max, argmax) if rows is None else (log_max.view(-1)[rows], argmax.view(-1)[rows])
+        if rows is None:
+            return self.summary_fn(x, *sequence_times(x, s, t), pinned)
+        return self.summary_fn(x, *sequence_times(x, s, t), pinned, rows=rows)
 
     def lifted_at(self, x: Tensor, s: float | Tensor, t: float | Tensor, pinned: Tensor) -> Tensor:
         """δ_{s,t}(x) as a state of the model's space (``states.lift``), as ``at`` times: what a flow-map sub-step adds.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -9,7 +10,7 @@ from torch import Tensor
 
 from flowlm.samplers.base import FlowDenoiser, SampleOutput
 from flowlm.samplers.common import block_ids
-from flowlm.samplers.flow_map import flow_jumps_summary
+from flowlm.samplers.flow_map import flow_jumps_summary, summary_at_slots
 from flowlm.samplers.planned import PlannedSampler
 
 
@@ -62,9 +63,11 @@ class BlockFlowSampler(PlannedSampler):
         calls = 0
         for b in range(n_blocks):
             z = torch.where(committed[..., None], space.data(tokens), noise)
-            log_max, argmax = flow_jumps_summary(model, z, committed, steps)  # the greedy draft's summary
-            calls += steps
             block = block_id == b
+            # the greedy draft's summary, the head at the block's positions only (at most block_size a row)
+            read = functools.partial(flow_jumps_summary, model, z, committed, steps)
+            log_max, argmax = summary_at_slots(read, block, self.block_size)
+            calls += steps
             tokens = torch.where(block, argmax, tokens)
             confidence = torch.where(block, log_max.exp(), confidence)
             committed = committed | block

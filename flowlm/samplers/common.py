@@ -124,3 +124,14 @@ def call_rows(
         return out, rest
     into = out.new_zeros((x.shape[0], *out.shape[1:])) if into is None else into
     return into.index_copy(0, rows, out), rest
+
+
+def slots(flag: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """(B, width) distinct positions per row, those where ``flag`` holds first (in position order, all of them when a
+    row has at most ``width``), and whether each slot is flagged: a fixed-size view of a ragged set, with no host
+    read."""
+    length = flag.shape[-1]
+    positions = torch.arange(length, device=flag.device)
+    key = torch.where(flag, positions, positions + length)  # flagged first; distinct keys
+    slot = key.topk(min(width, length), dim=-1, largest=False, sorted=True).indices
+    return slot, flag.gather(1, slot)

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from flowlm.processes.gaussian_flow import flow_map
 from flowlm.samplers.base import FlowDenoiser, SampleOutput
+from flowlm.samplers.common import slots
 from flowlm.samplers.planned import PlannedSampler
 
 
@@ -23,12 +24,27 @@ def flow_jumps(model: FlowDenoiser, x: Tensor, pinned: Tensor, steps: int, *, eu
 
 
 def flow_jumps_summary(
-    model: FlowDenoiser, x: Tensor, pinned: Tensor, steps: int, *, euler: bool = False
+    model: FlowDenoiser, x: Tensor, pinned: Tensor, steps: int, *, euler: bool = False, rows: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """``flow_jumps`` read off as (max_v log δ, argmax_v) per position, all a greedy draft needs from the last
-    jump: its endpoint X_{s,1} is δ itself, so no (B, L, |V|) log δ is made there (``FlowDenoiser.summary_at``)."""
+    jump: its endpoint X_{s,1} is δ itself, so no (B, L, |V|) log δ is made there (``FlowDenoiser.summary_at``);
+    with ``rows`` at those flat positions only."""
     x, s, t = _to_last_jump(model, x, pinned, steps, euler)
-    return model.summary_at(x, s, t, pinned)
+    return model.summary_at(x, s, t, pinned, rows=rows)
+
+
+def summary_at_slots(read, flag: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """A greedy draft's (max_v log δ, argmax_v) (B, L) read at the positions ``flag`` marks only: every row's are
+    among its first ``width`` slots (``slots``, no host read), whose flat indices ``read(rows=…)`` takes (the
+    ``rows`` of ``FlowDenoiser.summary_at``), so the head runs at B × ``width`` positions, not B × L. The other
+    positions hold −∞ and token 0: the caller reads none of them."""
+    batch, length = flag.shape
+    slot, _ = slots(flag, max(width, 1))
+    log_max, argmax = read(rows=(slot + torch.arange(batch, device=slot.device)[:, None] * length).view(-1))
+    full = torch.full(flag.shape, -torch.inf, dtype=log_max.dtype, device=flag.device)
+    return full.scatter(1, slot, log_max.view(slot.shape)), argmax.new_zeros(flag.shape).scatter(
+        1, slot, argmax.view(slot.shape)
+    )
 
 
 def _to_last_jump(

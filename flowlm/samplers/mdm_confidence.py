@@ -9,6 +9,7 @@ from flowlm.ops.compiled import compilable, tails_enabled
 from flowlm.ops.draws import draw_at, pick_tokens, row_uniforms
 from flowlm.ops.summary import chunked_head_keep, chunked_head_summary, chunked_max_log_prob, draw_kept, keeps_draw
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
+from flowlm.samplers.common import slots
 from flowlm.samplers.guidance import GuidedSampler
 
 
@@ -123,17 +124,6 @@ class ConfidenceSampler(GuidedSampler):
                 x, confidence = commit_slots(x, confidence, slot, commit, candidate, p_candidate)
             most_masked -= -(-most_masked // (steps - k))
         return SampleOutput(tokens=x, confidence=confidence, nfe=calls)
-
-
-def slots(flag: Tensor, width: int) -> tuple[Tensor, Tensor]:
-    """(B, width) distinct positions per row, those where ``flag`` holds first (in position order, all of them when a
-    row has at most ``width``), and whether each slot is flagged: a fixed-size view of a ragged set, with no host
-    read."""
-    length = flag.shape[-1]
-    positions = torch.arange(length, device=flag.device)
-    key = torch.where(flag, positions, positions + length)  # flagged first; distinct keys
-    slot = key.topk(min(width, length), dim=-1, largest=False, sorted=True).indices
-    return slot, flag.gather(1, slot)
 
 
 def commit_slots(

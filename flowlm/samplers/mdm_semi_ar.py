@@ -12,9 +12,9 @@ from flowlm.ops.draws import draw_at, row_uniforms
 from flowlm.ops.summary import chunked_head_keep, chunked_head_summary, draw_kept, keeps_draw
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput, Sampler
 from flowlm.samplers.block_cache import BlockCachedReader, check_cache
-from flowlm.samplers.common import block_ids
+from flowlm.samplers.common import block_ids, slots
 from flowlm.samplers.guidance import GuidedSampler, guided_steps
-from flowlm.samplers.mdm_confidence import commit_slots, max_log_prob, slots
+from flowlm.samplers.mdm_confidence import commit_slots, max_log_prob
 
 
 class SemiARConfidenceSampler(GuidedSampler):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -10,7 +11,7 @@ from torch import Tensor
 from flowlm.ops.draws import pick_tokens
 from flowlm.samplers.base import FlowDenoiser, SampleOutput
 from flowlm.samplers.common import check_score, check_temperature
-from flowlm.samplers.flow_map import flow_jumps, flow_jumps_summary
+from flowlm.samplers.flow_map import flow_jumps, flow_jumps_summary, summary_at_slots
 from flowlm.samplers.planned import PlannedSampler
 
 
@@ -116,10 +117,13 @@ class PosteriorRefinementSampler(PlannedSampler):
         noise = space.noise(prompt.shape, generator, device)
         calls = 0
         row_nfe = torch.zeros(prompt.shape[0], dtype=torch.long, device=device)
+        # the greedy draft's one host read: the most uncommitted positions a row holds, a bound kept on the host after
+        # it (the head then runs at those slots only, ``_summary``)
+        most_open = int((~committed).sum(-1).max()) if committed.numel() and self.temperature == 0 else 0
         for r in range(rounds):
             x = torch.where(committed[..., None], space.data(tokens), noise)
             if self.temperature == 0:  # the greedy draft reads (log p_max, argmax) only: no (B, L, |V|) log δ
-                log_max, draft = self._summary(model, x, committed, steps)
+                log_max, draft = self._summary(model, x, committed, steps, most_open)
                 p_draft = score = log_max.exp()  # the draft's probability is p_max
             else:
                 log_probs = self._draft(model, x, committed, steps)
@@ -137,6 +141,7 @@ class PosteriorRefinementSampler(PlannedSampler):
                 break
             if self.noise == "fresh" and r < rounds - 1:  # re-noise every uncommitted position with fresh N(0, I)
                 noise = space.noise(prompt.shape, generator, device)
+            most_open -= self._least_commit(most_open, rounds - r)
         return SampleOutput(
             tokens=tokens, confidence=confidence, nfe=calls, row_nfe=row_nfe if self.early_stop else None
         )
@@ -147,11 +152,27 @@ class PosteriorRefinementSampler(PlannedSampler):
             return model.at(x, 0.0, 0.0, committed)
         return flow_jumps(model, x, committed, steps)
 
-    def _summary(self, model: FlowDenoiser, x: Tensor, committed: Tensor, steps: int) -> tuple[Tensor, Tensor]:
-        """``_draft`` read off as (max_v log δ, argmax_v) per position (``FlowDenoiser.summary_at``)."""
+    def _summary(
+        self, model: FlowDenoiser, x: Tensor, committed: Tensor, steps: int, most_open: int
+    ) -> tuple[Tensor, Tensor]:
+        """``_draft`` read off as (max_v log δ, argmax_v) per position (``FlowDenoiser.summary_at``), the head run at
+        the uncommitted positions only: every row's are among its first ``most_open`` slots (``slots``), the values
+        at the other positions −∞ and token 0, which the round never reads."""
         if self.confidence == "a_priori":
-            return model.summary_at(x, 0.0, 0.0, committed)
-        return flow_jumps_summary(model, x, committed, steps)
+            read = functools.partial(model.summary_at, x, 0.0, 0.0, committed)
+        else:
+            read = functools.partial(flow_jumps_summary, model, x, committed, steps)
+        return summary_at_slots(read, ~committed, most_open)
+
+    def _least_commit(self, n_open: int, rounds_left: int) -> int:
+        """How many of ``n_open`` uncommitted positions a round commits at least (``_commit_mask``'s k; the
+        threshold commits more, the last round all): n − k(n) is non-decreasing in n, so the most-open row's count
+        less its k bounds every row's after the round."""
+        if rounds_left == 1:
+            return n_open
+        if self.commit == "uniform":
+            return -(-n_open // rounds_left)
+        return min(n_open, self.top_k)
 
     def _commit_mask(self, score: Tensor, open_: Tensor, rounds_left: int, positions: Tensor) -> Tensor:
         """Threshold ∪ top-k (uniform budget ⌈open / rounds_left⌉ or a fixed k); everything on the last round."""

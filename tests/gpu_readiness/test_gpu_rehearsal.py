@@ -186,7 +186,7 @@ SAMPLERS = {
     "semi_ar_dual": (lambda b: SemiARConfidenceSampler(block_length=b, cache="dual"), "mdm", lambda n: 2 + n),
     "threshold_dual": (lambda b: ThresholdSampler(block_length=b, cache="dual"), "mdm", lambda n: 2 * n),
     "eb_prefix": (lambda b: EBSampler(block_length=b, cache="prefix"), "mdm", lambda n: 2 * n),
-    "pr": (lambda b: PosteriorRefinementSampler(), "flow", lambda n: 0),
+    "pr": (lambda b: PosteriorRefinementSampler(), "flow", lambda n: 1),  # the most uncommitted positions of a row
     "pr_t1": (lambda b: PosteriorRefinementSampler(temperature=1.0), "flow", lambda n: 0),
 }
 # Launches per NFE over one DiT forward's at the same shape: the budget (docs/gpu.md). At a text vocabulary the

@@ -12,8 +12,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flowlm.ops.summary as summary_module
 from flowlm.objectives.flow import SOFT_CAP, log_delta
-from flowlm.ops.summary import BLOCK, capped_head_summary, chunked_max_log_prob, head_expectation, row_max
-from flowlm.samplers import PosteriorRefinementSampler
+from flowlm.ops.summary import (
+    BLOCK,
+    capped_head_summary,
+    chunked_max_log_prob,
+    head_expectation,
+    row_max,
+    row_max_runner,
+)
+from flowlm.samplers import BlockFlowSampler, PosteriorRefinementSampler
 from flowlm.samplers.mdm_confidence import fused_max_log_prob, max_log_prob
 from lightning_modules.fmlm_plus import FMLMPlusModule
 from tests.models.oracles import dense_view
@@ -108,6 +115,27 @@ def test_row_max_is_torch_max():
         top, index = row_max(z)
         want = z.max(-1)
         assert torch.equal(top, want.values) and torch.equal(index, want.indices), width
+
+
+def test_row_max_runner_is_the_max_with_its_own_entry_left_out():
+    """The runner-up from the blocks' maxima: the amax of z with the max's own entry set to −∞ — the max again when
+    it is tied (inside its block or in another), a block's second entry, another block's max, −∞ entries — at widths
+    that are and are not a multiple of the block."""
+    gen = torch.Generator().manual_seed(0)
+    for width in (BLOCK, 4 * BLOCK, 4 * BLOCK + 3):
+        for span in (3, 1000):  # many ties of the max, or almost none
+            z = torch.randint(-span, span + 1, (200, width), generator=gen).float()
+            z[:5, : width // 2] = -torch.inf  # −∞ entries (a [MASK] column at −∞ lies among them)
+            z[5, :] = 0.0  # one value everywhere: the runner-up is the max
+            z[6, :] = -1.0
+            z[6, 1] = 5.0  # the max alone, its block's second entry the runner-up …
+            z[6, min(BLOCK + 2, width - 1)] = 4.0  # … or another block's max (one block: the same one)
+            top, index, runner = row_max_runner(z)
+            want = z.max(-1)
+            left_out = z.scatter(1, want.indices[:, None], -torch.inf).amax(-1)
+            assert torch.equal(top, want.values) and torch.equal(index, want.indices), width
+            assert torch.equal(runner, left_out), (width, span)
+            assert runner[5] == 0.0 and runner[6] == 4.0
 
 
 @pytest.mark.parametrize("autocast", [False, True])
@@ -220,3 +248,38 @@ def test_samplers_same_both_ways(name, sampler, nfe, wide, monkeypatch):
     assert torch.allclose(outs[0].confidence, outs[1].confidence, atol=2e-5, rtol=1e-4)
     if name in GREEDY and wide:
         assert largest[0] < b * length * vocab <= largest[1], largest
+
+
+# the most-open row (8 to generate): 8 → 8 − ⌈8/4⌉ = 6 → 6 − ⌈6/3⌉ = 4 → 4 − ⌈4/2⌉ = 2 positions; a block sampler
+# its block's 3 at most (8 positions: blocks of 3, 3, 2), each × 3 rows
+HEAD_ROWS = [
+    ("pr", PosteriorRefinementSampler(rounds=4, threshold=1.0), [24, 18, 12, 6]),
+    ("a_priori", PosteriorRefinementSampler(rounds=4, threshold=1.0, confidence="a_priori"), [24, 18, 12, 6]),
+    ("pr_top_k", PosteriorRefinementSampler(rounds=4, threshold=1.0, commit="top_k", top_k=3), [24, 15, 6, 3]),
+    ("block", BlockFlowSampler(block_size=3, steps_per_block=1), [9, 9, 9]),
+]
+
+
+@pytest.mark.parametrize(("name", "sampler", "want"), HEAD_ROWS, ids=[c[0] for c in HEAD_ROWS])
+def test_greedy_flow_samplers_run_the_head_at_the_positions_they_read_only(name, sampler, want, monkeypatch):
+    """Greedy PR and the a-priori loop run the flow head at the uncommitted slots of a round only: every row's
+    uncommitted positions among its first ``most_open`` (a count read once, then bounded on the host by the commit
+    rule's k), so a round of B rows costs B × that bound head rows, not B × L; the block sampler at its block's
+    slots. The tokens, NFE and confidences stay those of the dense path (``test_samplers_same_both_ways``)."""
+    import flowlm.models.flow_map as flow_map_module
+
+    module, rows = wide_module(), []
+    real = flow_map_module.head_expectation
+
+    def counted(features, *args, **kwargs):
+        rows.append(features.reshape(-1, features.shape[-1]).shape[0])
+        return real(features, *args, **kwargs)
+
+    monkeypatch.setattr(flow_map_module, "head_expectation", counted)
+    b, length = 3, module.hparams.seq_len
+    prompt = torch.randint(0, 3000, (b, length), generator=torch.Generator().manual_seed(4))
+    prompt_mask = torch.arange(length).expand(b, length) < torch.tensor([[2], [3], [5]])  # 8, 7, 5 to generate
+    with torch.no_grad():
+        out = sampler(module.denoiser(), prompt=prompt, prompt_mask=prompt_mask, nfe=4, generator=None)
+    assert rows == want, rows
+    assert out.nfe == len(want) and torch.equal(out.tokens[prompt_mask], prompt[prompt_mask])

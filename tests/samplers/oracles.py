@@ -16,8 +16,9 @@ from flowlm.samplers import (
     SemiARConfidenceSampler,
     ThresholdSampler,
 )
+from flowlm.samplers.common import slots
 from flowlm.samplers.mdm_adaptive import CallStats
-from flowlm.samplers.mdm_confidence import decode_steps, slots
+from flowlm.samplers.mdm_confidence import decode_steps
 
 
 def _commit_ranked(log_p, candidate, eligible, n_commit, x, confidence, score):

@@ -166,9 +166,9 @@ def test_host_counted_average_matches_torchs_averaged_model_and_survives_a_load(
     [
         ("flow", FlowMapSampler(), 0),
         ("flow", FlowMapSampler(euler=True), 0),
-        ("flow", PosteriorRefinementSampler(), 0),
-        ("flow", PosteriorRefinementSampler(flow_steps=2), 0),
-        ("flow", PosteriorRefinementSampler(confidence="a_priori"), 0),
+        ("flow", PosteriorRefinementSampler(), 1),  # the plan: the most uncommitted positions of a row
+        ("flow", PosteriorRefinementSampler(flow_steps=2), 1),
+        ("flow", PosteriorRefinementSampler(confidence="a_priori"), 1),
         ("flow", BlockFlowSampler(block_size=3), 1),  # the plan: the longest response
         ("mdm", ConfidenceSampler(), 1),  # the loop length: the most masked row
         ("mdm", ConfidenceSampler(temperature=1.0), 1),  # the committing draw's size is tracked on the host
