@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flowlm.ops.summary as summary_module
+import flowlm.samplers.block_flow as block_flow_module
+import flowlm.samplers.posterior_refinement as posterior_refinement_module
 from flowlm.objectives.flow import SOFT_CAP, log_delta
 from flowlm.ops.summary import (
     BLOCK,
@@ -265,7 +267,8 @@ def test_greedy_flow_samplers_run_the_head_at_the_positions_they_read_only(name,
     """Greedy PR and the a-priori loop run the flow head at the uncommitted slots of a round only: every row's
     uncommitted positions among its first ``most_open`` (a count read once, then bounded on the host by the commit
     rule's k), so a round of B rows costs B × that bound head rows, not B × L; the block sampler at its block's
-    slots. The tokens, NFE and confidences stay those of the dense path (``test_samplers_same_both_ways``)."""
+    slots. Tokens and confidences those of the same sampler reading the head at every position (its summary read
+    whole, no slots: the oracle below), and of the dense path (``test_samplers_same_both_ways``)."""
     import flowlm.models.flow_map as flow_map_module
 
     module, rows = wide_module(), []
@@ -279,7 +282,20 @@ def test_greedy_flow_samplers_run_the_head_at_the_positions_they_read_only(name,
     b, length = 3, module.hparams.seq_len
     prompt = torch.randint(0, 3000, (b, length), generator=torch.Generator().manual_seed(4))
     prompt_mask = torch.arange(length).expand(b, length) < torch.tensor([[2], [3], [5]])  # 8, 7, 5 to generate
+    seeded = lambda: torch.Generator().manual_seed(5)  # noqa: E731  the same noise for both runs
     with torch.no_grad():
-        out = sampler(module.denoiser(), prompt=prompt, prompt_mask=prompt_mask, nfe=4, generator=None)
+        out = sampler(module.denoiser(), prompt=prompt, prompt_mask=prompt_mask, nfe=4, generator=seeded())
     assert rows == want, rows
     assert out.nfe == len(want) and torch.equal(out.tokens[prompt_mask], prompt[prompt_mask])
+
+    def every_position(read, flag, width):  # the oracle: the summary at all B·L positions, no slots
+        log_max, argmax = read(rows=torch.arange(flag.numel()))
+        return log_max.view(flag.shape), argmax.view(flag.shape)
+
+    for owner in (posterior_refinement_module, block_flow_module):
+        monkeypatch.setattr(owner, "summary_at_slots", every_position)
+    with torch.no_grad():
+        whole = sampler(module.denoiser(), prompt=prompt, prompt_mask=prompt_mask, nfe=4, generator=seeded())
+    assert rows[len(want) :] == [b * length] * len(want)
+    assert torch.equal(out.tokens, whole.tokens) and len(set(out.tokens[~prompt_mask].tolist())) > 3
+    assert torch.allclose(out.confidence, whole.confidence, atol=2e-5, rtol=1e-4)
