@@ -14,7 +14,9 @@ block's positions only, every step, whatever the cache (what the decoder reads, 
 the head in vocabulary chunks at the block's slots, through the cache too), the limit; and at every position a pass
 runs (the estimate before 2026-12-06, when the cached passes returned logits over their window), for continuity.
 ``--before`` adds the cached rows as they ran before 2026-12-06 (the windowed passes' logits over the whole window,
-merged into a (B, L, |V|) buffer), side by side in the same run.
+merged into a (B, L, |V|) buffer), side by side in the same run. ``--row-major`` adds the three caches with the
+head's weight handed to its chunked product as the network holds it, (|V|, d) row-major, as before 2026-12-06 (night)
+(``column_major`` off: each chunk's product then reads the transposed rows), each against its own ``none``.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/block_cache.py                       # the GSM8K shape, tiny DiT
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/block_cache.py --backbone llama --reps 1   # a tiny LLaMA
@@ -47,6 +49,12 @@ class LogitsWindows(SemiARConfidenceSampler):
             return super().network(model, length)
         reader = BlockCachedReader(model, self.cache, self.refresh, length)
         return reader, reader
+
+
+class RowMajorHead(SemiARConfidenceSampler):
+    """The decoder with the head's weight as the network holds it, (|V|, d) row-major (before 2026-12-06, night)."""
+
+    column_major = False
 
 
 def flops(
@@ -124,6 +132,7 @@ def main() -> None:
     ap.add_argument("--llama-width", type=int, default=128, help="the tiny LLaMA's hidden size")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--before", action="store_true", help="add the cached rows as they ran before 2026-12-06")
+    ap.add_argument("--row-major", action="store_true", help="add the caches with the head's weight row-major")
     args = ap.parse_args()
     length = args.prompt_len + args.answer_len
     module, shape = network(args, length)
@@ -134,6 +143,8 @@ def main() -> None:
     samplers = {c: SemiARConfidenceSampler(block_length=args.block, cache=c) for c in CACHES}
     if args.before:
         samplers |= {f"{c} (before)": LogitsWindows(block_length=args.block, cache=c) for c in CACHES[1:]}
+    if args.row_major:
+        samplers |= {f"{c} (row-major)": RowMajorHead(block_length=args.block, cache=c) for c in CACHES}
     rows = list(samplers)
     times: dict[str, list[float]] = {c: [] for c in rows}
     with torch.no_grad():
@@ -148,7 +159,11 @@ def main() -> None:
     decode = {"length": length, "prompt": args.prompt_len, "block": args.block, "steps": args.steps}
     work = {c: flops(c, **decode, **shape, vocab=args.vocab) for c in CACHES}
     old = {c: flops(c, **decode, **shape, vocab=args.vocab, head_at_block=False) for c in CACHES}
-    base = statistics.median(times["none"])
+
+    def base(row: str) -> float:  # the row's own none: "none (row-major)" for the row-major rows
+        own = "none" + row[len(row.split()[0]) :]
+        return statistics.median(times[own if own in times else "none"])
+
     setting = f"prompt {args.prompt_len} + answer {args.answer_len}, blocks of {args.block}, {args.steps} steps each"
     threads = torch.get_num_threads()
     net = f"{args.size} DiT" if args.backbone == "dit" else f"tiny LLaMA (d {shape['d']}, {shape['layers']} layers)"
@@ -162,7 +177,7 @@ def main() -> None:
     for c in rows:
         med, kind = statistics.median(times[c]), c.split()[0]
         limit, was = work["none"] / work[kind], old["none"] / old[kind]
-        gain = base / med
+        gain = base(c) / med
         cells = f"{med:.3f} | {med / nfe / full:.2f} | {gain:.2f}× | {limit:.2f}× | {gain / limit:.2f}"
         print(f"| {c} | {cells} | {was:.2f}× | {gain / was:.2f} |")
 
