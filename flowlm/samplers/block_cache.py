@@ -40,8 +40,9 @@ class BlockCachedReader:
     A row's first call in a block (and every ``refresh`` calls after it) is a full pass for that row; its other calls
     write keys and read logits on its window only, [lo, length) (prefix) or [lo, hi) (dual); a row whose block is
     empty (lo ≥ hi: nothing left) is idle. A call runs the network once over the columns that cover every row's
-    window (their bounds: the call's one host read); the rest of a row's keys, and its logits outside its window,
-    are those its last full pass left, so a row decodes alike alone and inside any batch. Returns logits
+    window (their bounds: the call's one host read; where every row's window is all of those columns, a batch in
+    step or a full pass, the keys are written without a mask); the rest of a row's keys, and its logits outside its
+    window, are those its last full pass left, so a row decodes alike alone and inside any batch. Returns logits
     (B, L, |V|); with ``head`` (where the network offers ``head_fn``) ``(features (B, L, d), W, b)`` as ``head_fn``
     does, the head's input instead, kept and merged the same way: the decoder runs the head at the rows it reads
     only, where logits would cost the head over the whole window and a (B, L, |V|) merge each call."""
@@ -77,15 +78,20 @@ class BlockCachedReader:
         lo = torch.where(due, 0, self.lo).where(live, length)  # each row's window; an idle row's is empty
         hi = (self.hi if self.cache == "dual" else torch.full_like(self.hi, length)).where(~due, length)
         hi = hi.where(live, 0)
-        start, stop = torch.stack([lo.min(), hi.max()]).tolist()  # the call's host read: the columns to run
+        # the call's host read: the columns to run, and whether every row's window is all of them
+        start, stop, inner_lo, inner_hi = torch.stack([lo.min(), hi.max(), lo.max(), hi.min()]).tolist()
         if stop <= start:  # no row left to decode: a full pass writes nothing (fresh is empty)
             start, stop = 0, length
-        cols = torch.arange(start, stop, device=x.device)
-        fresh = (cols >= lo[:, None]) & (cols < hi[:, None])
+        fresh = None  # every row's window spans the columns (a batch in step, a full pass): no masked writes
+        if inner_lo > start or inner_hi < stop:
+            cols = torch.arange(start, stop, device=x.device)
+            fresh = (cols >= lo[:, None]) & (cols < hi[:, None])
         out = self.read(x[:, start:stop], t, start, fresh)
         out, linear = (out[0], out[1:]) if self.head else (out, ())
         if self.logits is None:  # the first call: a full pass (the cache refuses anything else)
             self.logits = out
+        elif fresh is None:
+            self.logits[:, start:stop] = out
         else:
             self.logits[:, start:stop] = torch.where(fresh[..., None], out, self.logits[:, start:stop])
         return (self.logits, *linear) if self.head else self.logits

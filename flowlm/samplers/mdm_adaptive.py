@@ -64,7 +64,14 @@ from flowlm.ops.summary import (
 )
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput
 from flowlm.samplers.block_cache import BlockCachedReader, check_cache
-from flowlm.samplers.common import call_rows, check_temperature, masked_start, read_counts, rows_to_call
+from flowlm.samplers.common import (
+    call_rows,
+    check_temperature,
+    column_major_head,
+    masked_start,
+    read_counts,
+    rows_to_call,
+)
 from flowlm.samplers.planned import PlannedSampler
 
 RANKS = ("max_prob", "margin", "entropy")
@@ -122,6 +129,7 @@ class AdaptiveMDMSampler(PlannedSampler):
     rule_reads_draw = False  # whether, at T > 0, the rule and the max_prob rank read the drawn token's p (Fast-dLLM)
     reads_head = True  # read the network's head in chunks where it offers one (``MaskedDenoiser.head_fn``)
     keeps_masses = True  # at T > 0 the head's fold keeps the group masses the draw after the rank reads
+    column_major = True  # the head's weight laid out (d, |V|) once a decode on the CPU (``column_major_head``)
 
     def __init__(
         self,
@@ -236,6 +244,10 @@ class AdaptiveMDMSampler(PlannedSampler):
         drawn_first = self.temperature > 0 and self.rule_reads_draw
         head = model.head_fn if reader is None and self.reads_head else None
         cached_head = reader is not None and reader.head
+        # the head's weight laid out once a decode for its chunks' product, through the cache too
+        cached_read = reader if cached_head else None
+        if self.column_major:
+            head, cached_read = column_major_head(head), column_major_head(cached_read)
         calls = 0
         while calls < nfe:
             masked = x == model.mask_id
@@ -264,7 +276,7 @@ class AdaptiveMDMSampler(PlannedSampler):
                 stats = None if drawn_first and self.score == "max_prob" else self.stats(logits, at)
             else:  # the head's product and summary (and the draw, where the rule reads it) at the eligible positions
                 if cached_head:
-                    features, *linear = reader(x, time)
+                    features, *linear = cached_read(x, time)
                 else:
                     features, linear = call_rows(head, x, time, calling)
                 by_row = features.reshape(-1, features.shape[-1])

@@ -12,7 +12,7 @@ from flowlm.ops.draws import draw_at, row_uniforms
 from flowlm.ops.summary import chunked_head_keep, chunked_head_summary, draw_kept, keeps_draw
 from flowlm.samplers.base import MaskedDenoiser, SampleOutput, Sampler
 from flowlm.samplers.block_cache import BlockCachedReader, check_cache
-from flowlm.samplers.common import block_ids, slots
+from flowlm.samplers.common import block_ids, column_major_head, slots
 from flowlm.samplers.guidance import GuidedSampler, guided_steps
 from flowlm.samplers.mdm_confidence import commit_slots, max_log_prob
 
@@ -45,6 +45,7 @@ class SemiARConfidenceSampler(GuidedSampler):
 
     reads_head = True  # read the network's head at the block's slots where it offers one (``MaskedDenoiser.head_fn``)
     keeps_masses = True  # at T > 0 the head's fold keeps the group masses the draw after the rank reads
+    column_major = True  # the head's weight laid out (d, |V|) once a decode on the CPU (``column_major_head``)
 
     family = "mdm"
     confidence_kind = "a-priori"
@@ -116,6 +117,8 @@ class SemiARConfidenceSampler(GuidedSampler):
             head = model.head_fn if self.reads_head else None
         else:
             head = reader if reader.head else None
+        if self.column_major:  # the head's weight laid out once a decode for its chunks' product
+            head = column_major_head(head)
         block_id, n_free = self.blocks(prompt_mask)
         positions = torch.arange(x.shape[1], device=x.device)
         each_plan = torch.tensor([plan[1:] for plan in plans], dtype=torch.long, device=x.device).view(-1, 2)
