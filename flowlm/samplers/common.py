@@ -143,14 +143,17 @@ def column_major_head(head):
     reused while the calls hand the same W (the same view of the same storage, unchanged): the chunked head's
     product (``flowlm.ops.summary.head_fold``) then reads each chunk's columns contiguously, 0.65× the time of the
     transposed row-major chunk at 64 rows, d 128, |V| = 50 257 on one thread, the same values bit for bit on that
-    CPU (docs/performance.md, block cache). None stays None; elsewhere the weight passes as it is."""
+    CPU (docs/performance.md, block cache). None stays None; elsewhere the weight passes as it is, under the CPU's
+    bf16 autocast too: the product casts each chunk to bf16, and a column-major chunk's cast made it 1.2–1.4× slower
+    at 320–512 rows (equal at 64; docs/performance.md, the flow head at the positions a greedy draft reads)."""
     if head is None:
         return None
     memo: dict = {}
 
     def call(x: Tensor, t: Tensor):
         features, weight, bias = head(x, t)
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or torch.is_grad_enabled():
+        cpu = weight.device.type == "cpu"
+        if not cpu or weight.dtype != torch.float32 or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
             return features, weight, bias
         key = (weight.untyped_storage().data_ptr(), weight.storage_offset(), weight.shape, weight.stride())
         key += (weight._version,)  # an in-place update of the weight makes a new copy

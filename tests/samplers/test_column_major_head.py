@@ -61,6 +61,8 @@ def test_one_copy_a_decode_made_again_after_an_update():
         _, updated, _ = head(None, None)
         assert torch.equal(updated, weight[:10]) and updated.data_ptr() != first.data_ptr()
     assert head(None, None)[1].stride() == (5, 1)  # gradients on: untouched
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 autocast casts each chunk: untouched
+        assert column_major_head(lambda x, t: (features, weight, None))(None, None)[1] is weight
     wide = weight.double()
     with torch.no_grad():
         assert column_major_head(lambda x, t: (features, wide, None))(None, None)[1] is wide
