@@ -57,7 +57,18 @@ sudoku_fmlm_plus_distill_medium:0 sudoku_mlfm_medium:0
 sudoku_mdm_hard:0 sudoku_fmlm_plus_scratch_hard:0 sudoku_fmlm_plus_init_hard:0 sudoku_fmlm_plus_distill_hard:0
 sudoku_mlfm_hard:0
 "
-PLAN="${FLOWLM_CAMPAIGN_PLAN:-$PLAN_DEFAULT}"
+# The plan a campaign was started with is kept in $CAMPAIGN/plan (by `start` and `run`), so that every later command
+# on that folder (`status`, `redo`, `collect`, a relaunch) reads the same plan without the variable: two campaigns
+# that split the plan (one per model kind) never fall back to the default, which would train the other's models too.
+# FLOWLM_CAMPAIGN_PLAN, when set, wins (and `start` / `run` keep it as the new plan).
+if [[ -n "${FLOWLM_CAMPAIGN_PLAN:-}" ]]; then
+    PLAN="$FLOWLM_CAMPAIGN_PLAN"
+elif [[ -s "$CAMPAIGN/plan" ]]; then
+    PLAN="$(cat "$CAMPAIGN/plan")"
+else
+    PLAN="$PLAN_DEFAULT"
+fi
+keep_plan() { mkdir -p "$CAMPAIGN" && echo "$PLAN" | xargs >"$CAMPAIGN/plan"; }  # one line, as `status` reads it
 
 source_of() {  # the experiment a model is built from (its config's `source:` line), or nothing
     sed -n 's/^source: *\([A-Za-z0-9_]*\).*/\1/p' "$ROOT/conf/experiment/$1.yaml"
@@ -214,6 +225,7 @@ start)
     [[ -x "$PYTHON" ]] || { echo "no $PYTHON: run 'make venv' first (or set FLOWLM_PYTHON)" >&2; exit 2; }
     take_lock  # before the clone: two starts at once clone, spawn and record nothing twice
     if [[ ! -d "$CAMPAIGN/code/.git" ]]; then git clone -q "$ROOT" "$CAMPAIGN/code"; fi
+    keep_plan
     setsid nohup bash "$0" run >>"$CAMPAIGN/campaign.log" 2>&1 </dev/null &  # fd 9, the lock, goes with it
     pid=$! code="$(git -C "$CAMPAIGN/code" rev-parse --short HEAD)"
     echo "$pid" >"$CAMPAIGN/campaign.pid"
@@ -222,6 +234,7 @@ start)
     ;;
 run)
     take_lock
+    keep_plan
     run_plan
     ;;
 update)

@@ -474,3 +474,28 @@ def test_the_budget_study_names_the_budget_its_curves_accept(tmp_path):
         "budget: none confirmed yet; 12000 steps provisionally (its curves accept it, no later step yet)"
     ), out.stdout
     assert " ancestral   41    9000         6000    84.0       86.0   2.0     False" in out.stdout
+
+
+def test_a_campaign_keeps_its_plan_for_the_commands_after_it(tmp_path):
+    """The plan a campaign ran with is kept in its folder (`plan`): `status` and `redo` without FLOWLM_CAMPAIGN_PLAN
+    read it, not the default plan (two campaigns that split the plan would otherwise each train the other's models);
+    the variable, when given again, replaces it."""
+    done, trained = campaign(tmp_path, "run", plan="sudoku_mdm_easy:7")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "campaign" / "plan").read_text() == "sudoku_mdm_easy:7\n"
+    env = {key: value for key, value in campaign_env(tmp_path, "").items() if key != "FLOWLM_CAMPAIGN_PLAN"}
+    status = subprocess.run(["bash", str(SCRIPT), "status"], env=env, capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    models = [line.split()[:3] for line in status.stdout.splitlines()[1:]]
+    assert models == [["sudoku_mdm_easy", "seed", "7"]], status.stdout  # not the default plan's 40-odd models
+    redo = subprocess.run(
+        ["bash", str(SCRIPT), "redo", "sudoku_fmlm_plus_scratch_easy", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert redo.returncode == 2 and "sudoku_mdm_easy" in redo.stderr  # a model of the default plan, not of this one
+    again, _ = campaign(tmp_path, "run", plan="sudoku_mdm_easy:7 sudoku_mdm_easy:8")
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "campaign" / "plan").read_text() == "sudoku_mdm_easy:7 sudoku_mdm_easy:8\n"
