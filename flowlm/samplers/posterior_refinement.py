@@ -165,24 +165,23 @@ class PosteriorRefinementSampler(PlannedSampler):
         return summary_at_slots(read, ~committed, most_open)
 
     def _least_commit(self, n_open: int, rounds_left: int) -> int:
-        """How many of ``n_open`` uncommitted positions a round commits at least (``_commit_mask``'s k; the
-        threshold commits more, the last round all): n − k(n) is non-decreasing in n, so the most-open row's count
-        less its k bounds every row's after the round."""
-        if rounds_left == 1:
-            return n_open
+        """How many of ``n_open`` uncommitted positions a round commits at least (the threshold commits more, the
+        last round all): n − k(n) is non-decreasing in n, so the most-open row's count less its k bounds every
+        row's after the round."""
+        return n_open if rounds_left == 1 else self._top(n_open, rounds_left)
+
+    def _top(self, n_open, rounds_left: int):
+        """The commit rule's k for ``n_open`` uncommitted positions (an int, or a count per row): ⌈n / rounds_left⌉
+        (uniform budget) or min(n, top_k) — one formula for the round's commits and the host's bound on them."""
         if self.commit == "uniform":
-            return -(-n_open // rounds_left)
-        return min(n_open, self.top_k)
+            return (n_open + rounds_left - 1) // rounds_left
+        return n_open.clamp(max=self.top_k) if isinstance(n_open, Tensor) else min(n_open, self.top_k)
 
     def _commit_mask(self, score: Tensor, open_: Tensor, rounds_left: int, positions: Tensor) -> Tensor:
         """Threshold ∪ top-k (uniform budget ⌈open / rounds_left⌉ or a fixed k); everything on the last round."""
         if rounds_left == 1:
             return open_
-        n_open = open_.sum(-1)
-        if self.commit == "uniform":
-            k = torch.div(n_open + rounds_left - 1, rounds_left, rounding_mode="floor")
-        else:
-            k = torch.clamp(n_open, max=self.top_k)
+        k = self._top(open_.sum(-1), rounds_left)
         masked_score = torch.where(open_, score, -math.inf)
         order = masked_score.argsort(dim=-1, descending=True)
         rank = torch.empty_like(order).scatter_(-1, order, positions.expand_as(order))
