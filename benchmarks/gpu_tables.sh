@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/gpu_tables.sh                       # on a GPU machine (CUDA build of torch in .venv, README)
 #   bash benchmarks/gpu_tables.sh --out "$OUT/tables"   # where runs/, results/ and logs/ go (default runs/gpu_tables)
-#   bash benchmarks/gpu_tables.sh --scale cpu           # the CPU campaign's models (6×6, tiny, 6 000 steps) on a GPU
+#   bash benchmarks/gpu_tables.sh --scale cpu           # the CPU campaign's models (6×6, tiny, 20 000 steps) on a GPU
 #   bash benchmarks/gpu_tables.sh --seeds "0" --jobs 4 --budget-s 3000   # fewer seeds or runs at once, a time limit
 #   bash benchmarks/gpu_tables.sh --dry-run             # no GPU: CPU, 3 models × 1 seed × 16 steps, every code path,
 #                                                       # and the measured seconds a step of each, scaled to the plan
@@ -28,8 +28,8 @@
 # FMLM+ (its teacher passes); at ≈ 300 TFLOP/s of bf16 (a third of an H100's dense peak) a step is ≈ 25 ms (MDM) and
 # ≈ 40 ms (FMLM+): 20 000 steps ≈ 8 and 14 min, the curve's sampling ≈ 1 min more. One seed of the 19 models is
 # ≈ 4 h on one card (compute-bound: running them side by side does not shorten it), three seeds ≈ 12 h. At
-# --scale cpu the step is launch-bound (≈ 10–25 ms), 6 000 steps ≈ 1–3 min a model, one seed ≈ 45 min serially,
-# ≈ 10 min with 16 jobs. `--dry-run` measures the seconds a step on this machine and prints the plan's estimate.
+# --scale cpu the step is launch-bound (≈ 10–25 ms), 20 000 steps ≈ 3–8 min a model, one seed ≈ 2.5 h serially,
+# ≈ 35 min with 16 jobs. `--dry-run` measures the seconds a step on this machine and prints the plan's estimate.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
@@ -54,7 +54,7 @@ for s in $seeds; do
 done
 case "$scale" in
   paper) scale_args=(scale=paper budget=20000) ;;  # the released Sudoku script's 20 000 steps (warm-up 2 500)
-  cpu) scale_args=(scale=cpu) ;;                   # the campaign's 6 000 steps
+  cpu) scale_args=(scale=cpu) ;;                   # the campaign's budget (conf/hparams_search/sudoku_tables.yaml)
   *) echo "gpu_tables: --scale takes paper or cpu, got '$scale'" >&2; exit 2 ;;
 esac
 
