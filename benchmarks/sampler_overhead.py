@@ -453,6 +453,9 @@ def measure(args, *, log=print) -> dict:
         if config == "block" and sampler.block_size * args.nfe < free:  # more blocks than the budget: K = 1 per block
             sampler = make_sampler(config, {**overrides, "block_size": -(-free // args.nfe)})
             log(f"note: block_size {sampler.block_size} here, so that {free} positions fit {args.nfe} NFE")
+        if getattr(sampler, "block_length", None) and -(-free // sampler.block_length) > args.nfe:  # semi-AR
+            sampler = make_sampler(config, {**overrides, "block_length": -(-free // args.nfe)})
+            log(f"note: {name}'s block_length {sampler.block_length} here, so that {free} positions fit {args.nfe} NFE")
         if getattr(sampler, "guidance", 0) > 0 and args.prompt_len == 0:
             log(f"note: {name} without a prompt (--prompt-len 0): CCFG has no context to corrupt, no reference call")
         row = measure_sampler(

@@ -92,6 +92,27 @@ def test_sampler_overhead_prints_a_ratio_per_sampler(outputs):
     assert re.search(rf"^ratio flow forward/MDM forward: {RATIO} \(states over the vocabulary", run.stdout, re.M)
 
 
+def test_sampler_overhead_fits_semi_ar_blocks_to_the_budget():
+    """At a length whose default blocks outnumber the budget (72 positions, blocks of 32, NFE 2), the semi-AR rows run
+    with the fewest blocks the budget allows (as the block sampler's), instead of stopping the benchmark (the papers'
+    shape, 1 024 positions at NFE 4, stopped it)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    args = "--batch 1 --seq-len 72 --vocab 6 --nfe 2 --reps 1 --samplers semi_ar semi_ar_t1"
+    run = subprocess.run(
+        [sys.executable, "benchmarks/sampler_overhead.py", *args.split()],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    for name in ("semi_ar", "semi_ar_t1"):
+        assert f"note: {name}'s block_length 36 here, so that 72 positions fit 2 NFE" in run.stdout, run.stdout
+        assert re.search(rf"^\| {name} \| mdm \| 2 \|", run.stdout, re.M), run.stdout  # two blocks, one call each
+
+
 def test_gpu_check_fails_fast_without_cuda():
     """Without a CUDA device the GPU script stops at once with a clear message (before importing the suite)."""
     pytest.importorskip("torch")
