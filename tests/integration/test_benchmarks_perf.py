@@ -23,6 +23,20 @@ COMMANDS = {
 }
 
 
+def run_benchmark(script: str, args: str) -> subprocess.CompletedProcess:
+    """benchmarks/``script`` with ``args`` in its own process on one thread, offline; its output captured."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args.split()],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
 @pytest.fixture(scope="module")
 def outputs() -> dict[str, subprocess.CompletedProcess]:
     """Both scripts, started together (two processes: the imports dominate), each on one thread."""
@@ -96,16 +110,8 @@ def test_sampler_overhead_fits_semi_ar_blocks_to_the_budget():
     """At a length whose default blocks outnumber the budget (72 positions, blocks of 32, NFE 2), the semi-AR rows run
     with the fewest blocks the budget allows (as the block sampler's), instead of stopping the benchmark (the papers'
     shape, 1 024 positions at NFE 4, stopped it)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    args = "--batch 1 --seq-len 72 --vocab 6 --nfe 2 --reps 1 --samplers semi_ar semi_ar_t1"
-    run = subprocess.run(
-        [sys.executable, "benchmarks/sampler_overhead.py", *args.split()],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    run = run_benchmark(
+        "sampler_overhead.py", "--batch 1 --seq-len 72 --vocab 6 --nfe 2 --reps 1 --samplers semi_ar semi_ar_t1"
     )
     assert run.returncode == 0, run.stderr[-3000:]
     for name in ("semi_ar", "semi_ar_t1"):
@@ -132,17 +138,8 @@ def test_likelihood_rows_prints_item_rows_shorter_than_max_length():
     layouts, and the positions counted on the network: item rows run (mc_samples + 1 greedy) × the mean item length
     positions a request, strictly fewer than max_length rows' (mc_samples + 1) × max_length; the limit is their
     ratio, and the FLOP limit above it (the attention)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     args = "--items 6 --min-len 10 --max-len 30 --max-length 64 --mc-samples 4 --width 32 --layers 1 --reps 1"
-    run = subprocess.run(
-        [sys.executable, "benchmarks/likelihood_rows.py", *args.split()],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    run = run_benchmark("likelihood_rows.py", args)
     assert run.returncode == 0, run.stderr[-3000:]
     header = "| rows | s / pass | requests / s | positions / request | network calls | speed-up | limit | speed-up / "
     assert header in run.stdout, run.stdout
