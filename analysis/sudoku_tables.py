@@ -73,7 +73,9 @@ NUMERIC = ["nfe_budget", "seed", "eval_seed", "eval_step", "samples", *MEASURES,
 DATE_FORMAT = "%Y-%m-%dT%H:%M:%SZ"  # callbacks/results_csv.py's `date`
 ROWS_CSV = "rows.csv"  # the report's merged rows: the results schema, so never read back (report_folders)
 STEP = "eval_step"  # the training step of the weights a row sampled (the curve's checkpoints, the final weights)
-# Rows of an earlier protocol, kept for the record and out of the tables (results/sudoku/superseded/README.md).
+# Rows of an earlier protocol, kept for the record and out of the tables (results/sudoku/superseded/README.md): a
+# folder named so, or so and a suffix (superseded-steps6000/: rows of an earlier budget, scripts/tables_campaign.sh
+# collect), below the folder read.
 SUPERSEDED = "superseded"
 
 
@@ -91,11 +93,11 @@ def read_results(folder: str | Path, *, skip: Iterable[str | Path] = ()) -> pd.D
     rows of a file with a wrong field count (a cut line), a non-number in a numeric column (a decimal comma) or a
     date not in DATE_FORMAT. ``attrs["skipped"]``: 'path (why)' of each. A (row, seed) is measured once per
     checkpoint (``eval_step``, the run's ``steps`` where blank): the curve's points are rows of their own. A folder
-    named SUPERSEDED below ``folder`` holds rows of an earlier protocol: not read (read it as ``folder`` itself to see
-    them)."""
+    named SUPERSEDED (or SUPERSEDED and a suffix, e.g. superseded-steps6000) below ``folder`` holds rows of an earlier
+    protocol: not read (read it as ``folder`` itself to see them)."""
     folder = Path(folder)
     skip = [Path(s).resolve() for s in skip]
-    skip += [p.resolve() for p in folder.rglob(SUPERSEDED) if p.is_dir()] if folder.is_dir() else []
+    skip += [p.resolve() for p in folder.rglob(SUPERSEDED + "*") if p.is_dir()] if folder.is_dir() else []
     reports = report_folders(folder) if folder.is_dir() else set()
     files = [
         f

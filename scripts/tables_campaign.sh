@@ -9,7 +9,8 @@
 #                                         # its curve (scripts/sudoku_curve.sh: the checkpoints at each eighth of
 #                                         # the budget) and, for an MDM, the fast decoders (scripts/mdm_fast_eval.sh)
 #   scripts/tables_campaign.sh status     # each model: done / running (its last step and val loss) / waiting
-#   scripts/tables_campaign.sh collect    # copy finished CSVs into results/sudoku/, regenerate the report
+#   scripts/tables_campaign.sh collect    # copy finished CSVs into results/sudoku/ (a committed CSV of the same model
+#                                         # at another budget moves to superseded-steps<N>/), regenerate the report
 #   scripts/tables_campaign.sh update     # the campaign's clone takes this checkout's new commits (next model on)
 #   scripts/tables_campaign.sh stop       # end the background campaign, every process it started (a relaunch
 #                                         # resumes the model it was on); `status` says "stopping" until they end
@@ -72,6 +73,42 @@ keep_plan() { mkdir -p "$CAMPAIGN" && echo "$PLAN" | xargs >"$CAMPAIGN/plan"; } 
 
 source_of() {  # the experiment a model is built from (its config's `source:` line), or nothing
     sed -n 's/^source: *\([A-Za-z0-9_]*\).*/\1/p' "$ROOT/conf/experiment/$1.yaml"
+}
+
+# Before a model's new rows are copied in (`collect`): its committed CSVs (<task>/<exp>_seed<n>.csv and _eval.csv)
+# whose training budget (the rows' budget_steps) is not the new rows' move to $COMMITTED/superseded-steps<old>/<task>/,
+# out of the tables (analysis/sudoku_tables.py reads no superseded* folder) and kept for the record, with a README
+# line on why: a model retrained under a changed budget (issue 47: 6 000 steps, then the released 20 000) would
+# otherwise have its old curve and fast decoders' rows read beside its new final rows.
+supersede_other_budget() {  # $1: the campaign's new CSV, $2: its path below results/sudoku (<task>/<name>.csv)
+    "$PYTHON" -c '
+import csv, os, shutil, sys
+new, rel, committed = sys.argv[1:]
+task, model = os.path.dirname(rel), os.path.basename(rel)[: -len(".csv")].removesuffix("_eval")
+def budgets(path):
+    with open(path, newline="") as f:
+        return {str(int(float(r["budget_steps"]))) for r in csv.DictReader(f) if (r.get("budget_steps") or "").strip()}
+mine = budgets(new)
+for suffix in ("", "_eval"):
+    old = os.path.join(committed, task, model + suffix + ".csv")
+    theirs = budgets(old) if os.path.isfile(old) else mine
+    if not mine or theirs == mine:
+        continue
+    folder = "superseded-steps" + "+".join(sorted(theirs, key=int)) if theirs else "superseded-steps-unknown"
+    os.makedirs(os.path.join(committed, folder, task), exist_ok=True)
+    shutil.move(old, os.path.join(committed, folder, task, os.path.basename(old)))
+    readme = os.path.join(committed, folder, "README.md")
+    line = "- %s/%s: trained to %s steps; retrained to %s (the tables budget then), moved here by collect\n" % (
+        task, os.path.basename(old), "+".join(sorted(theirs, key=int)) or "?", "+".join(sorted(mine, key=int)))
+    if not os.path.isfile(readme):
+        with open(readme, "w") as f:
+            f.write("# Rows of an earlier training budget\n\nOut of the tables (analysis/sudoku_tables.py reads no "
+                    "superseded* folder); read them with flowlm-report --config-name report_sudoku "
+                    "results_dir=<this folder> out=/tmp/old_budget.\n\n")
+    with open(readme, "a") as f:
+        f.write(line)
+    print("superseded %s (budget %s steps; the new rows: %s) -> %s/" % (old, "+".join(sorted(theirs)), "+".join(sorted(mine)), folder))
+' "$1" "$2" "$COMMITTED"
 }
 
 committed_csv() {  # the committed results CSV of experiment $1, seed $2, if there is one
@@ -305,15 +342,18 @@ status)
 collect)
     n=0
     while IFS= read -r csv; do
-        rel="${csv#"$CAMPAIGN/results/"}"
+        rel="${csv#"$CAMPAIGN/results/sudoku/"}"  # <task>/<name>.csv
         name="$(basename "$csv" .csv)"
         if [[ -e "$CAMPAIGN/done/$name" ]]; then
-            mkdir -p "$ROOT/results/$(dirname "$rel")"
-            cp "$csv" "$ROOT/results/$rel" && n=$((n + 1)) && echo "collected results/$rel"
+            supersede_other_budget "$csv" "$rel"
+            mkdir -p "$COMMITTED/$(dirname "$rel")"
+            cp "$csv" "$COMMITTED/$rel" && n=$((n + 1)) && echo "collected $COMMITTED/$rel"
         fi
-    done < <(find "$CAMPAIGN/results" -name '*.csv' -not -path '*/report/*' 2>/dev/null)
+    done < <(find "$CAMPAIGN/results/sudoku" -name '*.csv' -not -path '*/report/*' 2>/dev/null)
     echo "$n finished model(s) collected; the report:"
-    (cd "$ROOT" && "$ROOT/.venv/bin/flowlm-report" --config-name report_sudoku)
+    where=()  # the default, results/sudoku, as the report names it (relative to the checkout)
+    [[ "$COMMITTED" == "$ROOT/results/sudoku" ]] || where=("results_dir=$COMMITTED")
+    (cd "$ROOT" && "${FLOWLM_REPORT:-$ROOT/.venv/bin/flowlm-report}" --config-name report_sudoku "${where[@]}")
     ;;
 *)
     echo "unknown command '$1'; usage: $0 start|status|collect|update|redo|stop" >&2

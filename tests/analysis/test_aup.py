@@ -172,3 +172,8 @@ def test_rows_of_a_superseded_protocol_are_not_read_into_the_tables(tmp_path):
     write_rows(tmp_path / "superseded" / "easy" / "old.csv", [row("MDM", "scratch", "ancestral", 4, 0, 90.0)])
     assert read_results(tmp_path)["accuracy"].tolist() == [50.0]
     assert read_results(tmp_path / "superseded")["accuracy"].tolist() == [90.0]  # readable on its own
+    # an earlier budget's rows (scripts/tables_campaign.sh collect): out of the tables, and out of superseded/'s
+    write_rows(tmp_path / "superseded-steps6000" / "easy" / "old.csv", [row("MDM", "scratch", "ancestral", 4, 0, 80.0)])
+    assert read_results(tmp_path)["accuracy"].tolist() == [50.0]
+    assert read_results(tmp_path / "superseded")["accuracy"].tolist() == [90.0]
+    assert read_results(tmp_path / "superseded-steps6000")["accuracy"].tolist() == [80.0]

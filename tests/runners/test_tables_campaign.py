@@ -499,3 +499,55 @@ def test_a_campaign_keeps_its_plan_for_the_commands_after_it(tmp_path):
     again, _ = campaign(tmp_path, "run", plan="sudoku_mdm_easy:7 sudoku_mdm_easy:8")
     assert again.returncode == 0, again.stderr
     assert (tmp_path / "campaign" / "plan").read_text() == "sudoku_mdm_easy:7 sudoku_mdm_easy:8\n"
+
+
+def test_collect_moves_a_models_rows_of_another_budget_aside(tmp_path):
+    """`collect` copies a finished model's rows in; the same model's committed rows of another training budget (its
+    final rows and its curve's, budget_steps) move to superseded-steps<old>/ with a README line, out of the tables,
+    so the old curve is never read beside the new final rows; a model's rows at the same budget are replaced in
+    place, an unfinished evaluation's rows are not copied, and the report is made of the committed folder."""
+    env = campaign_env(tmp_path, "sudoku_mdm_easy:0 sudoku_mdm_easy:2")
+    report = tmp_path / "report"
+    report.write_text(f'#!/bin/bash\necho "$*" > {tmp_path}/report_args.txt\n')
+    report.chmod(0o755)
+    env["FLOWLM_REPORT"] = str(report)
+    results, done = tmp_path / "campaign" / "results" / "sudoku" / "easy", tmp_path / "campaign" / "done"
+    committed = tmp_path / "committed"
+    results.mkdir(parents=True)
+    done.mkdir(parents=True)
+
+    def rows(path: Path, budget: int, accuracy: float) -> str:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = f"sampler,budget_steps,accuracy\nancestral,{budget},{accuracy}\n"
+        path.write_text(text)
+        return text
+
+    new0 = rows(results / "sudoku_mdm_easy_seed0.csv", 20000, 91.0)  # trained; its curve still being sampled
+    rows(results / "sudoku_mdm_easy_seed0_eval.csv", 20000, 60.0)
+    new2 = rows(results / "sudoku_mdm_easy_seed2.csv", 20000, 92.0)
+    (done / "sudoku_mdm_easy_seed0").touch()
+    (done / "sudoku_mdm_easy_seed2").touch()
+    old0 = rows(committed / "easy" / "sudoku_mdm_easy_seed0.csv", 6000, 84.4)
+    old0_eval = rows(committed / "easy" / "sudoku_mdm_easy_seed0_eval.csv", 6000, 75.0)
+    rows(committed / "easy" / "sudoku_mdm_easy_seed2.csv", 20000, 10.0)  # the same budget: replaced in place
+    other = rows(committed / "easy" / "sudoku_mdm_easy_seed1.csv", 6000, 80.0)  # another model: untouched
+
+    run = subprocess.run(["bash", str(SCRIPT), "collect"], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "2 finished model(s) collected" in run.stdout, run.stdout
+    easy, aside = committed / "easy", committed / "superseded-steps6000"
+    assert (easy / "sudoku_mdm_easy_seed0.csv").read_text() == new0
+    assert not (easy / "sudoku_mdm_easy_seed0_eval.csv").exists()  # the old curve aside, the new one not done yet
+    assert (aside / "easy" / "sudoku_mdm_easy_seed0.csv").read_text() == old0
+    assert (aside / "easy" / "sudoku_mdm_easy_seed0_eval.csv").read_text() == old0_eval
+    assert (easy / "sudoku_mdm_easy_seed2.csv").read_text() == new2
+    assert not (aside / "easy" / "sudoku_mdm_easy_seed2.csv").exists()
+    assert (easy / "sudoku_mdm_easy_seed1.csv").read_text() == other
+    readme = (aside / "README.md").read_text()
+    for name in ("sudoku_mdm_easy_seed0.csv", "sudoku_mdm_easy_seed0_eval.csv"):
+        assert f"- easy/{name}: trained to 6000 steps; retrained to 20000" in readme, readme
+    assert (tmp_path / "report_args.txt").read_text().split() == [
+        "--config-name",
+        "report_sudoku",
+        f"results_dir={committed}",
+    ]
