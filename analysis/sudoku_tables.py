@@ -224,8 +224,9 @@ def aggregate(rows: pd.DataFrame) -> pd.DataFrame:
     """One line per KEY over the final weights' rows (``final_rows``: a curve's point never joins a cell): mean, std
     (ddof 1; 0 for one seed) and seed count of every measure; per proportion (PROPORTIONS) the pooled count over
     seeds (``<m>_hits`` of ``<m>_total`` samples: ``samples_of``) and the per-seed values (``<m>_by_seed``, JSON);
-    ``tpf_mean`` the cells filled per call (``cells_per_call``); training facts as means; ``nfe_seed_max`` the most
-    NFE one seed spent on average; ``samples_assumed`` the rows whose sample count is a default."""
+    ``tpf_mean`` the cells filled per call (``cells_per_call``); training facts as means, and each seed's own
+    training steps (``steps_by_seed``, JSON, where recorded); ``nfe_seed_max`` the most NFE one seed spent on
+    average; ``samples_assumed`` the rows whose sample count is a default."""
     rows = final_rows(rows).reset_index(drop=True)
     samples, recorded = samples_of(rows)
     rows = rows.assign(_samples=samples, _assumed=~recorded)
@@ -252,6 +253,12 @@ def aggregate(rows: pd.DataFrame) -> pd.DataFrame:
             line[f"{m}_by_seed"] = json.dumps(
                 {int(s): float(v) for s, v in zip(part["seed"][got], values[got], strict=True)}
             )
+        steps = (
+            pd.to_numeric(part["steps"], errors="coerce") if "steps" in part else pd.Series(float("nan"), part.index)
+        )
+        line["steps_by_seed"] = json.dumps(  # each seed's own training steps, where recorded (verdicts pair equals)
+            {int(s): int(v) for s, v in zip(part["seed"], steps, strict=True) if pd.notna(v)}
+        )
         line["samples_assumed"] = int(part["_assumed"].sum())
         if "confidence_kind" in part:  # the sampler's declared kind (flowlm/samplers), one per sampler
             line["confidence_kind"] = part["confidence_kind"].iloc[0]
@@ -351,6 +358,7 @@ class Cell:
     nfe: float | None = None
     nfe_max: float | None = None
     budget: float | None = None
+    steps_by_seed: tuple[tuple[int, int], ...] = ()  # each seed's own training steps, where recorded
 
     def interval(self) -> tuple[float, float] | None:
         """The Wilson 95 % interval of the pooled count, in % (None for a measure that is no proportion)."""
@@ -372,6 +380,10 @@ class Cell:
         """The per-seed values."""
         return dict(self.by_seed)
 
+    def steps(self) -> dict[int, int]:
+        """Each seed's own training steps, where recorded."""
+        return dict(self.steps_by_seed)
+
     def __str__(self) -> str:
         return self.format(1)
 
@@ -391,6 +403,7 @@ def _cell_of(line: pd.Series, metric: str) -> Cell:
         nfe=number("nfe_mean"),
         nfe_max=number("nfe_seed_max"),
         budget=number("nfe_budget"),
+        steps_by_seed=tuple(sorted((int(s), int(v)) for s, v in json.loads(line.get("steps_by_seed") or "{}").items())),
     )
 
 
@@ -823,17 +836,29 @@ def budget_check(gains: pd.DataFrame) -> str:
 
 # ---------------------------------------------------------------- verdicts
 REPRODUCES, FAILS, INCONCLUSIVE = "reproduces", "does not reproduce at this scale", "inconclusive"
+NOT_COMPARED = "not compared"  # the two sides trained unequal steps (``verdict``)
+
+
+def trained_steps(c: Cell) -> str:
+    """A cell's own training steps over its seeds, '20000' or '6000/20000'."""
+    return "/".join(map(str, sorted(set(c.steps().values()))))
 
 
 def verdict(better: Cell | None, worse: Cell | None) -> str:
     """The claim 'better > worse', from the per-seed differences of the seeds measured on both sides (paired):
     with two or more, reproduces when the 95 % t-interval of the mean difference lies above 0, does not reproduce
     when below, inconclusive when it covers 0. With fewer (one paired seed, or none), only where the two cells'
-    Wilson 95 % intervals do not overlap: reproduces / does not reproduce (said so), else inconclusive."""
+    Wilson 95 % intervals do not overlap: reproduces / does not reproduce (said so), else inconclusive.
+    At equal training only (issue 47): a seed pairs where both sides trained the same own steps (or either did not
+    record them), and two cells whose recorded steps share no count are not compared (a model retrained to a new
+    budget beside one not yet retrained)."""
     if better is None or worse is None:
         return "not measured"
+    steps_a, steps_b = better.steps(), worse.steps()
+    if steps_a and steps_b and not set(steps_a.values()) & set(steps_b.values()):
+        return f"{NOT_COMPARED} (unequal training: {trained_steps(better)} against {trained_steps(worse)} steps)"
     a, b = better.seeds(), worse.seeds()
-    common = sorted(set(a) & set(b))
+    common = sorted(s for s in set(a) & set(b) if steps_a.get(s, steps_b.get(s)) == steps_b.get(s, steps_a.get(s)))
     if len(common) >= 2:
         diffs = [a[s] - b[s] for s in common]
         mean = sum(diffs) / len(diffs)
@@ -1067,7 +1092,7 @@ def settings_labels(settings: list[str]) -> dict[str, str]:
 def verdict_counts(table: pd.DataFrame) -> dict[str, int]:
     """How many lines reproduce / do not / are inconclusive / were not measured."""
     kinds = table["verdict"].str.split(" \\(", regex=True).str[0].value_counts()
-    order = [REPRODUCES, FAILS, INCONCLUSIVE, "not measured"]
+    order = [REPRODUCES, FAILS, INCONCLUSIVE, NOT_COMPARED, "not measured"]
     return {k: int(kinds[k]) for k in sorted(kinds.index, key=lambda k: order.index(k) if k in order else 9)}
 
 
@@ -1090,6 +1115,8 @@ def headline(agg: pd.DataFrame) -> list[str]:
             f"{d}: FMLM+ scratch PR@{pr_nfe} {pr or '—'} % vs the paper's row, MDM ancestral@{mdm_nfe} "
             f"{paper_row or '—'} %; the suite's stronger baselines: MDM confidence@{mdm_nfe} {stronger or '—'} %"
         )
+        if pr and paper_row and pr.steps() and paper_row.steps() and trained_steps(pr) != trained_steps(paper_row):
+            text += f" (unequal training so far: {trained_steps(pr)} against {trained_steps(paper_row)} steps)"
         if d != "uncond":
             fast = best_within_nfe(part, metric, "MDM", LOW_NFE)
             text += f", {fast[0]} {fast[1]} %" if fast else ", no MDM decoder at ≤ 4 NFE measured"
@@ -1238,7 +1265,9 @@ def build_sudoku_report(
             "Each claim of the papers against the measured numbers, from the per-seed differences of the seeds "
             "measured on both sides (paired): reproduces when the 95 % t-interval of the mean difference lies above "
             "0, does not reproduce when below, inconclusive when it covers 0; with one paired seed (or none) only "
-            "where the two cells' Wilson 95 % intervals do not overlap (the verdict says so). The paper's MDM row is "
+            "where the two cells' Wilson 95 % intervals do not overlap (the verdict says so). Seeds pair only at "
+            "equal own training steps, and two lines trained to different budgets (a model retrained to the new "
+            "budget beside one not yet retrained) are not compared. The paper's MDM row is "
             f"MDLM: the ancestral sampler at one call per generated position (NFE {one['easy']} on 6×6, its 128 on "
             "89 positions); the confidence sampler there and the MDM's best decoder at ≤ PR's mean NFE on every seed "
             'are the suite\'s stronger baselines, judged beside it (scope `suite`). "Fail catastrophically": '

@@ -22,6 +22,7 @@ from analysis.sudoku_tables import (
     calibration_table,
     conditional_table,
     empty_cells,
+    headline,
     machines_note,
     read_results,
     scope,
@@ -151,6 +152,38 @@ def test_a_single_seed_decides_only_where_the_wilson_intervals_separate():
     assert verdict(half, close) == "inconclusive (one paired seed: the Wilson 95 % intervals overlap)"
     other_seeds = Cell(50.0, 0, 2, hits=256, total=512, by_seed=((3, 50.0), (4, 50.0)))
     assert verdict(pr, other_seeds).startswith("reproduces (no seed on both sides: the Wilson")
+
+
+def test_verdicts_compare_equal_training_only():
+    """Seeds pair only where both sides trained the same own steps, and two cells whose recorded steps share no count
+    (a model retrained to the new budget beside one not yet retrained) are not compared; steps not recorded (CSVs
+    before the column) pair as before."""
+    better = Cell(96, 1, 3, by_seed=_seeds(95, 96, 97), steps_by_seed=((0, 20000), (1, 20000), (2, 20000)))
+    worse = Cell(82, 2, 3, by_seed=_seeds(80, 82, 84), steps_by_seed=((0, 20000), (1, 20000), (2, 20000)))
+    assert verdict(better, worse) == "reproduces (paired Δ +14.0 [+11.5, +16.5], 3 seeds)"
+    old = Cell(82, 2, 3, by_seed=_seeds(80, 82, 84), steps_by_seed=((0, 6000), (1, 6000), (2, 6000)))
+    assert verdict(better, old) == "not compared (unequal training: 20000 against 6000 steps)"
+    assert verdict(old, better) == "not compared (unequal training: 6000 against 20000 steps)"
+    # seed 0 still at the old budget on one side: the two seeds at equal training pair, seed 0 does not
+    mixed = Cell(82, 2, 3, by_seed=_seeds(0, 82, 84), steps_by_seed=((0, 6000), (1, 20000), (2, 20000)))
+    assert verdict(better, mixed) == "reproduces (paired Δ +13.5 [+7.1, +19.9], 2 seeds)"  # 13.5 ± 12.706 · 0.707 / √2
+    unrecorded = Cell(82, 2, 3, by_seed=_seeds(80, 82, 84))
+    assert verdict(better, unrecorded) == verdict(better, worse)
+
+
+def test_the_report_does_not_judge_a_retrained_line_against_one_not_yet_retrained(tmp_path):
+    """From the CSVs on: the MDM retrained to 20 000 steps (seeds 0, 1) beside FMLM+ scratch still at 6 000 (seed
+    0): its claim is not compared, and the headline says the training is unequal so far."""
+    folder = tmp_path / "results"
+    mdm = [row("MDM", "scratch", "ancestral", 41, s, 90.0, steps=20000, budget_steps=20000) for s in (0, 1)]
+    write_rows(folder / "mdm.csv", mdm)
+    write_rows(folder / "pr.csv", [row("FMLM+", "scratch", "pr", 4, 0, 84.0, steps=6000, budget_steps=6000)])
+    agg = aggregate(read_results(folder))
+    table = verdicts(agg)
+    line = table[table["claim"].str.contains("PR") & table["compared"].str.contains("ancestral")]
+    said = set(line["verdict"])  # the easy line not compared; the others (medium, hard) not measured
+    assert said == {"not compared (unequal training: 6000 against 20000 steps)", "not measured"}, said
+    assert "(unequal training so far: 6000 against 20000 steps)" in " ".join(headline(agg))
 
 
 def test_wilson_interval_against_newcombes_example():
