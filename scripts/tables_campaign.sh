@@ -23,7 +23,7 @@
 # beside the checkout: code/ (the clone it trains from, so editing the checkout never changes a running campaign),
 # runs/, data/, results/, done/ (one marker per finished model), campaign.log and one log per model in logs/.
 # Committed rows are read from $FLOWLM_COMMITTED (default: this checkout's results/sudoku; its report/ and
-# superseded/ folders are not rows of the tables). One campaign at a time: `start` takes campaign.lock (an exclusive flock, as runners/common.py takes a run folder's
+# superseded*/ folders are not rows of the tables). One campaign at a time: `start` takes campaign.lock (an exclusive flock, as runners/common.py takes a run folder's
 # run.lock) and hands it to its runner, whose every process inherits it; a second `start` is refused, naming the
 # running one, until the last of them has ended. `status` only reads.
 # If the machine was replaced (the folders are gone), `start` begins again with the first unfinished model; the
@@ -113,7 +113,7 @@ for suffix in ("", "_eval"):
 
 committed_csv() {  # the committed results CSV of experiment $1, seed $2, if there is one
     [[ -d "$COMMITTED" ]] || return 0
-    find "$COMMITTED" \( -path "$COMMITTED/report" -o -path "$COMMITTED/superseded" \) -prune -o -name "$1_seed$2.csv" \
+    find "$COMMITTED" \( -path "$COMMITTED/report" -o -path "$COMMITTED/superseded*" \) -prune -o -name "$1_seed$2.csv" \
         -print | head -n 1
 }
 

@@ -551,3 +551,14 @@ def test_collect_moves_a_models_rows_of_another_budget_aside(tmp_path):
         "report_sudoku",
         f"results_dir={committed}",
     ]
+    # rows only under superseded-steps<N>/ are not committed rows: such a model still trains
+    rows(aside / "easy" / "sudoku_mdm_easy_seed3.csv", 6000, 70.0)
+    status = subprocess.run(
+        ["bash", str(SCRIPT), "status"],
+        env={**env, "FLOWLM_CAMPAIGN_PLAN": "sudoku_mdm_easy:3"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.splitlines()[1].split()[-1] == "waiting", status.stdout
