@@ -1111,12 +1111,11 @@ def headline(agg: pd.DataFrame) -> list[str]:
         pr = _line(part, metric, "FMLM+", PAPER_VARIANT, "pr", pr_nfe)
         paper_row = _line(part, metric, "MDM", None, "ancestral", mdm_nfe)
         stronger = _line(part, metric, "MDM", None, "confidence", mdm_nfe)
-        text = (
-            f"{d}: FMLM+ scratch PR@{pr_nfe} {pr or '—'} % vs the paper's row, MDM ancestral@{mdm_nfe} "
-            f"{paper_row or '—'} %; the suite's stronger baselines: MDM confidence@{mdm_nfe} {stronger or '—'} %"
-        )
+        text = f"{d}: FMLM+ scratch PR@{pr_nfe} {pr or '—'} % vs the paper's row, MDM ancestral@{mdm_nfe} "
+        text += f"{paper_row or '—'} %"
         if pr and paper_row and pr.steps() and paper_row.steps() and trained_steps(pr) != trained_steps(paper_row):
             text += f" (unequal training so far: {trained_steps(pr)} against {trained_steps(paper_row)} steps)"
+        text += f"; the suite's stronger baselines: MDM confidence@{mdm_nfe} {stronger or '—'} %"
         if d != "uncond":
             fast = best_within_nfe(part, metric, "MDM", LOW_NFE)
             text += f", {fast[0]} {fast[1]} %" if fast else ", no MDM decoder at ≤ 4 NFE measured"
