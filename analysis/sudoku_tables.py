@@ -259,6 +259,14 @@ def aggregate(rows: pd.DataFrame) -> pd.DataFrame:
         line["steps_by_seed"] = json.dumps(  # each seed's own training steps, where recorded (verdicts pair equals)
             {int(s): int(v) for s, v in zip(part["seed"], steps, strict=True) if pd.notna(v)}
         )
+        precision = part["precision"] if "precision" in part else pd.Series("", index=part.index)
+        line["precision_by_seed"] = json.dumps(  # each seed's training precision, where recorded (paired alike)
+            {
+                int(s): str(v).strip()
+                for s, v in zip(part["seed"], precision, strict=True)
+                if pd.notna(v) and str(v).strip()
+            }
+        )
         line["samples_assumed"] = int(part["_assumed"].sum())
         if "confidence_kind" in part:  # the sampler's declared kind (flowlm/samplers), one per sampler
             line["confidence_kind"] = part["confidence_kind"].iloc[0]
@@ -359,6 +367,7 @@ class Cell:
     nfe_max: float | None = None
     budget: float | None = None
     steps_by_seed: tuple[tuple[int, int], ...] = ()  # each seed's own training steps, where recorded
+    precision_by_seed: tuple[tuple[int, str], ...] = ()  # each seed's training precision, where recorded
 
     def interval(self) -> tuple[float, float] | None:
         """The Wilson 95 % interval of the pooled count, in % (None for a measure that is no proportion)."""
@@ -384,6 +393,10 @@ class Cell:
         """Each seed's own training steps, where recorded."""
         return dict(self.steps_by_seed)
 
+    def precisions(self) -> dict[int, str]:
+        """Each seed's training precision (bf16-mixed, 32-true, ...), where recorded."""
+        return dict(self.precision_by_seed)
+
     def __str__(self) -> str:
         return self.format(1)
 
@@ -404,6 +417,9 @@ def _cell_of(line: pd.Series, metric: str) -> Cell:
         nfe_max=number("nfe_seed_max"),
         budget=number("nfe_budget"),
         steps_by_seed=tuple(sorted((int(s), int(v)) for s, v in json.loads(line.get("steps_by_seed") or "{}").items())),
+        precision_by_seed=tuple(
+            sorted((int(s), str(v)) for s, v in json.loads(line.get("precision_by_seed") or "{}").items())
+        ),
     )
 
 
@@ -844,6 +860,17 @@ def trained_steps(c: Cell) -> str:
     return "/".join(map(str, sorted(set(c.steps().values()))))
 
 
+def trained_precision(c: Cell) -> str:
+    """A cell's training precisions over its seeds, '32-true' or '32-true/bf16-mixed'."""
+    return "/".join(sorted(set(c.precisions().values())))
+
+
+def alike(a: dict, b: dict, seed: int) -> bool:
+    """Whether seed ``seed`` trained alike on both sides of a comparison by the per-seed facts ``a`` and ``b`` (steps
+    or precision): equal where both recorded it, alike where either did not."""
+    return a.get(seed, b.get(seed)) == b.get(seed, a.get(seed))
+
+
 def verdict(better: Cell | None, worse: Cell | None) -> str:
     """The claim 'better > worse', from the per-seed differences of the seeds measured on both sides (paired):
     with two or more, reproduces when the 95 % t-interval of the mean difference lies above 0, does not reproduce
@@ -851,14 +878,19 @@ def verdict(better: Cell | None, worse: Cell | None) -> str:
     Wilson 95 % intervals do not overlap: reproduces / does not reproduce (said so), else inconclusive.
     At equal training only (issue 47): a seed pairs where both sides trained the same own steps (or either did not
     record them), and two cells whose recorded steps share no count are not compared (a model retrained to a new
-    budget beside one not yet retrained)."""
+    budget beside one not yet retrained). Likewise the training precision (the protocol's bf16-mixed, or float32
+    on a CPU without bf16 kernels: docs/protocol.md): a seed pairs where both sides trained in the same precision
+    (or either did not record it), and two cells whose recorded precisions share none are not compared."""
     if better is None or worse is None:
         return "not measured"
     steps_a, steps_b = better.steps(), worse.steps()
     if steps_a and steps_b and not set(steps_a.values()) & set(steps_b.values()):
         return f"{NOT_COMPARED} (unequal training: {trained_steps(better)} against {trained_steps(worse)} steps)"
+    prec_a, prec_b = better.precisions(), worse.precisions()
+    if prec_a and prec_b and not set(prec_a.values()) & set(prec_b.values()):
+        return f"{NOT_COMPARED} (unequal precision: {trained_precision(better)} against {trained_precision(worse)})"
     a, b = better.seeds(), worse.seeds()
-    common = sorted(s for s in set(a) & set(b) if steps_a.get(s, steps_b.get(s)) == steps_b.get(s, steps_a.get(s)))
+    common = sorted(s for s in set(a) & set(b) if alike(steps_a, steps_b, s) and alike(prec_a, prec_b, s))
     if len(common) >= 2:
         diffs = [a[s] - b[s] for s in common]
         mean = sum(diffs) / len(diffs)
@@ -1115,6 +1147,14 @@ def headline(agg: pd.DataFrame) -> list[str]:
         text += f"{paper_row or '—'} %"
         if pr and paper_row and pr.steps() and paper_row.steps() and trained_steps(pr) != trained_steps(paper_row):
             text += f" (unequal training so far: {trained_steps(pr)} against {trained_steps(paper_row)} steps)"
+        elif (
+            pr
+            and paper_row
+            and pr.precisions()
+            and paper_row.precisions()
+            and (trained_precision(pr) != trained_precision(paper_row))
+        ):
+            text += f" (unequal precision so far: {trained_precision(pr)} against {trained_precision(paper_row)})"
         text += f"; the suite's stronger baselines: MDM confidence@{mdm_nfe} {stronger or '—'} %"
         if d != "uncond":
             fast = best_within_nfe(part, metric, "MDM", LOW_NFE)
@@ -1265,12 +1305,13 @@ def build_sudoku_report(
             "measured on both sides (paired): reproduces when the 95 % t-interval of the mean difference lies above "
             "0, does not reproduce when below, inconclusive when it covers 0; with one paired seed (or none) only "
             "where the two cells' Wilson 95 % intervals do not overlap (the verdict says so). Seeds pair only at "
-            "equal own training steps, and two lines trained to different budgets (a model retrained to the new "
-            "budget beside one not yet retrained) are not compared. The paper's MDM row is "
-            f"MDLM: the ancestral sampler at one call per generated position (NFE {one['easy']} on 6×6, its 128 on "
-            "89 positions); the confidence sampler there and the MDM's best decoder at ≤ PR's mean NFE on every seed "
-            'are the suite\'s stronger baselines, judged beside it (scope `suite`). "Fail catastrophically": '
-            "% valid under 5 % (Wilson interval under it) where PR's lies above. Unconditional claims are judged at "
+            "equal own training steps and precision, and two lines trained to different budgets (a model retrained "
+            "to the new budget beside one not yet retrained) or in different precisions are not compared. The "
+            f"paper's MDM row is MDLM: the ancestral sampler at one call per generated position (NFE {one['easy']} "
+            "on 6×6, its 128 on 89 positions); the confidence sampler there and the MDM's best decoder at ≤ PR's "
+            "mean NFE on every seed are the suite's stronger baselines, judged beside it (scope `suite`). \"Fail "
+            "catastrophically\": % valid under 5 % (Wilson interval under it) where PR's lies above. Unconditional "
+            "claims are judged at "
             "every NFE the paper states, under both mappings of its budgets (absolute; by tokens per call). Scope "
             "`paper`: judged on the task and NFE where the paper states the claim, on the paper's variant "
             "(`stated`: its task, models and NFE, analysis/reference.yaml), a reproduction verdict; scope `suite`: "

@@ -186,6 +186,42 @@ def test_the_report_does_not_judge_a_retrained_line_against_one_not_yet_retraine
     assert "(unequal training so far: 6000 against 20000 steps)" in " ".join(headline(agg))
 
 
+def test_verdicts_pair_seeds_trained_in_the_same_precision_only():
+    """The protocol's bf16-mixed against float32 (a CPU without bf16 kernels, FLOWLM_CAMPAIGN_PRECISION): a seed
+    pairs only where both sides trained in the same precision; two cells that share none are not compared; a seed
+    whose precision is not recorded pairs as before."""
+    bf16 = tuple((s, "bf16-mixed") for s in range(3))
+    better = Cell(96, 1, 3, by_seed=_seeds(95, 96, 97), precision_by_seed=bf16)
+    worse = Cell(82, 2, 3, by_seed=_seeds(80, 82, 84), precision_by_seed=bf16)
+    assert verdict(better, worse) == "reproduces (paired Δ +14.0 [+11.5, +16.5], 3 seeds)"
+    fp32 = Cell(82, 2, 3, by_seed=_seeds(80, 82, 84), precision_by_seed=tuple((s, "32-true") for s in range(3)))
+    assert verdict(better, fp32) == "not compared (unequal precision: bf16-mixed against 32-true)"
+    # seed 0 in float32 on one side (a later machine without bf16 kernels): seeds 1 and 2 pair, seed 0 does not
+    mixed = Cell(
+        82, 2, 3, by_seed=_seeds(0, 82, 84), precision_by_seed=((0, "32-true"), (1, "bf16-mixed"), (2, "bf16-mixed"))
+    )
+    assert verdict(better, mixed) == "reproduces (paired Δ +13.5 [+7.1, +19.9], 2 seeds)"
+    assert verdict(better, Cell(82, 2, 3, by_seed=_seeds(80, 82, 84))) == verdict(better, worse)
+
+
+def test_the_report_reads_each_seeds_precision_from_the_rows(tmp_path):
+    """From the CSVs on: FMLM+ scratch trained in float32 beside the MDM in bf16 (both at 20 000 steps) is not
+    compared, and the headline says the precisions differ; the aggregate keeps each seed's precision."""
+    folder = tmp_path / "results"
+    mdm = [row("MDM", "scratch", "ancestral", 41, s, 90.0, steps=20000, precision="bf16-mixed") for s in (0, 1)]
+    write_rows(folder / "mdm.csv", mdm)
+    pr = [row("FMLM+", "scratch", "pr", 4, s, 84.0, steps=20000, precision="32-true") for s in (0, 1)]
+    write_rows(folder / "pr.csv", pr)
+    agg = aggregate(read_results(folder))
+    line = agg[(agg["method"] == "MDM") & (agg["sampler"] == "ancestral")].iloc[0]
+    assert json.loads(line["precision_by_seed"]) == {"0": "bf16-mixed", "1": "bf16-mixed"}
+    table = verdicts(agg)
+    line = table[table["claim"].str.contains("PR") & table["compared"].str.contains("ancestral")]
+    said = set(line["verdict"])
+    assert said == {"not compared (unequal precision: 32-true against bf16-mixed)", "not measured"}, said
+    assert "(unequal precision so far: 32-true against bf16-mixed)" in " ".join(headline(agg))
+
+
 def test_wilson_interval_against_newcombes_example():
     """Newcombe (1998): 81 of 263 → 25.53–36.62 %; 0 of n → [0, z² / (n + z²)]."""
     from analysis.sudoku_tables import wilson
