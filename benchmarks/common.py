@@ -131,8 +131,14 @@ def synthetic_batch(batch: int, seq_len: int, vocab: int, *, prompt_len: int = 0
     return {"tokens": tokens.to(device), "prompt_mask": prompt_mask.to(device)}
 
 
+# On a CPU without bf16 kernels, bf16 autocast's matrix products by float32 BLAS (flowlm/ops/bf16_products.py), as the
+# runs compute them; benchmarks/cpu_bf16.py turns it off for its row of torch's own bf16 loop.
+BF16_RULE = True
+
+
 def autocast(precision: str, device):
-    """The forward context Lightning's precision plugin applies: bf16 autocast for bf16-mixed, nothing for fp32."""
+    """The forward context Lightning's precision plugin applies: bf16 autocast for bf16-mixed (its products by
+    float32 BLAS on a CPU without bf16 kernels, ``BF16_RULE``), nothing for fp32."""
     import contextlib
 
     import torch
@@ -140,7 +146,16 @@ def autocast(precision: str, device):
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "bf16-mixed":
-        return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+        kind = torch.device(device).type
+        if kind == "cpu" and BF16_RULE:  # as a run computes (runners.common.cpu_choices)
+            from flowlm.ops.bf16_products import bf16_products_in_float32, native_bf16_kernels
+
+            if not native_bf16_kernels():
+                stack = contextlib.ExitStack()
+                stack.enter_context(torch.autocast(kind, dtype=torch.bfloat16))
+                stack.enter_context(bf16_products_in_float32())
+                return stack
+        return torch.autocast(kind, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 

@@ -481,6 +481,22 @@ def use_tf32(device_type: str, enabled: bool | None = None) -> bool:
     return True
 
 
+def cpu_choices(cfg: DictConfig) -> bool:
+    """What a run on the CPU sets once, before any compute: under ``bf16-mixed`` on a CPU without bf16 kernels (AVX2
+    only), CPU autocast's bf16 matrix products by float32 BLAS (flowlm/ops/bf16_products.py: the numbers of a bf16
+    kernel at float32's speed, where torch's own bf16 loop runs 10–100× slower). Returns whether they are on."""
+    precision = str(OmegaConf.select(cfg, "trainer.precision", default="") or "")
+    if trainer_device_type(cfg.trainer) != "cpu" or not precision.startswith("bf16-mixed"):
+        return False
+    from flowlm.ops.bf16_products import install_bf16_products, native_bf16_kernels
+
+    if native_bf16_kernels():
+        return False
+    if install_bf16_products():
+        log.info("bf16 autocast's matrix products by float32 BLAS: this CPU has no bf16 kernels (the same numbers)")
+    return True
+
+
 def gpu_choices(cfg: DictConfig) -> bool:
     """What a run on its trainer's device sets once, before any compute: TF32 where ``cfg.tf32`` and the trainer
     runs on CUDA (docs/performance.md#gpu-choices). Returns whether TF32 was turned on."""

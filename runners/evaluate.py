@@ -18,6 +18,7 @@ from runners.common import (
     check_budgets,
     check_run_name,
     check_seeds,
+    cpu_choices,
     exit_on_sigterm,
     gpu_choices,
     pivot_table,
@@ -51,6 +52,7 @@ def evaluate(cfg: DictConfig) -> dict:
 
     log_lightning_once()
     gpu_choices(cfg)  # TF32 on CUDA, before any compute
+    cpu_choices(cfg)  # bf16 products by float32 BLAS on a CPU without bf16 kernels, before any compute
     check_run_name(cfg)
     meta = read_checkpoint_meta(cfg.ckpt_path)
     inherit_temperature(cfg, meta)  # before the config is resolved: the samplers' temperatures interpolate it

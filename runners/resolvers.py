@@ -44,13 +44,9 @@ def cpu_precision() -> str:
     docs/performance.md#cpu-precision)."""
     if not _query_machine:
         return CPU_PRECISION_UNQUERIED
-    import torch  # here, not at the top: `--help` and `--cfg` need no torch
+    from flowlm.ops.bf16_products import native_bf16_kernels  # here, not at the top: `--help` needs no torch
 
-    try:
-        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a torch without the query: the safe choice
-        native = False
-    return "bf16-mixed" if native else "32-true"
+    return "bf16-mixed" if native_bf16_kernels() else "32-true"
 
 
 def cuda_available() -> bool:

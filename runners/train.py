@@ -17,6 +17,7 @@ from runners.common import (
     check_run_dir,
     check_run_name,
     check_seeds,
+    cpu_choices,
     exit_on_sigterm,
     gpu_choices,
     is_rank_zero,
@@ -54,6 +55,7 @@ def train(cfg: DictConfig) -> dict:
     check_seeds(cfg)
     redact_hydra_output()
     gpu_choices(cfg)  # TF32 on CUDA, before any compute
+    cpu_choices(cfg)  # bf16 products by float32 BLAS on a CPU without bf16 kernels, before any compute
     resolve_paths(cfg)
     check_run_name(cfg)
     check_budgets(cfg.eval)

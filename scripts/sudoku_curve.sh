@@ -5,7 +5,7 @@
 # run's own samplers (eval=sudoku_<family>) and seeds read from its run_config.yaml, at its headline budgets — NFE 4
 # and its largest (an MDM's one call per position) — on the first 4 val batches (512 puzzles: ±4 points at 50 %;
 # FLOWLM_CURVE_BATCHES sets how many: a step sampled on fewer puzzles than that asks is sampled again),
-# its DiT blocks compiled as in training: the curve costs a small share of the training. The rows go to
+# its DiT blocks compiled and its precision as in training: the curve costs a small share of training. The rows go to
 # <results>/<task>/<name>_seed<n>_eval.csv, one per checkpoint step (the rows' eval_step), which the report plots.
 # Used by scripts/tables_campaign.sh after each model. Resumable: a step whose rows that file already holds at every
 # one of these budgets is not sampled again (FLOWLM_CURVE_REDO=1 samples it anyway; its rows are replaced, nothing else).
@@ -35,7 +35,8 @@ print(c["trainer"]["max_steps"], ",".join(map(str, nfe)),
       os.path.join(sys.argv[2], c["task"], "%s_seed%s_eval.csv" % (sys.argv[4] or c["name"], c["seed"])), want,
       "eval=sudoku_%s seed=%s eval.nfe=[%s] eval.max_batches=%s eval.seed=%s eval.skip_unfit_budgets=%s compile=%s"
       % (c["family"], c["seed"], ",".join(map(str, nfe)), sys.argv[3], e["seed"],
-         json.dumps(bool(e.get("skip_unfit_budgets"))), json.dumps(bool(c.get("compile")))))' \
+         json.dumps(bool(e.get("skip_unfit_budgets"))), json.dumps(bool(c.get("compile"))))
+      + (" trainer.precision=%s" % c["trainer"]["precision"] if (c.get("trainer") or {}).get("precision") else ""))' \
     "$run/run_config.yaml" "$results" "$batches" "${FLOWLM_CURVE_NAME:-}")
 [[ "$final" =~ ^[0-9]+$ ]] || { echo "$0: $run/run_config.yaml could not be read (above)" >&2; exit 2; }
 # A run resumed past its recorded steps (scripts/sudoku_budget_study.sh) keeps its first run_config.yaml: the caller
@@ -58,7 +59,7 @@ sys.exit(0 if set(sys.argv[3].split(",")) <= have else 1)' "$csv" "$step" "$budg
         continue
     fi
     echo "$(date -u +%FT%TZ) curve: step $step of $final"
-    # shellcheck disable=SC2086  # $settings is seven overrides
+    # shellcheck disable=SC2086  # $settings is seven overrides (eight with the run's precision)
     "$PYTHON" -m runners.evaluate "ckpt_path=$ckpt" $settings "results_csv=$results" "$@"
 done
 ((found > 0)) || { echo "$0: $run kept no curve checkpoint (checkpoints/curve-step*.ckpt) before step $final" >&2; exit 2; }

@@ -40,17 +40,6 @@ PYTHON="${FLOWLM_PYTHON:-$ROOT/.venv/bin/python}"
 THREADS="${FLOWLM_THREADS:-1}"
 COMMITTED="${FLOWLM_COMMITTED:-$ROOT/results/sudoku}"
 
-# The training precision: the protocol's bf16-mixed (conf/hparams_search/sudoku_tables.yaml, the released recipe's).
-# A CPU without bf16 kernels (AVX2 only: torch emulates bf16 products) runs it ≈ 100× slower (a 1024² matmul at 1.0
-# against 95.6 GFLOP/s in float32, 2026-12-06): `start` refuses there, before any compute, unless
-# FLOWLM_CAMPAIGN_PRECISION names the precision to train in: 32-true (float32) is the named deviation
-# (docs/protocol.md, "Precision"); each row records its precision and the report pairs a seed only with one trained in
-# the same. The precision a campaign was started with is kept in $CAMPAIGN/precision (as its plan): every relaunch
-# of that folder trains in it, and a `start` naming another is refused.
-PRECISIONS="bf16-mixed 32-true"
-if [[ -s "$CAMPAIGN/precision" ]]; then KEPT_PRECISION="$(cat "$CAMPAIGN/precision")"; else KEPT_PRECISION=""; fi
-PRECISION="${FLOWLM_CAMPAIGN_PRECISION:-${KEPT_PRECISION:-bf16-mixed}}"
-
 # The plan, in order (experiment:seed), issue 47's fixed-budget protocol: (a) the headline pair, the easy MDM and
 # FMLM+ from scratch, seeds 0–4 (the easy MDM of seed 0 first: its curve checks the budget); (b) the unconditional
 # pair, seeds 0–2; (c) the easy strategy rows (MDM-initialised, distilled, MLFM), seeds 0–2; (d) medium and hard,
@@ -154,7 +143,6 @@ train_one() {  # train (or resume) one model from the campaign's clone; the mark
         FLOWLM_DATA="$CAMPAIGN/data" FLOWLM_RESULTS="$CAMPAIGN/results" OMP_NUM_THREADS="$THREADS" \
         HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 MPLBACKEND=Agg \
         nice -n 10 "$PYTHON" -m runners.train -m hparams_search=sudoku_tables "experiment=$exp" "seed=$seed" \
-        "trainer.precision=$PRECISION" \
         "hydra.sweep.dir=$CAMPAIGN/multirun/${exp}_seed$seed") >>"$CAMPAIGN/logs/${exp}_seed$seed.log" 2>&1; then
         touch "$CAMPAIGN/done/${exp}_seed$seed"
         rm -f "$CAMPAIGN/redo/${exp}_seed$seed"
@@ -257,25 +245,6 @@ state() {  # the campaign's state in words: running, stopping or not running
     fi
 }
 
-check_precision() {  # the precision is one this campaign can train in here, in one line before any compute; kept
-    if [[ " $PRECISIONS " != *" $PRECISION "* ]]; then
-        echo "refused: FLOWLM_CAMPAIGN_PRECISION must be one of: $PRECISIONS; got '$PRECISION'" >&2
-        exit 2
-    fi
-    if [[ -n "$KEPT_PRECISION" && "$PRECISION" != "$KEPT_PRECISION" ]]; then
-        echo "refused: the campaign in $CAMPAIGN trains in $KEPT_PRECISION (its models so far); another precision" \
-            "($PRECISION) needs its own FLOWLM_CAMPAIGN folder" >&2
-        exit 2
-    fi
-    if [[ "$PRECISION" == bf16-mixed ]] && [[ "$("$PYTHON" -c 'import torch; print(int(torch.ops.mkldnn._is_mkldnn_bf16_supported()))')" != 1 ]]; then
-        echo "refused: this CPU has no bf16 kernels (AVX2 only): the protocol's bf16-mixed would run ≈ 100× slower" \
-            "here; FLOWLM_CAMPAIGN_PRECISION=32-true trains in float32 (a named deviation, docs/protocol.md" \
-            "\"Precision\"; the report pairs its seeds only with seeds of the same precision)" >&2
-        exit 2
-    fi
-    echo "$PRECISION" >"$CAMPAIGN/precision"
-}
-
 take_lock() {  # the campaign's lock on fd 9 for this process: inherited from `start`, or taken now; else refuse
     command -v flock >/dev/null || { echo "refused: no flock command (util-linux): install it first" >&2; exit 2; }
     if [[ "$(readlink /dev/fd/9 2>/dev/null)" == "$LOCK" ]] && flock -n 9; then return 0; fi  # `start` handed it over
@@ -292,14 +261,13 @@ case "${1:-status}" in
 start)
     [[ -x "$PYTHON" ]] || { echo "no $PYTHON: run 'make venv' first (or set FLOWLM_PYTHON)" >&2; exit 2; }
     take_lock  # before the clone: two starts at once clone, spawn and record nothing twice
-    check_precision
     if [[ ! -d "$CAMPAIGN/code/.git" ]]; then git clone -q "$ROOT" "$CAMPAIGN/code"; fi
     keep_plan
     setsid nohup bash "$0" run >>"$CAMPAIGN/campaign.log" 2>&1 </dev/null &  # fd 9, the lock, goes with it
     pid=$! code="$(git -C "$CAMPAIGN/code" rev-parse --short HEAD)"
     echo "$pid" >"$CAMPAIGN/campaign.pid"
     echo "runner pid $pid on $(hostname), started $(date -u +%FT%TZ), code at $code" >"$LOCK"
-    echo "started (pid $pid, code at $code, $PRECISION); log: $CAMPAIGN/campaign.log"
+    echo "started (pid $pid, code at $code); log: $CAMPAIGN/campaign.log"
     ;;
 run)
     take_lock

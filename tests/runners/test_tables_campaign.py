@@ -41,13 +41,10 @@ def evaluations(seed: int, exp: str = "sudoku_mdm_easy") -> list[str]:
 # run's run_config.yaml (its evaluation settings) and a checkpoint; an evaluation records the checkpoint and the
 # overrides, and fails while the file `fail_eval` exists; `-c` snippets run in the real interpreter.
 STAND_IN = """#!/bin/bash
-if [[ "$1" == -c && "$2" == *_is_mkldnn_bf16_supported* ]]; then  # the CPU's bf16 kernels: none where `no_bf16` is
-    [[ -e {tmp}/no_bf16 ]] && echo 0 || echo 1
-    exit 0
-fi
 if [[ "$1" == -c ]]; then exec {python} "$@"; fi
 if [[ "$*" == *runners.evaluate* ]]; then
     [[ -e {tmp}/fail_eval ]] && exit 1
+    echo "$*" | grep -o "trainer.precision=[a-z0-9-]*" >> {tmp}/eval_precision.txt
     echo "$*" | grep -o "runs/[a-z_]*/cpu/seed[0-9]*/checkpoints/[a-z0-9-]*.ckpt eval=[a-z_]* .*eval.seed=[0-9]*" \
         | sed "s|^runs/|evaluate |" >> {tmp}/trained.txt
     exit 0
@@ -55,12 +52,12 @@ fi
 exp=$(echo "$*" | grep -o "experiment=[a-z_]*" | cut -d= -f2)
 seed=$(echo "$*" | grep -o "seed=[0-9]*" | cut -d= -f2)
 echo "experiment=$exp seed=$seed" >> {tmp}/trained.txt
-echo "$*" | grep -o "trainer.precision=[a-z0-9-]*" >> {tmp}/precision.txt
 run="$FLOWLM_RUNS/$exp/cpu/seed$seed"
 family=$([[ $exp == sudoku_mdm* ]] && echo mdm || echo flow)
 mkdir -p "$run/checkpoints" && touch "$run/checkpoints/last.ckpt" "$run/checkpoints/curve-step0000001.ckpt"
-printf "seed: $seed\\nfamily: $family\\nname: $exp\\ntask: sudoku_easy_6x6\\ntrainer: {{max_steps: 2}}\\n" \\
-    > "$run/run_config.yaml"
+printf "seed: $seed\\nfamily: $family\\nname: $exp\\ntask: sudoku_easy_6x6\\n" > "$run/run_config.yaml"
+printf "trainer: {{max_steps: 2, precision: bf16-mixed}}\\n" \\
+    >> "$run/run_config.yaml"
 printf "eval:\\n  nfe: [4, 18]\\n  max_batches: 2\\n  seed: $seed\\n" >> "$run/run_config.yaml"
 if [[ -e {tmp}/block ]]; then  # a long training: it runs while `block` exists; SIGTERM ends it once `linger` is gone
     echo $$ >> {tmp}/trainers.txt
@@ -114,6 +111,14 @@ def campaign(
     env = campaign_env(tmp_path, plan)
     done = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60)
     return done, trained.read_text().splitlines() if trained.exists() else []
+
+
+def test_the_evaluations_sample_in_the_runs_precision(tmp_path):
+    """The curve and the fast decoders sample in the training run's precision (its final rows' own), not the
+    evaluation trainer's default (float32 on a CPU without bf16 kernels)."""
+    done, trained = campaign(tmp_path, "run", plan="sudoku_mdm_easy:7")
+    assert done.returncode == 0 and trained == ["experiment=sudoku_mdm_easy seed=7", *evaluations(7)], done.stderr
+    assert (tmp_path / "eval_precision.txt").read_text().splitlines() == ["trainer.precision=bf16-mixed"] * 2
 
 
 def test_committed_rows_are_skipped_unless_redone(tmp_path):
@@ -404,44 +409,6 @@ def test_one_campaign_at_a_time_and_stop_ends_all_of_it(tmp_path):
         pid = (root / "campaign.pid").read_text() if (root / "campaign.pid").exists() else ""
         if pid and alive(int(pid)):
             os.killpg(int(pid), signal.SIGTERM)
-
-
-def test_start_refuses_bf16_on_a_cpu_without_its_kernels_and_keeps_the_named_precision(tmp_path):
-    """On a CPU without bf16 kernels (emulated: ≈ 100× slower) `start` refuses the protocol's bf16-mixed in one line
-    naming FLOWLM_CAMPAIGN_PRECISION, before anything runs; 32-true trains in float32 and is kept in the campaign's
-    folder: a relaunch without the variable trains in it, and a `start` naming another precision is refused."""
-    plan = "sudoku_mdm_easy:7"
-    env = campaign_env(tmp_path, plan)
-    root = tmp_path / "campaign"
-    (tmp_path / "no_bf16").touch()
-
-    def start(**extra: str) -> subprocess.CompletedProcess:
-        done = subprocess.run(
-            ["bash", str(SCRIPT), "start"], env={**env, **extra}, capture_output=True, text=True, timeout=60
-        )
-        if done.returncode == 0:  # the runner trains the stand-in's quick model, then the plan is finished
-            wait_for(lambda: "the plan is finished" in (root / "campaign.log").read_text(), "the runner")
-            wait_for(lambda: not alive(int((root / "campaign.pid").read_text())), "the runner to end")
-        return done
-
-    refused = start()
-    assert refused.returncode == 2 and len(refused.stderr.splitlines()) == 1, refused.stderr
-    assert refused.stderr.startswith("refused: this CPU has no bf16 kernels") and "=32-true" in refused.stderr
-    assert not (root / "campaign.pid").exists() and not (tmp_path / "trained.txt").exists()
-    unknown = start(FLOWLM_CAMPAIGN_PRECISION="fp32")
-    assert unknown.returncode == 2 and "must be one of: bf16-mixed 32-true; got 'fp32'" in unknown.stderr
-
-    started = start(FLOWLM_CAMPAIGN_PRECISION="32-true")
-    assert started.returncode == 0 and "32-true" in started.stdout, started.stderr
-    assert (tmp_path / "precision.txt").read_text().splitlines() == ["trainer.precision=32-true"]
-    assert (root / "precision").read_text() == "32-true\n"
-    (tmp_path / "no_bf16").unlink()  # another machine, with bf16 kernels: the campaign still trains in float32
-    other = start(FLOWLM_CAMPAIGN_PRECISION="bf16-mixed")
-    assert other.returncode == 2 and "trains in 32-true" in other.stderr and len(other.stderr.splitlines()) == 1
-    subprocess.run(["bash", str(SCRIPT), "redo", "sudoku_mdm_easy", "7"], env=env, check=True, capture_output=True)
-    again = start()
-    assert again.returncode == 0 and "32-true" in again.stdout, again.stderr
-    assert (tmp_path / "precision.txt").read_text().splitlines() == ["trainer.precision=32-true"] * 2
 
 
 def test_status_writes_nothing(tmp_path):
