@@ -27,8 +27,9 @@
 # run.lock) and hands it to its runner, whose every process inherits it; a second `start` is refused, naming the
 # running one, until the last of them has ended. `status` only reads.
 # If the machine was replaced (the folders are gone), `start` begins again with the first unfinished model; the
-# committed CSVs are what lasts. A model whose rows are already committed under results/sudoku/ is skipped, unless a
-# later unfinished model of the plan is built from it (its `source:`), whose checkpoint must then exist here.
+# committed CSVs are what lasts. A model whose rows are already committed under results/sudoku/ at the tables'
+# budget is skipped, unless a later unfinished model of the plan is built from it (its `source:`), whose checkpoint
+# must then exist here; rows of another budget do not count (the model trains again, `collect` moves them aside).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -111,10 +112,27 @@ for suffix in ("", "_eval"):
 ' "$1" "$2" "$COMMITTED"
 }
 
-committed_csv() {  # the committed results CSV of experiment $1, seed $2, if there is one
+# The tables' training budget (conf/hparams_search/sudoku_tables.yaml `budget:`): committed rows of another budget
+# (the rows' budget_steps) are not the model's rows under this protocol, so the model trains again (and `collect`
+# then moves those rows aside). Without this a new machine, whose campaign folder has no `redo` marker, skipped a
+# model retrained to the new budget whose old rows were still committed.
+BUDGET="$(sed -n 's/^budget: *\([0-9][0-9]*\).*/\1/p' "$ROOT/conf/hparams_search/sudoku_tables.yaml")"
+
+of_budget() {  # whether the rows of CSV $1 were trained to the tables' budget (rows recording none: taken as such)
+    [[ -n "$BUDGET" ]] || return 0
+    "$PYTHON" -c '
+import csv, sys
+with open(sys.argv[1], newline="") as f:
+    budgets = {str(int(float(r["budget_steps"]))) for r in csv.DictReader(f) if (r.get("budget_steps") or "").strip()}
+sys.exit(0 if budgets <= {sys.argv[2]} else 1)' "$1" "$BUDGET"
+}
+
+committed_csv() {  # the committed results CSV of experiment $1, seed $2 at the tables' budget, if there is one
+    local csv
     [[ -d "$COMMITTED" ]] || return 0
-    find "$COMMITTED" \( -path "$COMMITTED/report" -o -path "$COMMITTED/superseded*" \) -prune -o -name "$1_seed$2.csv" \
-        -print | head -n 1
+    csv="$(find "$COMMITTED" \( -path "$COMMITTED/report" -o -path "$COMMITTED/superseded*" \) -prune -o \
+        -name "$1_seed$2.csv" -print | head -n 1)"
+    if [[ -n "$csv" ]] && of_budget "$csv"; then echo "$csv"; fi
 }
 
 is_done() { [[ -e "$CAMPAIGN/done/$1_seed$2" ]]; }
