@@ -5,8 +5,8 @@ Three bare loops (``throughput.run_bare``: draw + loss + backward + clip + AdamW
 same batches, interleaved: float32; bf16 autocast with its matrix products by float32 BLAS (the rule); bf16 autocast
 with torch's own bf16 products (fewer steps: it is the slow one). The limit: the step's matrix-product FLOPs at this
 machine's float32 rate of a 2048² matmul (the products run there under the rule). Printed: seconds per step, over
-float32 and over the limit, and each precision's loss after the same few steps from the same weights (the rule's
-against torch's bf16, float32's beside it).
+float32 and over the limit, and one forward's loss under each on the same weights, batch and draw (the rule's against
+torch's bf16, float32's beside it).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/cpu_bf16.py                        # sudoku_mdm_easy, batch 128
     .venv/bin/python benchmarks/cpu_bf16.py --experiment sudoku_fmlm_plus_scratch_easy --steps 5
@@ -16,28 +16,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 
 import common
 import torch
 from common import autocast
 from probes import matmul_flops, median
-from sweep_step import module_and_batches
+from sweep_step import matmul_rate, module_and_batches
 from throughput import quiet_lightning, run_bare
 
 from flowlm.ops.bf16_products import native_bf16_kernels
-
-
-def float32_rate(reps: int = 5) -> float:
-    """FLOP/s of a 2048² float32 matrix product, the best of ``reps``."""
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    a @ b
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * 2048**3 / best
 
 
 def main() -> None:
@@ -73,21 +60,20 @@ def main() -> None:
             common.BF16_RULE = rule
             kw = {"steps": args.warmup + steps, "warmup": args.warmup, "precision": precision, "device": device}
             seconds[name].append(run_bare(trained, loss, batches, **kw)[0])
-    # after the same steps from the same weights (torch's loop's count), each copy's loss on one batch: how far the
-    # rule's training is from torch's bf16 training against how far float32's is (the output layer starts at zero, so
-    # the initial weights' loss, log |V|, is the same in every precision and says nothing)
+    # one forward's loss on the same batch and draw under each: the rule's distance from torch's bf16 against
+    # float32's. The DiT's zero-initialised layers (adaLN gates, output) would make every loss log |V| whatever the
+    # precision, so a copy of the module has them drawn at random (std 0.02) first
+    weights = copy.deepcopy(module)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in weights.parameters():
+            if not p.any():
+                p.copy_(0.02 * torch.randn(p.shape, generator=generator))
     losses: dict[str, float] = {}
     for name, (precision, rule, _) in loops.items():
-        trained = copy.deepcopy(module)
-
-        def loss(batch: dict, i: int, m=trained):
-            return m.loss(batch, m.draw(batch, i, stage="train")).loss
-
         common.BF16_RULE = rule
-        kw = {"steps": args.warmup + args.torch_steps, "warmup": 1, "precision": precision, "device": device}
-        run_bare(trained, loss, batches, **kw)
         with torch.no_grad(), autocast(precision, device):
-            losses[name] = float(loss(batches[-1], 10**6))
+            losses[name] = float(weights.loss(batches[0], weights.draw(batches[0], 0, stage="train")).loss)
     common.BF16_RULE = True
     probe = copy.deepcopy(module)
 
@@ -97,7 +83,7 @@ def main() -> None:
         value.backward()
 
     flops = matmul_flops(one_step)
-    rate = float32_rate()
+    rate = matmul_rate("32-true")
     limit = flops / rate
     fp32 = median(seconds["float32"])
     print(
@@ -105,7 +91,7 @@ def main() -> None:
         f"{args.reps} interleaved reps, no bf16 kernels on this CPU; step {flops / 1e9:.1f} GFLOP (matmuls, forward "
         f"+ backward), float32 matmul rate {rate / 1e9:.0f} GFLOP/s (2048², best of 5)"
     )
-    print(f"| bare step | s/step | × float32 | × FLOP limit | loss after {args.warmup + args.torch_steps} steps |")
+    print("| bare step | s/step | × float32 | × FLOP limit | loss, one forward |")
     print("|---|---|---|---|---|")
     print(f"| FLOP limit (float32 rate) | {limit:.4f} | {limit / fp32:.2f} | 1.00 | |")
     for name, label in (

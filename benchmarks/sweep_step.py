@@ -168,8 +168,11 @@ def module_and_batches(args):
 
 
 def matmul_rate(precision: str, reps: int = 5) -> float:
-    """FLOP/s of a 2048² matrix product in the step's precision (bf16 under bf16-mixed), the best of ``reps``."""
-    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
+    """FLOP/s of a 2048² matrix product in the step's precision (bf16 under bf16-mixed; float32 on a CPU without bf16
+    kernels, where bf16's products run on float32 BLAS: flowlm/ops/bf16_products.py), the best of ``reps``."""
+    from flowlm.ops.bf16_products import native_bf16_kernels
+
+    dtype = torch.bfloat16 if precision.startswith("bf16") and native_bf16_kernels() else torch.float32
     a = torch.randn(2048, 2048, dtype=dtype)
     b = torch.randn(2048, 2048, dtype=dtype)
     a @ b

@@ -158,3 +158,23 @@ def test_likelihood_rows_prints_item_rows_shorter_than_max_length():
     ratio = re.search(line, run.stdout, re.M)
     assert ratio and float(ratio.group(2)) == pytest.approx(64 / mean, abs=2e-3), run.stdout
     assert float(ratio.group(3)) > float(ratio.group(2))  # the attention, quadratic in the row, favours short rows
+
+
+def test_cpu_bf16_prints_the_rule_against_torchs_bf16_and_float32():
+    """benchmarks/cpu_bf16.py on a tiny batch: on a CPU without bf16 kernels its three loops, each over float32 and
+    over the FLOP limit, and the losses' distances; with the kernels, one line saying there is nothing to compare."""
+    from flowlm.ops.bf16_products import native_bf16_kernels
+
+    run = run_benchmark("cpu_bf16.py", "--reps 1 --steps 1 --torch-steps 1 --warmup 1 data.batch_size=8")
+    assert run.returncode == 0, run.stderr[-3000:]
+    if native_bf16_kernels():
+        assert "this CPU has bf16 kernels" in run.stdout
+        return
+    for label in ("float32 (32-true)", "bf16-mixed, products by float32 BLAS", "bf16-mixed, torch's own bf16"):
+        assert re.search(
+            rf"\| {re.escape(label)}[^|]* \| \d+\.\d{{4}} \| \d+\.\d\d \| \d+\.\d\d \| \d+\.\d{{5}} \|", run.stdout
+        ), (
+            label,
+            run.stdout,
+        )
+    assert re.search(r"the rule's loss against torch's bf16: \d\.\de[+-]\d\d relative", run.stdout), run.stdout
