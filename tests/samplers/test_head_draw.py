@@ -13,6 +13,11 @@ import flowlm.ops.summary as summary_module
 from flowlm.ops.draws import draw_rows
 from flowlm.ops.summary import GROUP, chunked_head_draw, chunked_head_keep, draw_kept
 
+# log p from float32 logits of a chunked product and a float32 fold of |V| exponentials against the float64
+# log-softmax of the whole product's logits: ≈ 2e-6 apart on an AVX2 CPU (< 1e-6 on an AVX-512 one, whose kernels
+# round the chunks as the whole product), far below any change of law
+LOG_P_TOL = 1e-5
+
 
 def head(vocab: int, d: int = 8, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
@@ -24,7 +29,8 @@ def head(vocab: int, d: int = 8, seed: int = 0):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_the_head_draw_is_draw_rows_on_the_heads_logits(temperature, autocast):
     """Tokens of draw_rows on F.linear's logits with the same generator (one u per row) and with per-row uniforms,
-    log p to 1e-6, chunk widths that do and do not fill the vocabulary, margin and entropy those of the summary."""
+    log p to float32 rounding (LOG_P_TOL), chunk widths that do and do not fill the vocabulary, margin and entropy
+    those of the summary."""
     weight, bias = head(1000, d=16)
     features = torch.randn(200, 16, generator=torch.Generator().manual_seed(1)) * 0.8
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -35,7 +41,7 @@ def test_the_head_draw_is_draw_rows_on_the_heads_logits(temperature, autocast):
             )
             want, want_log_p = draw_rows(logits, temperature, torch.Generator().manual_seed(5))
             assert torch.equal(token, want), chunk
-            torch.testing.assert_close(log_p, want_log_p, rtol=0, atol=1e-6)
+            torch.testing.assert_close(log_p, want_log_p, rtol=0, atol=LOG_P_TOL)
             u = torch.rand(200, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
             summary, token, _ = chunked_head_draw(
                 features, weight, bias, temperature, None, uniforms=u, chunk=chunk, margin=True, entropy=True
@@ -58,7 +64,7 @@ def test_the_head_draw_follows_the_softmax(temperature, monkeypatch):
     logits = torch.nn.functional.linear(features[:1], weight, bias)[0].double()
     _, token, log_p = chunked_head_draw(features, weight, bias, temperature, torch.Generator().manual_seed(3))
     p = torch.softmax(logits / temperature, -1)
-    torch.testing.assert_close(log_p, torch.log_softmax(logits, -1)[token], rtol=0, atol=1e-6)  # untempered
+    torch.testing.assert_close(log_p, torch.log_softmax(logits, -1)[token], rtol=0, atol=LOG_P_TOL)  # untempered
     expected, counts = p * token.numel(), torch.bincount(token, minlength=150).double()
     assert counts[3] == 0  # the −∞ token is never drawn
     small = expected < 5
@@ -109,7 +115,7 @@ def test_draw_at_runs_the_head_in_chunks(monkeypatch):
     logits = torch.nn.functional.linear(features, weight, bias)
     want, want_log_p = draw_rows(logits, 1.0, torch.Generator().manual_seed(6), rows=rows)
     assert torch.equal(token, want)
-    torch.testing.assert_close(log_p, want_log_p, rtol=0, atol=1e-6)
+    torch.testing.assert_close(log_p, want_log_p, rtol=0, atol=LOG_P_TOL)
     gen = torch.Generator().manual_seed(6)
     token, log_p = draw_at(features, rows[:0], 1.0, gen, linear=(weight, bias))
     assert token.shape == (0,) and token.dtype == torch.long and log_p.dtype == torch.float64
@@ -135,7 +141,7 @@ def test_a_kept_fold_draws_at_some_rows_as_a_second_head_pass(temperature, autoc
     """chunked_head_keep over 200 rows, then draw_kept at 37 of them in any order (a sampler's committing rows after
     its rank): the summary's log max p, margin and entropy those of chunked_head_summary (no argmax); the tokens those
     of chunked_head_draw over those rows' features (the second head pass it replaces) and of draw_rows on their
-    logits with the same u (one generator; per-row uniforms), log p to 1e-6; the draw makes only the drawn groups'
+    logits with the same u (one generator; per-row uniforms), log p to LOG_P_TOL; the draw makes only the drawn groups'
     logits again (each product ≤ rows × GROUP); at no rows nothing is drawn and the generator is untouched."""
     weight, bias = head(1000, d=16)
     features = torch.randn(200, 16, generator=torch.Generator().manual_seed(1)) * 0.8
@@ -160,8 +166,8 @@ def test_a_kept_fold_draws_at_some_rows_as_a_second_head_pass(temperature, autoc
             )
             want, want_log_p = draw_rows(logits, temperature, torch.Generator().manual_seed(5), rows=rows)
             assert torch.equal(token, again) and torch.equal(token, want), chunk
-            torch.testing.assert_close(log_p, want_log_p, rtol=0, atol=1e-6)
-            torch.testing.assert_close(log_p, again_log_p, rtol=0, atol=1e-6)
+            torch.testing.assert_close(log_p, want_log_p, rtol=0, atol=LOG_P_TOL)
+            torch.testing.assert_close(log_p, again_log_p, rtol=0, atol=LOG_P_TOL)
             token, _ = draw_kept(kept, rows, None, uniforms=u[rows])
             assert torch.equal(token, draw_rows(logits, temperature, None, rows=rows, uniforms=u)[0]), chunk
         gen = torch.Generator().manual_seed(6)

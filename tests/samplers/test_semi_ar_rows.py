@@ -67,8 +67,10 @@ def test_equal_rows_decode_bit_for_bit_with_the_block_cache(cache, b, n_free, nf
     model = random_mdm(std=0.3).denoiser()
     tokens, mask = equal_prompts(b, L, n_free, seed=n_free)
     new, old = both(model, {"block_length": 4, "temperature": 1.0, **cache}, tokens, mask, nfe, per_row=True)
-    assert torch.equal(new.tokens, old.tokens) and torch.equal(new.confidence, old.confidence)
-    assert new.nfe == old.nfe
+    assert torch.equal(new.tokens, old.tokens) and new.nfe == old.nfe
+    # the confidences to float32 rounding: the cache's window passes batch the rows otherwise than the oracle's, and
+    # a product of another shape may round otherwise (bit for bit on an AVX-512 CPU; ≤ 2e-7 relative on an AVX2 one)
+    torch.testing.assert_close(new.confidence, old.confidence, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize(("options", "nfe"), [({}, 8), ({"cache": "dual", "refresh": 2}, 12), ({"cfg_scale": 1.0}, 24)])
