@@ -35,6 +35,21 @@ def test_an_explicit_precision_wins(monkeypatch):
 # bf16 products by float32 BLAS (flowlm/ops/bf16_products.py) on a CPU without bf16 kernels
 
 
+@pytest.fixture(autouse=False)
+def torch_bf16():
+    """torch's own CPU autocast kernels during the test, though an earlier in-process bf16 run (on a CPU without bf16
+    kernels) installed the rule for the process: it is taken out, and put back after."""
+    import flowlm.ops.bf16_products as products
+
+    installed = products._installed
+    if installed is not None:
+        installed._destroy()
+        products._installed = None
+    yield
+    if installed is not None:
+        products.install_bf16_products()
+
+
 def _bf16(t: torch.Tensor) -> torch.Tensor:
     """t's values rounded to bf16, held in float32 (exact: bf16 ⊂ float32)."""
     return t.to(torch.bfloat16).float()
@@ -64,7 +79,7 @@ def _products(x):
     }
 
 
-def test_bf16_products_are_a_bf16_kernels_arithmetic():
+def test_bf16_products_are_a_bf16_kernels_arithmetic(torch_bf16):
     """Under bf16 autocast each product is bf16(float32 product of the bf16-rounded operands): exactly that rule
     (the same float32 BLAS), bf16 out, as torch's own bf16 kernel computes it up to the float32 accumulation's order
     (at most one bf16 rounding step apart, on few elements); outside autocast nothing changes."""
@@ -98,7 +113,7 @@ def test_bf16_products_are_a_bf16_kernels_arithmetic():
         assert torch.mm(exact, exact.T).item() == 6.25
 
 
-def test_bf16_products_equal_the_rule_exactly_where_the_sum_is_exact():
+def test_bf16_products_equal_the_rule_exactly_where_the_sum_is_exact(torch_bf16):
     """Small integers are bf16-exact and their products and sums are exact in float32: emulated and native agree
     bit for bit. On other values the rule is the float32 product of the bf16-rounded operands, rounded once (not the
     float32 product of the operands themselves)."""
@@ -117,7 +132,7 @@ def test_bf16_products_equal_the_rule_exactly_where_the_sum_is_exact():
             assert torch.equal(u @ v, rule)
 
 
-def test_bf16_products_keep_autocasts_rule_elsewhere():
+def test_bf16_products_keep_autocasts_rule_elsewhere(torch_bf16):
     """Another autocast dtype (float16) or a float64 operand: torch's own rule, unchanged; after the block torch's
     own kernels again."""
     from flowlm.ops.bf16_products import bf16_products_in_float32
@@ -134,7 +149,7 @@ def test_bf16_products_keep_autocasts_rule_elsewhere():
         assert torch.mm(d, d.T).dtype == torch.float64
 
 
-def test_bf16_gradients_follow_the_same_rule():
+def test_bf16_gradients_follow_the_same_rule(torch_bf16):
     """The backward's products go through the same rule (autograd records the rounded operands): the gradients of
     a bf16 linear equal the float32 rule's, rounded as a bf16 kernel rounds them."""
     from flowlm.ops.bf16_products import bf16_products_in_float32
@@ -173,7 +188,7 @@ def test_a_bf16_run_on_a_cpu_without_bf16_kernels_takes_float32_products(monkeyp
     assert installed == [1]
 
 
-def test_bf16_products_run_at_float32_speed_where_the_cpu_has_no_bf16_kernels():
+def test_bf16_products_run_at_float32_speed_where_the_cpu_has_no_bf16_kernels(torch_bf16):
     """The point of the rule: a bf16 autocast matmul here costs about a float32 one, not torch's bf16 loop (1.0
     against 95.6 GFLOP/s measured on an AVX2 EPYC). Measured side by side; where the CPU has bf16 kernels the rule
     is not used (cpu_choices) and nothing is asserted."""
