@@ -878,9 +878,9 @@ def verdict(better: Cell | None, worse: Cell | None) -> str:
     Wilson 95 % intervals do not overlap: reproduces / does not reproduce (said so), else inconclusive.
     At equal training only (issue 47): a seed pairs where both sides trained the same own steps (or either did not
     record them), and two cells whose recorded steps share no count are not compared (a model retrained to a new
-    budget beside one not yet retrained). Likewise the training precision (the protocol's bf16-mixed, or float32
-    on a CPU without bf16 kernels: docs/protocol.md): a seed pairs where both sides trained in the same precision
-    (or either did not record it), and two cells whose recorded precisions share none are not compared."""
+    budget beside one not yet retrained). Likewise the training precision (the protocol's bf16-mixed; float32 in a
+    run that asked for it): a seed pairs where both sides trained in the same precision (or either did not record
+    it), and two cells whose recorded precisions share none are not compared (docs/protocol.md)."""
     if better is None or worse is None:
         return "not measured"
     steps_a, steps_b = better.steps(), worse.steps()
