@@ -25,11 +25,16 @@ venv: $(STAMP)
 demo: venv
 	$(VENV)/bin/flowlm-demo
 
+# The suite runs on TEST_WORKERS processes (pytest-xdist; every core, at most 8), a test file to one worker so that
+# its module fixtures are built once; `make test TEST_WORKERS=0` runs it in this process alone.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 8 ? n : 8 )))
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(XDIST) -m "not slow"
 
 # An MLflow tracking server that several workers log to (`logger=mlflow_server logger.tracking_uri=http://host:5000`);
 # settings as environment variables, e.g. `make mlflow-server MLFLOW_HOST=0.0.0.0 MLFLOW_PORT=5001` (see the script).
