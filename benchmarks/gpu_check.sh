@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_check.sh --peak-tflops 165        # a card the script does not know
 #   bash benchmarks/gpu_check.sh --json runs/gpu_check.json   # default: runs/gpu_check/<UTC time>.json
 #   bash benchmarks/gpu_check.sh --dry-run                # no GPU needed: CPU, tiny sizes, every code path
+#   bash benchmarks/gpu_check.sh --wheels .whl            # a machine without internet whose python3 holds a CUDA
+#                                                         # torch: the other packages from scripts/wheelhouse.py
 #
 # Without a CUDA device (and without --dry-run / --device cpu) it stops at once with a message and status 2.
 set -euo pipefail
@@ -15,6 +17,18 @@ PY="${PYTHON:-.venv/bin/python}"
 [ -x "$PY" ] || PY="$(command -v python3)"
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-1}"
 
+args=()  # "$@" less --wheels DIR, which is this script's
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --wheels)
+      [ $# -ge 2 ] || { echo "gpu_check: --wheels takes a folder of wheels" >&2; exit 2; }
+      source benchmarks/wheels.sh
+      use_wheels "$2" "$PY" || exit $?
+      shift 2 ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+set -- ${args[@]+"${args[@]}"}
 cpu_mode=0
 for arg in "$@"; do
   case "$arg" in --dry-run|cpu) cpu_mode=1 ;; esac

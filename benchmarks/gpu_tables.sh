@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_tables.sh --seeds "0" --jobs 4 --budget-s 3000   # fewer seeds or runs at once, a time limit
 #   bash benchmarks/gpu_tables.sh --dry-run             # no GPU: CPU, 3 models × 1 seed × 16 steps, every code path,
 #                                                       # and the measured seconds a step of each, scaled to the plan
+#   bash benchmarks/gpu_tables.sh --wheels .whl         # a machine without internet whose python3 holds a CUDA torch:
+#                                                       # the other packages from scripts/wheelhouse.py's wheels
 #
 # Order: phase 1 trains the MDMs of every seed; phase 2 samples each finished MDM offline (its curve, then its fast
 # decoders: scripts/sudoku_curve.sh, scripts/mdm_fast_eval.sh, as the campaign does) and trains every run built from
@@ -36,7 +38,7 @@ PY="${PYTHON:-.venv/bin/python}"
 [ -x "$PY" ] || PY="$(command -v python3)"
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-1}" MPLBACKEND=Agg
 
-out="runs/gpu_tables" seeds="0 1 2" jobs=16 limit=600 dry=0 scale=paper
+out="runs/gpu_tables" seeds="0 1 2" jobs=16 limit=600 dry=0 scale=paper wheels=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
@@ -45,6 +47,7 @@ while [ $# -gt 0 ]; do
     --budget-s) limit="$2"; shift 2 ;;
     --scale) scale="$2"; shift 2 ;;
     --dry-run) dry=1; shift ;;
+    --wheels) wheels="$2"; shift 2 ;;
     *) echo "gpu_tables: unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -52,6 +55,10 @@ case "$jobs$limit" in *[!0-9]*|"") echo "gpu_tables: --jobs and --budget-s take 
 for s in $seeds; do
   case "$s" in *[!0-9]*) echo "gpu_tables: --seeds takes whole numbers, got '$s'" >&2; exit 2 ;; esac
 done
+if [ -n "$wheels" ]; then
+  source benchmarks/wheels.sh
+  use_wheels "$wheels" "$PY" || exit $?
+fi
 case "$scale" in
   paper) scale_args=(scale=paper budget=20000) ;;  # the released Sudoku script's 20 000 steps (warm-up 2 500)
   cpu) scale_args=(scale=cpu) ;;                   # the campaign's budget (conf/hparams_search/sudoku_tables.yaml)
