@@ -20,6 +20,8 @@ from flowlm.project import PROJECT_DIR
 
 ROOT = Path(PROJECT_DIR)
 SCRIPT = ROOT / "scripts" / "wheelhouse.py"
+# The pins read this virtualenv's metadata, installed for this interpreter's markers: ask for the same Python.
+HERE = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
 def _module():
@@ -74,14 +76,14 @@ def test_a_needed_package_not_installed_here_is_named_with_who_needs_it():
 def test_the_pins_are_this_virtualenvs_closure_less_the_targets_packages_and_its_gpu_build():
     import importlib.metadata as md
 
-    pins = wheelhouse.wheel_pins("3.12", {"mlflow", "pandas"})
+    pins = wheelhouse.wheel_pins(HERE, {"mlflow", "pandas"})
     assert pins["hydra-core"] == md.version("hydra-core")
     assert pins["omegaconf"] == md.version("omegaconf")
     assert "antlr4-python3-runtime" in pins  # hydra's parser: an sdist-only package, built into a wheel here
     assert "mlflow-skinny" in pins  # mlflow's own dependency, not listed as had
     assert not {"mlflow", "pandas", "torch", "triton"} & set(pins)
     assert not any(n.startswith("nvidia-") for n in pins)
-    everything = wheelhouse.wheel_pins("3.12", set())
+    everything = wheelhouse.wheel_pins(HERE, set())
     assert {"mlflow", "pandas"} <= set(everything) and set(pins) < set(everything)
 
 
@@ -92,14 +94,14 @@ def _run(*args, **kw):
 def test_the_command_lists_pins_and_refuses_bad_input_in_one_line(tmp_path):
     have = tmp_path / "have.txt"
     have.write_text("# pip list --format=freeze\nmlflow==3.1.0\nPandas\ntorch @ file:///wheels/torch.whl\n")
-    listed = _run(str(tmp_path / "whl"), "--have", str(have), "--list")
+    listed = _run(str(tmp_path / "whl"), "--python", HERE, "--have", str(have), "--list")
     assert listed.returncode == 0, listed.stderr
     names = {line.split("==")[0] for line in listed.stdout.split()}
     assert "hydra-core" in names and not {"mlflow", "pandas", "torch"} & names
     assert not (tmp_path / "whl").exists()  # --list downloads nothing
 
     have.write_text("mlflow==3.1.0\nthis is not a package\n")
-    bad = _run(str(tmp_path / "whl"), "--have", str(have), "--list")
+    bad = _run(str(tmp_path / "whl"), "--python", HERE, "--have", str(have), "--list")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     assert "have.txt:2" in bad.stderr and "not a package name" in bad.stderr
     python = _run(str(tmp_path / "whl"), "--python", "twelve", "--list")
