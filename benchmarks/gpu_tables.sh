@@ -8,14 +8,18 @@
 #   bash benchmarks/gpu_tables.sh --out "$OUT/tables"   # where runs/, results/ and logs/ go (default runs/gpu_tables)
 #   bash benchmarks/gpu_tables.sh --scale cpu           # the CPU campaign's models (6×6, tiny, 20 000 steps) on a GPU
 #   bash benchmarks/gpu_tables.sh --seeds "0" --jobs 4 --budget-s 3000   # fewer seeds or runs at once, a time limit
+#   bash benchmarks/gpu_tables.sh --scale cpu --seeds "0 1 2 3 4" \
+#     --models "sudoku_mdm_easy sudoku_fmlm_plus_scratch_easy"   # some of the 19 models (issue 47's headline pair)
+#   bash benchmarks/gpu_tables.sh --plan ...            # print the two phases and the seeds the arguments give, run none
 #   bash benchmarks/gpu_tables.sh --dry-run             # no GPU: CPU, 3 models × 1 seed × 16 steps, every code path,
 #                                                       # and the measured seconds a step of each, scaled to the plan
 #   bash benchmarks/gpu_tables.sh --wheels .whl         # a machine without internet whose python3 holds a CUDA torch:
 #                                                       # the other packages from scripts/wheelhouse.py's wheels
 #
-# Order: phase 1 trains the MDMs of every seed; phase 2 samples each finished MDM offline (its curve, then its fast
-# decoders: scripts/sudoku_curve.sh, scripts/mdm_fast_eval.sh, as the campaign does) and trains every run built from
-# them (FMLM+ initialised and distilled, MLFM) and the FMLM+ from scratch, each sampled likewise once finished.
+# Order: phase 1 trains every model that starts from scratch (the MDMs first, then FMLM+ from scratch), each sampled
+# offline once finished (its curve, then an MDM's fast decoders: scripts/sudoku_curve.sh, scripts/mdm_fast_eval.sh,
+# as the campaign does); phase 2 the runs built from an MDM (FMLM+ initialised and distilled, MLFM), sampled likewise.
+# A model of --models whose source MDM is neither in --models nor finished in <out> is refused before anything runs.
 # A run still going at the time limit (--budget-s) gets SIGTERM (it saves its checkpoint), SIGKILL 30 s later.
 # A relaunch resumes: each run has a deterministic folder and continues from its last checkpoint; a finished run or
 # evaluation (marked in <out>/done/) is not repeated. The script prints the resume command when time runs out.
@@ -38,7 +42,7 @@ PY="${PYTHON:-.venv/bin/python}"
 [ -x "$PY" ] || PY="$(command -v python3)"
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-1}" MPLBACKEND=Agg
 
-out="runs/gpu_tables" seeds="0 1 2" jobs=16 limit=600 dry=0 scale=paper wheels=""
+out="runs/gpu_tables" seeds="0 1 2" jobs=16 limit=600 dry=0 scale=paper wheels="" models="" plan=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
@@ -48,6 +52,8 @@ while [ $# -gt 0 ]; do
     --scale) scale="$2"; shift 2 ;;
     --dry-run) dry=1; shift ;;
     --wheels) wheels="$2"; shift 2 ;;
+    --models) models="$2"; shift 2 ;;
+    --plan) plan=1; shift ;;
     *) echo "gpu_tables: unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -55,10 +61,6 @@ case "$jobs$limit" in *[!0-9]*|"") echo "gpu_tables: --jobs and --budget-s take 
 for s in $seeds; do
   case "$s" in *[!0-9]*) echo "gpu_tables: --seeds takes whole numbers, got '$s'" >&2; exit 2 ;; esac
 done
-if [ -n "$wheels" ]; then
-  source benchmarks/wheels.sh
-  use_wheels "$wheels" "$PY" || exit $?
-fi
 case "$scale" in
   paper) scale_args=(scale=paper budget=20000) ;;  # the released Sudoku script's 20 000 steps (warm-up 2 500)
   cpu) scale_args=(scale=cpu) ;;                   # the campaign's budget (conf/hparams_search/sudoku_tables.yaml)
@@ -66,19 +68,53 @@ case "$scale" in
 esac
 
 tasks="easy medium hard uncond"
-mdms="" derived=""
-for t in $tasks; do mdms="$mdms sudoku_mdm_$t"; done
+all=""  # the 19 models, sources first
+for t in $tasks; do all="$all sudoku_mdm_$t"; done
+for t in $tasks; do all="$all sudoku_fmlm_plus_scratch_$t"; done
 for t in $tasks; do
-  derived="$derived sudoku_fmlm_plus_scratch_$t sudoku_fmlm_plus_init_$t sudoku_fmlm_plus_distill_$t"
-  [ "$t" = uncond ] || derived="$derived sudoku_mlfm_$t"
+  all="$all sudoku_fmlm_plus_init_$t sudoku_fmlm_plus_distill_$t"
+  [ "$t" = uncond ] || all="$all sudoku_mlfm_$t"
 done
 extra=(trainer=gpu "${scale_args[@]}") eval_extra=(trainer=gpu)
 if [ "$dry" = 1 ]; then
-  mdms="sudoku_mdm_easy" derived="sudoku_fmlm_plus_init_easy sudoku_mlfm_easy" seeds="0" jobs=2 scale=cpu
+  [ -n "$models" ] || models="sudoku_mdm_easy sudoku_fmlm_plus_init_easy sudoku_mlfm_easy"
+  seeds="0" jobs=2 scale=cpu
   out="${out%/}_dry_run"
   extra=(trainer=cpu scale=cpu budget=16 trainer.val_check_interval=8 data.num_train=512 data.num_val=64)
   eval_extra=(trainer=cpu)
-else
+fi
+source_of() {  # experiment: the MDM it starts from (its file's `source:` line), empty for a model from scratch
+  sed -n 's/^source: *\([A-Za-z0-9_]*\).*/\1/p' "conf/experiment/$1.yaml"
+}
+[ -n "$models" ] || models="$all"
+for m in $models; do
+  case " $all " in *" $m "*) ;; *) echo "gpu_tables: --models: $m is not one of the tables' models:$all" >&2; exit 2 ;; esac
+done
+sources="" derived=""  # phase 1 and phase 2, each in the order of $all
+for m in $all; do
+  case " $models " in *" $m "*) ;; *) continue ;; esac
+  src="$(source_of "$m")"
+  if [ -z "$src" ]; then sources="$sources $m"; continue; fi
+  derived="$derived $m"
+  case " $models " in *" $src "*) continue ;; esac
+  for s in $seeds; do
+    if [ ! -e "$out/done/${src}_seed$s" ]; then
+      echo "gpu_tables: --models: $m starts from $src, which is neither in --models nor finished in $out (seed $s)" >&2
+      exit 2
+    fi
+  done
+done
+if [ "$plan" = 1 ]; then
+  echo "phase 1, from scratch:${sources:- none}"
+  echo "phase 2, from an MDM:${derived:- none}"
+  echo "seeds: $seeds; at most $jobs at once; time limit $limit s; out: $out"
+  exit 0
+fi
+if [ -n "$wheels" ]; then  # after every check of the arguments, before anything imports torch
+  source benchmarks/wheels.sh
+  use_wheels "$wheels" "$PY" || exit $?
+fi
+if [ "$dry" != 1 ]; then
   if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     echo "gpu_tables: no CUDA device visible to torch; install a CUDA build of torch (README), or pass --dry-run" >&2
     exit 2
@@ -92,6 +128,8 @@ export TORCHINDUCTOR_CACHE_DIR="$out/inductor_cache"
 
 # One tracking server for every job (its SQLite store has a single writer); stopped when this script ends.
 port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+# Its `mlflow` command: the wheels' (use_wheels), else the one beside $PY, else scripts/mlflow_server.sh's own choice.
+if [ -z "${MLFLOW:-}" ] && [ -x "$(dirname "$PY")/mlflow" ]; then export MLFLOW="$(dirname "$PY")/mlflow"; fi
 FLOWLM_RUNS="$out/runs" MLFLOW_PORT="$port" bash scripts/mlflow_server.sh >"$out/logs/mlflow_server.log" 2>&1 &
 server=$!
 trap 'kill "$server" 2>/dev/null || true' EXIT
@@ -115,7 +153,7 @@ extra+=(logger=mlflow_server)
 run_one() {  # experiment seed: train (or resume) one run, then sample it offline; its logs in <out>/logs/
   local left=$((deadline - $(date +%s))) source
   if [ "$left" -le 10 ]; then echo "skipped (time limit): $1 seed $2"; return 0; fi
-  source="$(sed -n 's/^source: *\([A-Za-z0-9_]*\).*/\1/p' "conf/experiment/$1.yaml")"
+  source="$(source_of "$1")"
   if [ -n "$source" ] && [ ! -e "$out/done/${source}_seed$2" ]; then
     echo "skipped: $1 seed $2 (its source $source did not finish)"; return 0
   fi
@@ -148,18 +186,21 @@ eval_one() {  # experiment seed: a finished run's curve, then an MDM's fast deco
   touch "$out/done/$1_seed$2_eval"
   echo "done: $1 seed $2, evaluations"
 }
-export -f run_one eval_one
+export -f run_one eval_one source_of
 export out deadline PY scale
 export EXTRA="${extra[*]}" EVAL_EXTRA="${eval_extra[*]}"
 
-phase() {  # name, then "experiment seed" lines on stdin: run them --jobs at a time, in that order
+phase() {  # name, then "experiment seed" lines on stdin: run them --jobs at a time, in that order (none: nothing)
+  local lines
+  lines="$(cat)"
+  if [ -z "$lines" ]; then echo "== $1: none"; return 0; fi
   echo "== $1 ($(date -u +%T))"
-  xargs -P "$jobs" -L 1 bash -c 'extra=($EXTRA) eval_extra=($EVAL_EXTRA); run_one "$0" "$1"'
+  printf '%s\n' "$lines" | xargs -r -P "$jobs" -L 1 bash -c 'extra=($EXTRA) eval_extra=($EVAL_EXTRA); run_one "$0" "$1"'
 }
-for s in $seeds; do for e in $mdms; do echo "$e $s"; done; done | phase "phase 1: the MDMs"
-for s in $seeds; do for e in $derived; do echo "$e $s"; done; done | phase "phase 2: the runs built from them, scratch"
+for s in $seeds; do for e in $sources; do echo "$e $s"; done; done | phase "phase 1: the models from scratch"
+for s in $seeds; do for e in $derived; do echo "$e $s"; done; done | phase "phase 2: the runs built from an MDM"
 unfinished=0
-for s in $seeds; do for e in $mdms $derived; do
+for s in $seeds; do for e in $sources $derived; do
   [ -e "$out/done/${e}_seed${s}_eval" ] || unfinished=$((unfinished + 1))
 done; done
 echo "== results: $out/results/sudoku ($(find "$out/results" -name '*.csv' 2>/dev/null | wc -l) CSV files)"
@@ -175,5 +216,6 @@ for record in sorted(Path(sys.argv[1]).glob("*/cpu/seed*/convergence.json")):
 EOF
 fi
 if [ "$unfinished" -gt 0 ]; then
-  echo "== $unfinished model(s) not finished; to resume: bash $0 --out $out --scale $scale --seeds \"$seeds\" --jobs $jobs"
+  echo "== $unfinished model(s) not finished; to resume: bash $0 --out $out --scale $scale --seeds \"$seeds\" --jobs $jobs" \
+    "--models \"$(echo $models)\"${wheels:+ --wheels $wheels}"
 fi
