@@ -3,8 +3,10 @@
 # scripts/wheelhouse.py downloaded elsewhere (docs/gpu.md#a-gpu-machine-without-internet).
 
 # use_wheels DIR PYTHON: install DIR's wheels into a temporary folder of this machine (no index, no dependency
-# resolution: the wheelhouse holds the closure) and put it first on PYTHONPATH, its `mlflow` command in MLFLOW
-# (scripts/mlflow_server.sh). Exit status 2 with one line when DIR holds no wheel; 1 when pip fails.
+# resolution: the wheelhouse holds the closure) and put it first on PYTHONPATH, then this checkout (the suite's own
+# packages, which a virtualenv holds as an editable install and the wheels do not: `python benchmarks/x.py` would not
+# find them), its `mlflow` command in MLFLOW (scripts/mlflow_server.sh). Run from the checkout's root, as the
+# benchmarks' scripts do. Exit status 2 with one line when DIR holds no wheel; 1 when pip fails.
 use_wheels() {
   local dir="$1" py="$2" site
   if ! compgen -G "$dir/*.whl" >/dev/null; then
@@ -17,7 +19,7 @@ use_wheels() {
     echo "$(basename "$0"): installing the wheels of $dir into $site failed (above)" >&2
     return 1
   fi
-  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
   if [ -x "$site/bin/mlflow" ]; then export MLFLOW="$site/bin/mlflow"; fi
   echo "$(basename "$0"): $(compgen -G "$dir/*.whl" | wc -l) wheels of $dir installed into $site (PYTHONPATH)"
 }

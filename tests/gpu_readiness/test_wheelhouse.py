@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.util
+import os
 import subprocess
 import sys
 import zipfile
@@ -141,11 +142,14 @@ def test_use_wheels_installs_the_folders_wheels_first_on_the_path(tmp_path):
     folder = tmp_path / "whl"
     folder.mkdir()
     _wheel(folder, "flowlm_carried_probe", "0.1", "carried")
-    done = _use_wheels(folder, tmp_path, f'"{sys.executable}" -c "import flowlm_carried_probe as m; print(m.VALUE)"')
+    then = f'"{sys.executable}" -c "import flowlm_carried_probe as m; print(m.VALUE)"; echo "$PYTHONPATH"'
+    done = _use_wheels(folder, tmp_path, then)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[-1] == "carried"
+    assert done.stdout.splitlines()[-2] == "carried"
+    site = tmp_path / f"flowlm-site-{os.getuid()}"
+    assert done.stdout.splitlines()[-1] == f"{site}:{ROOT}"  # the wheels, then the checkout (not installed there)
     assert "1 wheels of" in done.stdout
-    assert (tmp_path / f"flowlm-site-{__import__('os').getuid()}" / "flowlm_carried_probe").is_dir()
+    assert (site / "flowlm_carried_probe").is_dir()
 
 
 def test_use_wheels_refuses_a_folder_without_wheels_in_one_line(tmp_path):
