@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_tables.sh --scale cpu --seeds "0 1 2 3 4" \
 #     --models "sudoku_mdm_easy sudoku_fmlm_plus_scratch_easy"   # some of the 19 models (issue 47's headline pair)
 #   bash benchmarks/gpu_tables.sh --plan ...            # print the two phases and the seeds the arguments give, run none
+#   bash benchmarks/gpu_tables.sh --archive out.tgz     # also pack results/, logs/ and done/ into one file at the end
 #   bash benchmarks/gpu_tables.sh --dry-run             # no GPU: CPU, 3 models × 1 seed × 16 steps, every code path,
 #                                                       # and the measured seconds a step of each, scaled to the plan
 #   bash benchmarks/gpu_tables.sh --wheels .whl         # a machine without internet whose python3 holds a CUDA torch:
@@ -42,7 +43,7 @@ PY="${PYTHON:-.venv/bin/python}"
 [ -x "$PY" ] || PY="$(command -v python3)"
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-1}" MPLBACKEND=Agg
 
-out="runs/gpu_tables" seeds="0 1 2" jobs=16 limit=600 dry=0 scale=paper wheels="" models="" plan=0
+out="runs/gpu_tables" seeds="0 1 2" jobs=16 limit=600 dry=0 scale=paper wheels="" models="" plan=0 archive=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
@@ -54,6 +55,7 @@ while [ $# -gt 0 ]; do
     --wheels) wheels="$2"; shift 2 ;;
     --models) models="$2"; shift 2 ;;
     --plan) plan=1; shift ;;
+    --archive) archive="$2"; shift 2 ;;
     *) echo "gpu_tables: unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -104,6 +106,13 @@ for m in $all; do
     fi
   done
 done
+if [ -n "$archive" ]; then  # its folder must exist and take a file: refused now, not after the runs
+  case "$archive" in /*) ;; *) archive="$PWD/$archive" ;; esac
+  if [ ! -d "$(dirname "$archive")" ] || [ ! -w "$(dirname "$archive")" ]; then
+    echo "gpu_tables: --archive $archive: its folder does not exist or cannot be written" >&2
+    exit 2
+  fi
+fi
 if [ "$plan" = 1 ]; then
   echo "phase 1, from scratch:${sources:- none}"
   echo "phase 2, from an MDM:${derived:- none}"
@@ -218,4 +227,9 @@ fi
 if [ "$unfinished" -gt 0 ]; then
   echo "== $unfinished model(s) not finished; to resume: bash $0 --out $out --scale $scale --seeds \"$seeds\" --jobs $jobs" \
     "--models \"$(echo $models)\"${wheels:+ --wheels $wheels}"
+fi
+if [ -n "$archive" ]; then  # the CSVs, logs and markers in one file (a machine whose files come back few at a time)
+  mkdir -p "$out/results"
+  tar -czf "$archive" -C "$out" results logs done
+  echo "== archive: $archive ($(du -h "$archive" | cut -f1))"
 fi

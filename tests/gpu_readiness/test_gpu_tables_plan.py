@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 from flowlm.project import PROJECT_DIR
@@ -73,6 +74,12 @@ def test_a_run_whose_mdm_is_neither_chosen_nor_finished_is_refused_in_one_line(t
     assert (one, two) == (["none"], ["sudoku_fmlm_plus_init_easy"])
 
 
+def test_an_archive_that_cannot_be_written_is_refused_before_the_runs(tmp_path):
+    refused = _plan(tmp_path, "--archive", str(tmp_path / "missing" / "out.tgz"))
+    assert refused.returncode == 2 and refused.stdout == "" and refused.stderr.count("\n") == 1
+    assert "--archive" in refused.stderr and "cannot be written" in refused.stderr
+
+
 def test_an_unknown_model_is_refused_before_the_wheels_are_installed(tmp_path):
     refused = _plan(tmp_path, "--models", "sudoku_mdm_easy sudoku_mdm_tiny", "--wheels", str(tmp_path / "none"))
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
@@ -88,7 +95,7 @@ def test_a_run_at_its_time_limit_skips_every_model_and_an_empty_phase_runs_nothi
     env.pop("MLFLOW", None)
     done = subprocess.run(
         ["bash", "benchmarks/gpu_tables.sh", "--dry-run", "--models", "sudoku_mdm_easy", "--budget-s", "0"]
-        + ["--out", str(tmp_path / "t")],
+        + ["--out", str(tmp_path / "t"), "--archive", str(tmp_path / "t.tgz")],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -102,5 +109,11 @@ def test_a_run_at_its_time_limit_skips_every_model_and_an_empty_phase_runs_nothi
         "skipped (time limit): sudoku_mdm_easy seed 0",
         "== phase 2: the runs built from an MDM: none",
     ]
-    assert lines[-1].endswith('--models "sudoku_mdm_easy"') and "1 model(s) not finished" in lines[-1]
+    assert lines[-2].endswith('--models "sudoku_mdm_easy"') and "1 model(s) not finished" in lines[-2]
+    assert lines[-1].startswith(f"== archive: {tmp_path / 't.tgz'}")
+    with tarfile.open(tmp_path / "t.tgz") as archive:
+        names = set(archive.getnames())
+    assert {"results", "logs", "done", "logs/mlflow_server.log"} <= names and not any(
+        n.startswith("runs") for n in names
+    )
     assert not (tmp_path / "t_dry_run" / "runs" / "sudoku_mdm_easy").exists()  # nothing trained
