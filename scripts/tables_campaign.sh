@@ -8,7 +8,8 @@
 #                                         # each model, once trained, is sampled offline (its <exp>_seed<n>_eval.csv):
 #                                         # its curve (scripts/sudoku_curve.sh: the checkpoints at each eighth of
 #                                         # the budget) and, for an MDM, the fast decoders (scripts/mdm_fast_eval.sh)
-#   scripts/tables_campaign.sh status     # each model: done / running (its last step and val loss) / waiting
+#   scripts/tables_campaign.sh status     # each model: done / running (its step of the budget, val loss, and the
+#                                         # hours left at its mean seconds a step so far) / waiting
 #   scripts/tables_campaign.sh collect    # copy finished CSVs into results/sudoku/ (a committed CSV of the same model
 #                                         # at another budget moves to superseded-steps<N>/), regenerate the report
 #   scripts/tables_campaign.sh update     # the campaign's clone takes this checkout's new commits (next model on)
@@ -275,6 +276,28 @@ take_lock() {  # the campaign's lock on fd 9 for this process: inherited from `s
     fi
 }
 
+# `status` of a running model: its record's step, val loss and training minutes, the budget from its run_config.yaml
+# and the hours left at its mean seconds a step so far (argv[1]: its convergence.json)
+RUNNING_PY=$(cat <<'PY'
+import json, pathlib, sys
+
+import yaml
+
+record = pathlib.Path(sys.argv[1])
+r = json.loads(record.read_text())
+v = r["final_val_loss"]
+try:  # the budget from the run's config; what is left at the run's mean seconds a step so far
+    budget = int(yaml.safe_load((record.parent / "run_config.yaml").read_text())["trainer"]["max_steps"])
+except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+    budget = None
+step = "step {}".format(r["steps"]) + (" of {}".format(budget) if budget else "")
+line = "running: {}, val loss {}, {:.0f} min".format(step, v if v is None else round(v, 4), r["wall_s"] / 60)
+if budget and 0 < r["steps"] < budget:
+    rate = r["wall_s"] / r["steps"]
+    line += " (≈ {:.1f} h more at its mean {:.2f} s a step)".format((budget - r["steps"]) * rate / 3600, rate)
+print(line)
+PY
+)
 case "${1:-status}" in
 start)
     [[ -x "$PYTHON" ]] || { echo "no $PYTHON: run 'make venv' first (or set FLOWLM_PYTHON)" >&2; exit 2; }
@@ -351,7 +374,7 @@ status)
         if eval_due "$exp" "$seed"; then state="trained; its curve and evaluations are sampled next"
         elif is_done "$exp" "$seed"; then state="done"
         elif [[ -f "$record" ]]; then
-            state="$("$PYTHON" -c 'import json,sys; r=json.load(open(sys.argv[1])); v=r["final_val_loss"]; print("running: step {}, val loss {}, {:.0f} min".format(r["steps"], v if v is None else round(v, 4), r["wall_s"] / 60))' "$record")" || state="running (record unreadable)"
+            state="$("$PYTHON" -c "$RUNNING_PY" "$record")" || state="running (record unreadable)"
         elif [[ -n "$(committed_csv "$exp" "$seed")" ]]; then state="rows committed earlier"
         else state="waiting"; fi
         printf '  %-36s seed %s  %s\n' "$exp" "$seed" "$state"
