@@ -21,6 +21,13 @@ each over the bare step and over the limit.
     .venv/bin/python benchmarks/sweep_step.py --experiment sudoku_fmlm_plus_scratch_uncond --reps 2
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/sweep_step.py --compile  # + the loops with compiled DiT blocks
 
+``--compare A,B,...`` times instead the bare step of several models of the sweep, interleaved (``--reps`` rounds),
+with each step's FLOPs and tokens: a model's cost against the first's, for planning a campaign (which models to put
+on which of two campaigns so that both end together: docs/results.md, "The campaign"):
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sweep_step.py --reps 3 --bare-steps 4 --warmup 2 \
+        --compare sudoku_mdm_easy,sudoku_mdm_uncond,sudoku_fmlm_plus_scratch_easy,sudoku_fmlm_plus_scratch_uncond
+
 With ``--compile`` two more loops run in the same interleaving: the bare step on a copy of the module whose DiT blocks
 are compiled (``lightning_modules.sharding.compile_blocks``, what ``compile: true`` does), and the sweep with
 ``compile=true``. Their compilation falls in the untimed warm-up; the first validation's (eval-mode graphs) is
@@ -167,6 +174,48 @@ def module_and_batches(args):
     return cfg, module, batches
 
 
+def compare(args) -> None:
+    """``--compare``: the bare step of each model named, interleaved over ``args.reps`` rounds, printed with its tokens
+    a step (batch × length), its matrix-product FLOPs, its median seconds, each over the first model's, and over
+    its FLOP limit."""
+    names = [name.strip() for name in args.compare.split(",") if name.strip()]
+    models = {}
+    for name in names:
+        cfg, module, batches = module_and_batches(argparse.Namespace(**{**vars(args), "experiment": name}))
+        precision = str(cfg.trainer.precision)
+
+        def loss(batch: dict, i: int, module=module):
+            return module.loss(batch, module.draw(batch, i, stage="train")).loss
+
+        def one_step(module=module, loss=loss, batch=batches[0], precision=precision) -> None:
+            with autocast(precision, torch.device("cpu")):
+                value = loss(batch, 0)
+            value.backward()
+
+        flops = matmul_flops(one_step)
+        module.zero_grad(set_to_none=True)
+        models[name] = (module, loss, batches, precision, flops)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(args.reps):
+        for name, (module, loss, batches, precision, _) in models.items():
+            kw = {"steps": args.warmup + args.bare_steps, "warmup": args.warmup, "precision": precision}
+            seconds[name].append(run_bare(module, loss, batches, device=torch.device("cpu"), **kw)[0])
+    rates = {precision: matmul_rate(precision) for *_, precision, _ in models.values()}
+    first = names[0]
+    print(
+        f"# bare training steps side by side: torch threads {torch.get_num_threads()}, {args.reps} interleaved "
+        f"rounds of {args.bare_steps} steps (after {args.warmup}); eager; × {first}: each over the first model's"
+    )
+    print("| model | batch × length | GFLOP a step | s/step | × first (time) | × first (FLOPs) | × FLOP limit |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (_, _, batches, precision, flops) in models.items():
+        s, tokens = median(seconds[name]), batches[0]["tokens"].shape
+        print(
+            f"| {name} | {tokens[0]} × {tokens[1]} | {flops / 1e9:.1f} | {s:.3f} | {s / median(seconds[first]):.2f} "
+            f"| {flops / models[first][4]:.2f} | {s / (flops / rates[precision]):.2f} |"
+        )
+
+
 def matmul_rate(precision: str, reps: int = 5) -> float:
     """FLOP/s of a 2048² matrix product in the step's precision (bf16 under bf16-mixed; float32 on a CPU without bf16
     kernels, where bf16's products run on float32 BLAS: flowlm/ops/bf16_products.py), the best of ``reps``."""
@@ -195,11 +244,19 @@ def main() -> None:
     ap.add_argument(
         "--compile", action="store_true", help="also the bare step and the sweep with each DiT block compiled"
     )
+    ap.add_argument(
+        "--compare",
+        metavar="A,B,...",
+        help="instead of the loops: the bare step of each of these models, interleaved, against the first's",
+    )
     ap.add_argument("override", nargs="*", help="more Hydra overrides of the sweep's config")
     args = ap.parse_args()
     if args.window % VAL_EVERY or args.window <= 0:
         ap.error(f"--window must be a positive multiple of the sweep's validation interval, {VAL_EVERY}")
     quiet_lightning()
+    if args.compare:
+        compare(args)
+        return
     cfg, module, batches = module_and_batches(args)
     precision = str(cfg.trainer.precision)
     device = torch.device("cpu")
