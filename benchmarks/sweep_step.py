@@ -233,7 +233,8 @@ def matmul_rate(precision: str, reps: int = 5) -> float:
     return 2 * 2048**3 / best
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The script's command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--experiment", default="sudoku_mdm_easy", help="a model of the tables sweep")
     ap.add_argument("--seed", type=int, default=0)
@@ -250,6 +251,11 @@ def main() -> None:
         help="instead of the loops: the bare step of each of these models, interleaved, against the first's",
     )
     ap.add_argument("override", nargs="*", help="more Hydra overrides of the sweep's config")
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     if args.window % VAL_EVERY or args.window <= 0:
         ap.error(f"--window must be a positive multiple of the sweep's validation interval, {VAL_EVERY}")
