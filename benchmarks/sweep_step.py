@@ -42,11 +42,10 @@ import tempfile
 import time
 
 import torch
-from common import autocast
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
-from probes import matmul_flops, median
-from throughput import quiet_lightning, run_bare, run_lightning
+from probes import median
+from throughput import quiet_lightning, run_bare, run_lightning, step_flops
 
 from flowlm.project import CONF_DIR
 from runners.common import build
@@ -174,6 +173,15 @@ def module_and_batches(args):
     return cfg, module, batches
 
 
+def sweep_loss(module):
+    """The module's training loss on a batch with its own draws (``draw`` at stage train), as the sweep computes it."""
+
+    def loss(batch: dict, i: int):
+        return module.loss(batch, module.draw(batch, i, stage="train")).loss
+
+    return loss
+
+
 def compare(args) -> None:
     """``--compare``: the bare step of each model named, interleaved over ``args.reps`` rounds, printed with its tokens
     a step (batch × length), its matrix-product FLOPs, its median seconds, each over the first model's, and over
@@ -182,18 +190,8 @@ def compare(args) -> None:
     models = {}
     for name in names:
         cfg, module, batches = module_and_batches(argparse.Namespace(**{**vars(args), "experiment": name}))
-        precision = str(cfg.trainer.precision)
-
-        def loss(batch: dict, i: int, module=module):
-            return module.loss(batch, module.draw(batch, i, stage="train")).loss
-
-        def one_step(module=module, loss=loss, batch=batches[0], precision=precision) -> None:
-            with autocast(precision, torch.device("cpu")):
-                value = loss(batch, 0)
-            value.backward()
-
-        flops = matmul_flops(one_step)
-        module.zero_grad(set_to_none=True)
+        precision, loss = str(cfg.trainer.precision), sweep_loss(module)
+        flops = step_flops(module, loss, batches[0], precision=precision, device=torch.device("cpu"))
         models[name] = (module, loss, batches, precision, flops)
     seconds: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(args.reps):
@@ -267,9 +265,7 @@ def main() -> None:
     precision = str(cfg.trainer.precision)
     device = torch.device("cpu")
 
-    def loss(batch: dict, i: int):
-        return module.loss(batch, module.draw(batch, i, stage="train")).loss
-
+    loss = sweep_loss(module)
     loops = ("bare", "lightning", "sweep", "bare_compiled", "sweep_compiled")
     seconds: dict[str, list[float]] = {name: [] for name in loops}
     first_validation: dict[str, list[float]] = {"sweep": [], "sweep_compiled": []}
@@ -283,9 +279,7 @@ def main() -> None:
         compiled = copy.deepcopy(module)
         if not compile_blocks(compiled):
             ap.error("--compile: torch.compile is unavailable here (see the warning)")
-
-        def compiled_loss(batch: dict, i: int):
-            return compiled.loss(batch, compiled.draw(batch, i, stage="train")).loss
+        compiled_loss = sweep_loss(compiled)
 
     def sweep(name: str, overrides: tuple[str, ...] = ()) -> None:
         step, first = run_sweep(args, args.warmup, overrides)
@@ -305,13 +299,7 @@ def main() -> None:
             sweep("sweep_compiled", ("compile=true",))
     sampling = sampling_seconds(args)
 
-    def one_step() -> None:
-        with autocast(precision, device):
-            value = loss(batches[0], 0)
-        value.backward()
-
-    flops = matmul_flops(one_step)
-    module.zero_grad(set_to_none=True)
+    flops = step_flops(module, loss, batches[0], precision=precision, device=device)
     rate = matmul_rate(precision)
     limit = flops / rate
     bare = median(seconds["bare"])
