@@ -223,7 +223,8 @@ def final_rows(rows: pd.DataFrame) -> pd.DataFrame:
 def aggregate(rows: pd.DataFrame) -> pd.DataFrame:
     """One line per KEY over the final weights' rows (``final_rows``: a curve's point never joins a cell): mean, std
     (ddof 1; 0 for one seed) and seed count of every measure; per proportion (PROPORTIONS) the pooled count over
-    seeds (``<m>_hits`` of ``<m>_total`` samples: ``samples_of``) and the per-seed values (``<m>_by_seed``, JSON);
+    seeds (``<m>_hits`` of ``<m>_total`` samples: ``samples_of``), the per-seed values and sample counts
+    (``<m>_by_seed``, ``<m>_samples_by_seed``, JSON);
     ``tpf_mean`` the cells filled per call (``cells_per_call``); training facts as means, and each seed's own
     training steps (``steps_by_seed``, JSON, where recorded); ``nfe_seed_max`` the most NFE one seed spent on
     average; ``samples_assumed`` the rows whose sample count is a default."""
@@ -252,6 +253,9 @@ def aggregate(rows: pd.DataFrame) -> pd.DataFrame:
             line[f"{m}_total"] = int(part.loc[got, "_samples"].sum())
             line[f"{m}_by_seed"] = json.dumps(
                 {int(s): float(v) for s, v in zip(part["seed"][got], values[got], strict=True)}
+            )
+            line[f"{m}_samples_by_seed"] = json.dumps(  # each seed's own count: one seed's Wilson interval
+                {int(s): int(v) for s, v in zip(part["seed"][got], part.loc[got, "_samples"], strict=True)}
             )
         steps = (
             pd.to_numeric(part["steps"], errors="coerce") if "steps" in part else pd.Series(float("nan"), part.index)
@@ -368,10 +372,20 @@ class Cell:
     budget: float | None = None
     steps_by_seed: tuple[tuple[int, int], ...] = ()  # each seed's own training steps, where recorded
     precision_by_seed: tuple[tuple[int, str], ...] = ()  # each seed's training precision, where recorded
+    samples_by_seed: tuple[tuple[int, int], ...] = ()  # each seed's sample count (a proportion's per-seed total)
 
     def interval(self) -> tuple[float, float] | None:
         """The Wilson 95 % interval of the pooled count, in % (None for a measure that is no proportion)."""
         return None if not self.total else wilson(int(self.hits or 0), int(self.total))
+
+    def seed_interval(self, seed: int) -> tuple[float, float] | None:
+        """The Wilson 95 % interval of one seed's own count, in % (its value × its samples); None for a measure
+        that is no proportion. A cell without per-seed counts (written before them) takes the pooled total's share
+        of its seeds, each seed having evaluated as many samples."""
+        if not self.total:
+            return None
+        total = dict(self.samples_by_seed).get(seed) or round(self.total / max(len(self.by_seed), 1))
+        return wilson(round(self.seeds()[seed] / 100 * total), total)
 
     def format(self, decimals: int = 1) -> str:
         """'mean ± std [Wilson 95 %]' with ``decimals``; the mean alone for one seed (whose std is no spread)."""
@@ -420,6 +434,11 @@ def _cell_of(line: pd.Series, metric: str) -> Cell:
         precision_by_seed=tuple(
             sorted((int(s), str(v)) for s, v in json.loads(line.get("precision_by_seed") or "{}").items())
         ),
+        samples_by_seed=tuple(
+            sorted((int(s), int(v)) for s, v in json.loads(line.get(f"{metric}_samples_by_seed") or "{}").items())
+        )
+        if pooled
+        else (),
     )
 
 
@@ -871,11 +890,24 @@ def alike(a: dict, b: dict, seed: int) -> bool:
     return a.get(seed, b.get(seed)) == b.get(seed, a.get(seed))
 
 
+def unequal_training(a: Cell, b: Cell) -> str | None:
+    """'not compared (...)' where two cells' recorded own steps share no count, or their recorded training precisions
+    none (issue 47: a model retrained to a new budget beside one not yet retrained; docs/protocol.md); else None."""
+    steps_a, steps_b = a.steps(), b.steps()
+    if steps_a and steps_b and not set(steps_a.values()) & set(steps_b.values()):
+        return f"{NOT_COMPARED} (unequal training: {trained_steps(a)} against {trained_steps(b)} steps)"
+    prec_a, prec_b = a.precisions(), b.precisions()
+    if prec_a and prec_b and not set(prec_a.values()) & set(prec_b.values()):
+        return f"{NOT_COMPARED} (unequal precision: {trained_precision(a)} against {trained_precision(b)})"
+    return None
+
+
 def verdict(better: Cell | None, worse: Cell | None) -> str:
     """The claim 'better > worse', from the per-seed differences of the seeds measured on both sides (paired):
     with two or more, reproduces when the 95 % t-interval of the mean difference lies above 0, does not reproduce
-    when below, inconclusive when it covers 0. With fewer (one paired seed, or none), only where the two cells'
-    Wilson 95 % intervals do not overlap: reproduces / does not reproduce (said so), else inconclusive.
+    when below, inconclusive when it covers 0. With one paired seed, only where that seed's own Wilson 95 %
+    intervals on the two sides do not overlap (with none, each side's pooled interval): reproduces / does not
+    reproduce (said so), else inconclusive.
     At equal training only (issue 47): a seed pairs where both sides trained the same own steps (or either did not
     record them), and two cells whose recorded steps share no count are not compared (a model retrained to a new
     budget beside one not yet retrained). Likewise the training precision (the protocol's bf16-mixed; float32 in a
@@ -883,12 +915,10 @@ def verdict(better: Cell | None, worse: Cell | None) -> str:
     it), and two cells whose recorded precisions share none are not compared (docs/protocol.md)."""
     if better is None or worse is None:
         return "not measured"
+    if unequal := unequal_training(better, worse):
+        return unequal
     steps_a, steps_b = better.steps(), worse.steps()
-    if steps_a and steps_b and not set(steps_a.values()) & set(steps_b.values()):
-        return f"{NOT_COMPARED} (unequal training: {trained_steps(better)} against {trained_steps(worse)} steps)"
     prec_a, prec_b = better.precisions(), worse.precisions()
-    if prec_a and prec_b and not set(prec_a.values()) & set(prec_b.values()):
-        return f"{NOT_COMPARED} (unequal precision: {trained_precision(better)} against {trained_precision(worse)})"
     a, b = better.seeds(), worse.seeds()
     common = sorted(s for s in set(a) & set(b) if alike(steps_a, steps_b, s) and alike(prec_a, prec_b, s))
     if len(common) >= 2:
@@ -903,7 +933,10 @@ def verdict(better: Cell | None, worse: Cell | None) -> str:
             return f"{FAILS} ({said})"
         return f"{INCONCLUSIVE} ({said})"
     seeds = "one paired seed" if common else "no seed on both sides"
-    ci_a, ci_b = better.interval(), worse.interval()
+    if common:  # that seed's own intervals, not pooled with seeds the other side lacks
+        ci_a, ci_b = better.seed_interval(common[0]), worse.seed_interval(common[0])
+    else:
+        ci_a, ci_b = better.interval(), worse.interval()
     if ci_a is None or ci_b is None:
         return f"{INCONCLUSIVE} ({seeds}, no interval)"
     if ci_a[0] > ci_b[1]:
@@ -916,9 +949,12 @@ def verdict(better: Cell | None, worse: Cell | None) -> str:
 def fail_verdict(failing: Cell | None, pr: Cell | None, below: float) -> str:
     """The claim 'failing fails (% valid < ``below``) where PR does not': reproduces when the failing line's Wilson
     95 % interval lies under ``below`` and PR's above it; does not reproduce when the failing line's lies at or above
-    it (it does not fail) or PR's under it (PR fails too); inconclusive otherwise (an interval straddles it)."""
+    it (it does not fail) or PR's under it (PR fails too); inconclusive otherwise (an interval straddles it). Not
+    compared where the two lines trained unequally (``unequal_training``)."""
     if failing is None or pr is None:
         return "not measured"
+    if unequal := unequal_training(failing, pr):
+        return unequal
     f, p = failing.interval(), pr.interval()
     if f is None or p is None:
         return f"{INCONCLUSIVE} (no interval)"
@@ -1303,8 +1339,9 @@ def build_sudoku_report(
             "Verdicts",
             "Each claim of the papers against the measured numbers, from the per-seed differences of the seeds "
             "measured on both sides (paired): reproduces when the 95 % t-interval of the mean difference lies above "
-            "0, does not reproduce when below, inconclusive when it covers 0; with one paired seed (or none) only "
-            "where the two cells' Wilson 95 % intervals do not overlap (the verdict says so). Seeds pair only at "
+            "0, does not reproduce when below, inconclusive when it covers 0; with one paired seed only where that "
+            "seed's own Wilson 95 % intervals on the two sides do not overlap (with none, the two cells' pooled "
+            "intervals; the verdict says which). Seeds pair only at "
             "equal own training steps and precision, and two lines trained to different budgets (a model retrained "
             "to the new budget beside one not yet retrained) or in different precisions are not compared. The "
             f"paper's MDM row is MDLM: the ancestral sampler at one call per generated position (NFE {one['easy']} "

@@ -233,6 +233,10 @@ def test_fail_verdict_reads_both_wilson_intervals_against_the_threshold():
     )
     assert fail_verdict(Cell(4.5, 0, 1, hits=9, total=200), pr, 5.0).startswith("inconclusive")  # 2.4–8.3 straddles
     assert fail_verdict(None, pr, 5.0) == "not measured"
+    # the failing line retrained to the budget beside a PR not yet retrained: not judged across budgets
+    old_pr = Cell(40.0, 0, 1, hits=800, total=2000, steps_by_seed=((0, 6000),))
+    new_fail = Cell(0.4, 0, 1, hits=8, total=2000, steps_by_seed=((0, 20000),))
+    assert fail_verdict(new_fail, old_pr, 5.0) == "not compared (unequal training: 20000 against 6000 steps)"
 
 
 def _uncond(tmp_path):

@@ -20,6 +20,7 @@ from analysis.sudoku_tables import (
     aggregate,
     build_sudoku_report,
     calibration_table,
+    cell,
     conditional_table,
     empty_cells,
     headline,
@@ -29,6 +30,7 @@ from analysis.sudoku_tables import (
     unconditional_table,
     verdict,
     verdicts,
+    wilson,
 )
 from callbacks.results_csv import COLUMNS, write_rows
 
@@ -152,6 +154,33 @@ def test_a_single_seed_decides_only_where_the_wilson_intervals_separate():
     assert verdict(half, close) == "inconclusive (one paired seed: the Wilson 95 % intervals overlap)"
     other_seeds = Cell(50.0, 0, 2, hits=256, total=512, by_seed=((3, 50.0), (4, 50.0)))
     assert verdict(pr, other_seeds).startswith("reproduces (no seed on both sides: the Wilson")
+
+
+def test_one_paired_seed_decides_by_its_own_intervals_not_the_pool_of_a_side_with_more_seeds(tmp_path):
+    """FMLM+ at one seed beside an MDM at two (a campaign that has finished one model of the pair): the verdict reads
+    seed 0's own Wilson intervals on both sides, each from that seed's own count, not the MDM's pool over seeds 0–1,
+    whose centre seed 1 moves."""
+    folder = tmp_path / "results"
+    mdm = [
+        row("MDM", "scratch", "ancestral", 41, 0, 85.0, samples=2000),
+        row("MDM", "scratch", "ancestral", 41, 1, 97.0, samples=512),
+    ]
+    write_rows(folder / "mdm.csv", mdm)
+    write_rows(folder / "pr.csv", [row("FMLM+", "scratch", "pr", 4, 0, 89.0, samples=2000)])
+    agg = aggregate(read_results(folder))
+    pr = cell(agg, "accuracy", method="FMLM+", sampler="pr")
+    mdm_cell = cell(agg, "accuracy", method="MDM", sampler="ancestral")
+    # pooled, 87.5 % of 2 512 [86.1–88.7] overlaps PR's 89.0 % of 2 000 [87.6–90.3]; seed 0 alone [83.4–86.5] does not
+    assert mdm_cell.interval() == wilson(2197, 2512)
+    assert verdict(pr, Cell(87.5, 6.0, 2, hits=2197, total=2512)).startswith("inconclusive")
+    assert mdm_cell.seed_interval(0) == wilson(1700, 2000)
+    assert mdm_cell.seed_interval(1) == wilson(497, 512)  # its own 512 samples, not the pool's share
+    assert verdict(pr, mdm_cell) == "reproduces (one paired seed: the Wilson 95 % intervals do not overlap)"
+    # seed 1 alone (FMLM+ at 89 % of 2 000 against 97 % of 512 [95.2–98.2]): the MDM leads on its own count
+    write_rows(folder / "pr.csv", [row("FMLM+", "scratch", "pr", 4, 1, 89.0, samples=2000)])
+    agg = aggregate(read_results(folder))
+    said = verdict(cell(agg, "accuracy", method="FMLM+", sampler="pr"), mdm_cell)
+    assert said.startswith("does not reproduce at this scale (one paired seed"), said
 
 
 def test_verdicts_compare_equal_training_only():
