@@ -933,8 +933,14 @@ def verdict(better: Cell | None, worse: Cell | None) -> str:
             return f"{FAILS} ({said})"
         return f"{INCONCLUSIVE} ({said})"
     seeds = "one paired seed" if common else "no seed on both sides"
-    if common:  # that seed's own intervals, not pooled with seeds the other side lacks
-        ci_a, ci_b = better.seed_interval(common[0]), worse.seed_interval(common[0])
+    if common:  # that seed's own intervals, not pooled with seeds the other side lacks, said beside the verdict
+        seed = common[0]
+        ci_a, ci_b = better.seed_interval(seed), worse.seed_interval(seed)
+        if ci_a is not None and ci_b is not None:
+            seeds = (
+                f"one paired seed, {seed}: {a[seed]:.1f} [{ci_a[0]:.1f}–{ci_a[1]:.1f}] against "
+                f"{b[seed]:.1f} [{ci_b[0]:.1f}–{ci_b[1]:.1f}]"
+            )
     else:
         ci_a, ci_b = better.interval(), worse.interval()
     if ci_a is None or ci_b is None:

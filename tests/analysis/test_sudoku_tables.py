@@ -147,11 +147,15 @@ def test_a_single_seed_decides_only_where_the_wilson_intervals_separate():
     """One paired seed (or none) has no t-interval: only two Wilson 95 % intervals that do not overlap decide."""
     pr = Cell(64.8, 0, 1, hits=332, total=512, by_seed=_seeds(64.8))
     prior = Cell(2.9, 0, 1, hits=15, total=512, by_seed=_seeds(2.9))
-    assert verdict(pr, prior) == "reproduces (one paired seed: the Wilson 95 % intervals do not overlap)"
-    assert verdict(prior, pr).startswith("does not reproduce at this scale (one paired seed: the Wilson 95 %")
+    assert verdict(pr, prior) == (
+        "reproduces (one paired seed, 0: 64.8 [60.6–68.9] against 2.9 [1.8–4.8]: the Wilson 95 % intervals do not "
+        "overlap)"
+    )
+    assert verdict(prior, pr).startswith("does not reproduce at this scale (one paired seed, 0: 2.9 [")
     close = Cell(47.0, 0, 1, hits=120, total=256, by_seed=_seeds(47.0))
     half = Cell(50.0, 0, 1, hits=128, total=256, by_seed=_seeds(50.0))
-    assert verdict(half, close) == "inconclusive (one paired seed: the Wilson 95 % intervals overlap)"
+    assert verdict(half, close).startswith("inconclusive (one paired seed, 0: 50.0 [")
+    assert verdict(half, close).endswith(": the Wilson 95 % intervals overlap)")
     other_seeds = Cell(50.0, 0, 2, hits=256, total=512, by_seed=((3, 50.0), (4, 50.0)))
     assert verdict(pr, other_seeds).startswith("reproduces (no seed on both sides: the Wilson")
 
@@ -175,12 +179,17 @@ def test_one_paired_seed_decides_by_its_own_intervals_not_the_pool_of_a_side_wit
     assert verdict(pr, Cell(87.5, 6.0, 2, hits=2197, total=2512)).startswith("inconclusive")
     assert mdm_cell.seed_interval(0) == wilson(1700, 2000)
     assert mdm_cell.seed_interval(1) == wilson(497, 512)  # its own 512 samples, not the pool's share
-    assert verdict(pr, mdm_cell) == "reproduces (one paired seed: the Wilson 95 % intervals do not overlap)"
+    assert verdict(pr, mdm_cell) == (  # seed 0's own values and intervals, not the MDM's pooled cell
+        "reproduces (one paired seed, 0: 89.0 [87.6–90.3] against 85.0 [83.4–86.5]: the Wilson 95 % intervals do "
+        "not overlap)"
+    )
     # seed 1 alone (FMLM+ at 89 % of 2 000 against 97 % of 512 [95.2–98.2]): the MDM leads on its own count
     write_rows(folder / "pr.csv", [row("FMLM+", "scratch", "pr", 4, 1, 89.0, samples=2000)])
     agg = aggregate(read_results(folder))
     said = verdict(cell(agg, "accuracy", method="FMLM+", sampler="pr"), mdm_cell)
-    assert said.startswith("does not reproduce at this scale (one paired seed"), said
+    assert said.startswith("does not reproduce at this scale (one paired seed, 1: 89.0 [87.6–90.3] against 97.0 ["), (
+        said
+    )
 
 
 def test_verdicts_compare_equal_training_only():
