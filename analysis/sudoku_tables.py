@@ -436,9 +436,7 @@ def _cell_of(line: pd.Series, metric: str) -> Cell:
         ),
         samples_by_seed=tuple(
             sorted((int(s), int(v)) for s, v in json.loads(line.get(f"{metric}_samples_by_seed") or "{}").items())
-        )
-        if pooled
-        else (),
+        ),
     )
 
 
