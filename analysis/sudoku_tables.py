@@ -747,10 +747,28 @@ BUDGET_GAIN = 1.0  # the budget is accepted where the easy MDM gains less than t
 def curve_nfe(board: str, difficulty: str) -> dict[str, tuple[int, ...]]:
     """The headline NFE budgets of the curves per method: conditional, the MDM at one call per generated position
     (the paper's MDLM regime) and at 4, PR at 4 (R = 4, N = 1); unconditional, the MDM at one call per cell and at
-    9, PR at 9 (the paper's headline budget) and 4 (its 9 tokens a call mapped to 36 cells)."""
+    9, PR at 9 (the paper's headline budget) and at its 9 tokens a call mapped to the board (4 on 6×6, 9 on 9×9)."""
     if difficulty == "uncond":
-        return {"MDM": (empty_cells(board, difficulty), 9), "FMLM+": (9, LOW_NFE)}
+        pr = dict.fromkeys((9, tokens_per_call_nfe(9, board)))  # in order, without repeats (9×9: 9 alone)
+        return {"MDM": (empty_cells(board, difficulty), 9), "FMLM+": tuple(pr)}
     return {"MDM": (generated_positions(board, difficulty), LOW_NFE), "FMLM+": (LOW_NFE,)}
+
+
+# A run's Hydra family (conf/family: its samplers and budgets) → the method its rows carry (the module's `label`).
+CURVE_FAMILIES = {"mdm": "MDM", "flow": "FMLM+"}
+
+
+def run_curve_nfe(run_config: dict) -> list[int]:
+    """The budgets scripts/sudoku_curve.sh samples a run's kept checkpoints at (``run_config``: its run_config.yaml):
+    the headline budgets of its method's curves (``curve_nfe``) that its own evaluation has (whose rows at the final
+    weights are each curve's last point); a run with none of them (a family the report draws no curve of: MLFM) at
+    NFE 4, where its evaluation has it, and at its evaluation's largest budget."""
+    data, budgets = run_config["data"], run_config["eval"]["nfe"]
+    n = int(data["box_rows"]) * int(data["box_cols"])
+    difficulty = data.get("difficulty") if data.get("conditional", True) else "uncond"
+    method = CURVE_FAMILIES.get(run_config.get("family"))
+    drawn = curve_nfe(f"{n}x{n}", difficulty)[method] if method else ()
+    return sorted(b for b in drawn if b in budgets) or sorted({b for b in budgets if b == LOW_NFE} | {max(budgets)})
 
 
 def curve_points(rows: pd.DataFrame) -> pd.DataFrame:

@@ -2,8 +2,9 @@
 # A trained Sudoku model's accuracy-versus-training curve (issue 47 item 2; docs/results.md#the-protocol): each
 # checkpoint the tables sweep kept at an eighth of the budget (checkpoints/curve-step*.ckpt, the final one excepted:
 # the training run sampled its final weights itself, on every val puzzle) sampled offline with `flowlm-eval`, with the
-# run's own samplers (eval=sudoku_<family>) and seeds read from its run_config.yaml, at its headline budgets — NFE 4
-# and its largest (an MDM's one call per position) — on the first 4 val batches (512 puzzles: ±4 points at 50 %;
+# run's own samplers (eval=sudoku_<family>) and seeds read from its run_config.yaml, at the budgets of the curves the
+# report draws (analysis/sudoku_tables.py run_curve_nfe: conditional, NFE 4 and an MDM's one call per position;
+# unconditional, an MDM's 36 and 9, PR's 9 and 4 on 6×6) — on the first 4 val batches (512 puzzles: ±4 points at 50 %;
 # FLOWLM_CURVE_BATCHES sets how many: a step sampled on fewer puzzles than that asks is sampled again),
 # its DiT blocks compiled and its precision as in training: the curve costs a small share of training. The rows go to
 # <results>/<task>/<name>_seed<n>_eval.csv, one per checkpoint step (the rows' eval_step), which the report plots.
@@ -23,11 +24,14 @@ batches="${FLOWLM_CURVE_BATCHES:-4}"  # val batches of 128 puzzles a checkpoint;
 [[ -f "$run/run_config.yaml" && -f "$run/checkpoints/last.ckpt" ]] \
     || { echo "$0: $run holds no finished run (run_config.yaml and checkpoints/last.ckpt)" >&2; exit 2; }
 # the run's evaluation settings, and its final step (its own rows; the curve's checkpoint there is not sampled again)
-read -r final budgets csv want settings < <("$PYTHON" -c '
+# (a command substitution, which bash waits for: a process substitution's interpreter could still be exiting, holding
+# the campaign's lock that it inherited, when this script and the campaign have ended)
+line="$("$PYTHON" -c '
 import json, os, sys, yaml
+from analysis.sudoku_tables import run_curve_nfe
 c = yaml.safe_load(open(sys.argv[1]))
 e = c["eval"]
-nfe = sorted({b for b in e["nfe"] if b == 4} | {max(e["nfe"])})
+nfe = run_curve_nfe(c)
 d = c.get("data") or {}
 batch = d.get("val_batch_size") or d.get("batch_size") or 128  # the puzzles a checkpoint is sampled on, at most
 want = min(int(sys.argv[3]) * batch, d.get("num_val") or float("inf"))
@@ -37,7 +41,8 @@ print(c["trainer"]["max_steps"], ",".join(map(str, nfe)),
       % (c["family"], c["seed"], ",".join(map(str, nfe)), sys.argv[3], e["seed"],
          json.dumps(bool(e.get("skip_unfit_budgets"))), json.dumps(bool(c.get("compile"))))
       + (" trainer.precision=%s" % c["trainer"]["precision"] if (c.get("trainer") or {}).get("precision") else ""))' \
-    "$run/run_config.yaml" "$results" "$batches" "${FLOWLM_CURVE_NAME:-}")
+    "$run/run_config.yaml" "$results" "$batches" "${FLOWLM_CURVE_NAME:-}")" || line=""
+read -r final budgets csv want settings <<<"$line"
 [[ "$final" =~ ^[0-9]+$ ]] || { echo "$0: $run/run_config.yaml could not be read (above)" >&2; exit 2; }
 # A run resumed past its recorded steps (scripts/sudoku_budget_study.sh) keeps its first run_config.yaml: the caller
 # says up to which step (exclusive) the checkpoints are the curve's, and (FLOWLM_CURVE_NAME) the name its rows

@@ -277,6 +277,16 @@ def test_tokens_per_call_never_more_parallel_than_the_paper():
     assert tokens_per_call_nfe(9, "9x9") == 9  # the paper's own board: its own budgets
 
 
+def test_the_curves_budgets_follow_the_board():
+    """PR's unconditional curve: the paper's 9 and its 9 cells a call on this board (4 on 6×6; on 9×9 the same 9,
+    once); the MDM at one call per cell and 9; conditional, one call per generated position and 4."""
+    from analysis.sudoku_tables import curve_nfe
+
+    assert curve_nfe("6x6", "uncond") == {"MDM": (36, 9), "FMLM+": (9, 4)}
+    assert curve_nfe("9x9", "uncond") == {"MDM": (81, 9), "FMLM+": (9,)}
+    assert curve_nfe("9x9", "hard") == {"MDM": (89, 4), "FMLM+": (4,)}
+
+
 def test_unconditional_tables_show_both_mappings(tmp_path):
     agg = _uncond(tmp_path)
     absolute = unconditional_table(agg).set_index(["source", "sampler"])

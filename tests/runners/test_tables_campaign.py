@@ -20,21 +20,21 @@ from flowlm.project import PROJECT_DIR
 
 SCRIPT = Path(PROJECT_DIR) / "scripts" / "tables_campaign.sh"
 COMMITTED = "sudoku_mdm_easy:0"  # committed_rows(): sudoku_mdm_easy_seed0{,_eval}.csv
-CURVE = (  # the curve's checkpoint, sampled with the run's samplers and seed at its headline budgets (run_config.yaml)
+CURVE = (  # the curve's checkpoint, sampled with the run's samplers and seed at its curves' budgets (run_config.yaml)
     "evaluate {exp}/cpu/seed{seed}/checkpoints/curve-step0000001.ckpt eval=sudoku_{family} seed={seed} "
-    "eval.nfe=[4,18] eval.max_batches=4 eval.seed={seed}"
+    "eval.nfe=[{curve}] eval.max_batches=4 eval.seed={seed}"
 )
 FAST = (  # an MDM's fast decoders (only: the run sampled the fixed-step ones) at its budgets, puzzles and seed
     "evaluate sudoku_mdm_easy/cpu/seed{seed}/checkpoints/last.ckpt eval=sudoku_mdm_fast ~eval.samplers.ancestral "
     "~eval.samplers.confidence seed={seed} "
-    "eval.nfe=[4,18] eval.max_batches=2 eval.seed={seed}"
+    "eval.nfe=[4,18,41] eval.max_batches=2 eval.seed={seed}"
 )
 
 
 def evaluations(seed: int, exp: str = "sudoku_mdm_easy") -> list[str]:
     """What the campaign samples once ``exp`` at ``seed`` is trained: its curve, then an MDM's fast decoders."""
     family = "mdm" if exp.startswith("sudoku_mdm") else "flow"
-    curve = CURVE.format(exp=exp, seed=seed, family=family)
+    curve = CURVE.format(exp=exp, seed=seed, family=family, curve="4,41" if family == "mdm" else "4")
     return [curve, FAST.format(seed=seed)] if family == "mdm" else [curve]
 
 
@@ -55,11 +55,13 @@ seed=$(echo "$*" | grep -o "seed=[0-9]*" | cut -d= -f2)
 echo "experiment=$exp seed=$seed" >> {tmp}/trained.txt
 run="$FLOWLM_RUNS/$exp/cpu/seed$seed"
 family=$([[ $exp == sudoku_mdm* ]] && echo mdm || echo flow)
+nfe=$([[ $family == mdm ]] && echo "4, 18, 41" || echo "4, 18")
 mkdir -p "$run/checkpoints" && touch "$run/checkpoints/last.ckpt" "$run/checkpoints/curve-step0000001.ckpt"
 printf "seed: $seed\\nfamily: $family\\nname: $exp\\ntask: sudoku_easy_6x6\\n" > "$run/run_config.yaml"
 printf "trainer: {{max_steps: 2, precision: bf16-mixed}}\\n" \\
     >> "$run/run_config.yaml"
-printf "eval:\\n  nfe: [4, 18]\\n  max_batches: 2\\n  seed: $seed\\n" >> "$run/run_config.yaml"
+printf "data: {{box_rows: 2, box_cols: 3, conditional: true, difficulty: easy}}\\n" >> "$run/run_config.yaml"
+printf "eval:\\n  nfe: [$nfe]\\n  max_batches: 2\\n  seed: $seed\\n" >> "$run/run_config.yaml"
 if [[ -e {tmp}/block ]]; then  # a long training: it runs while `block` exists; SIGTERM ends it once `linger` is gone
     echo $$ >> {tmp}/trainers.txt
     trap 'while [[ -e {tmp}/linger ]]; do sleep 0.1; done; exit 143' TERM
@@ -295,6 +297,7 @@ def test_the_curve_samples_each_kept_checkpoint_but_the_final_one_with_the_runs_
     (run / "checkpoints" / "last.ckpt").touch()
     (run / "run_config.yaml").write_text(
         "seed: 3\nfamily: mdm\nname: m\ntask: t\ncompile: true\ntrainer:\n  max_steps: 16\n"
+        "data: {box_rows: 2, box_cols: 3, conditional: true, difficulty: easy}\n"
         "eval:\n  nfe: [4, 18, 41]\n  max_batches: null\n  seed: 3\n  skip_unfit_budgets: true\n"
     )
     python = tmp_path / "python"  # runs the settings snippet, prints the evaluation's command line
@@ -356,6 +359,41 @@ def test_the_curve_samples_each_kept_checkpoint_but_the_final_one_with_the_runs_
     assert [line.split()[2] for line in longer.stdout.splitlines() if line.startswith("-m runners.evaluate")] == [
         f"ckpt_path={run}/checkpoints/curve-step{s:07d}.ckpt" for s in (8, 12, 16, 20)
     ]
+
+
+@pytest.mark.parametrize(
+    ("family", "board", "nfe", "curve"),
+    [  # the budgets of the curves the report draws (analysis/sudoku_tables.py curve_nfe) that the run evaluates;
+        # conditional MDM and FMLM+ runs: the tests above
+        ("mdm", "uncond", "[1, 2, 3, 4, 9, 12, 27, 36]", "[9,36]"),  # one call per cell, the paper's 9
+        ("flow", "uncond", "[1, 2, 3, 4, 9, 12, 27, 36]", "[4,9]"),  # PR at the paper's 9 and its 9 cells a call
+        ("mdm", "easy", "[4, 18]", "[4]"),  # a run without one call per position: not its curve's budget either
+        ("mlfm", "easy", "[4, 18]", "[4,18]"),  # no curve in the report: NFE 4 and the run's largest
+    ],
+)
+def test_the_curve_samples_the_budgets_the_report_draws(tmp_path, family, board, nfe, curve):
+    """An unconditional run's curve is sampled where the report's curves read it (an MDM at 36 and 9, PR at 9 and
+    4), not at NFE 4 and the largest budget alone: those left PR's headline budget (9) without a curve."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for name in ("last", "curve-step0000004"):
+        (run / "checkpoints" / f"{name}.ckpt").touch()
+    conditional = "false" if board == "uncond" else "true, difficulty: easy"
+    (run / "run_config.yaml").write_text(
+        f"seed: 0\nfamily: {family}\nname: m\ntask: t\ntrainer:\n  max_steps: 8\n"
+        f"data: {{box_rows: 2, box_cols: 3, conditional: {conditional}}}\n"
+        f"eval:\n  nfe: {nfe}\n  max_batches: null\n  seed: 0\n"
+    )
+    python = tmp_path / "python"  # runs the settings snippet, prints the evaluation's command line
+    python.write_text(f'#!/bin/bash\nif [[ "$1" == -c ]]; then exec {sys.executable} "$@"; fi\necho "$*"\n')
+    python.chmod(0o755)
+    script = [str(SCRIPT.with_name("sudoku_curve.sh")), str(run), str(tmp_path / "results")]
+    done = subprocess.run(
+        ["bash", *script], env={**os.environ, "FLOWLM_PYTHON": str(python)}, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    (command,) = [line.split() for line in done.stdout.splitlines() if line.startswith("-m runners.evaluate")]
+    assert f"eval=sudoku_{family}" in command and f"eval.nfe={curve}" in command
 
 
 def wait_for(condition, what: str, seconds: float = 30) -> None:
