@@ -272,6 +272,15 @@ def aggregate(rows: pd.DataFrame) -> pd.DataFrame:
             }
         )
         line["samples_assumed"] = int(part["_assumed"].sum())
+        # the calibration's counts over the seeds that recorded them: the tokens scored and the wrong ones among them
+        # (an AUROC from a handful of wrong tokens ranks that handful; with none it is undefined)
+        tokens, wrong = (
+            pd.to_numeric(part[c], errors="coerce") if c in part else pd.Series(float("nan"), part.index)
+            for c in ("calibration_tokens", "wrong_pct")
+        )
+        scored = tokens.notna() & (tokens > 0) & wrong.notna()
+        line["calibration_tokens_sum"] = int(tokens[scored].sum())
+        line["wrong_tokens_sum"] = int((wrong[scored] / 100 * tokens[scored]).round().sum())
         if "confidence_kind" in part:  # the sampler's declared kind (flowlm/samplers), one per sampler
             line["confidence_kind"] = part["confidence_kind"].iloc[0]
         line["seeds"] = ",".join(str(v) for v in sorted(part["seed"].unique()))
@@ -449,6 +458,16 @@ def cell(agg: pd.DataFrame, metric: str, **where) -> Cell | None:
     if pick.empty:
         return None
     return _cell_of(pick.iloc[0], metric)
+
+
+def _line_of(agg: pd.DataFrame, metric: str, **where) -> pd.Series | None:
+    """The aggregated line ``cell`` reads ``metric`` from; where none measured it, the first line matching ``where``
+    (None without one)."""
+    pick = agg
+    for key, value in where.items():
+        pick = pick[pick[key] == value]
+    measured = pick.dropna(subset=[f"{metric}_mean"]) if f"{metric}_mean" in pick else pick.iloc[0:0]
+    return None if pick.empty else (measured if not measured.empty else pick).iloc[0]
 
 
 def _label(method: str, variant: str) -> str:
@@ -663,7 +682,8 @@ def _model_rank(model: tuple[str, str]) -> int:
 
 def calibration_table(agg: pd.DataFrame) -> pd.DataFrame:
     """AUROC of per-token confidence for right vs wrong tokens, per task × model × sampler, at NFE 4 and full NFE
-    (mean ± std over seeds; % wrong tokens in brackets)."""
+    (mean ± std over seeds), with the wrong tokens among those scored, summed over the seeds (``—`` where none was
+    wrong: no AUROC); rows that recorded no token count give the % wrong instead."""
     if "auroc_mean" not in agg:
         return pd.DataFrame(columns=["task", "model", "sampler", "confidence", "@4", "@full"])
     lines = []
@@ -681,7 +701,13 @@ def calibration_table(agg: pd.DataFrame) -> pd.DataFrame:
                     cell(part, "auroc", **where, nfe_budget=nfe),
                     cell(part, "wrong_pct", **where, nfe_budget=nfe),
                 )
-                line[column] = "" if got is None else f"{got.format(3)} ({wrong.mean:.0f} % wrong)"
+                counts = _line_of(part, "auroc", **where, nfe_budget=nfe)  # the line `cell` read, or the first
+                tokens = 0 if counts is None else int(counts.get("calibration_tokens_sum", 0) or 0)
+                if tokens:
+                    value = "—" if got is None else got.format(3)
+                    line[column] = f"{value} ({int(counts['wrong_tokens_sum'])} of {tokens} tokens wrong)"
+                else:
+                    line[column] = "" if got is None else f"{got.format(3)} ({wrong.mean:.0f} % wrong)"
             lines.append(line)
     return pd.DataFrame(lines, columns=["task", "model", "sampler", "confidence", "@4", "@full"])
 
@@ -1412,7 +1438,9 @@ def build_sudoku_report(
             "AUROC of the per-token confidence a sampler committed with, for telling right tokens from wrong ones "
             "(1 = perfect ranking, 0.5 = none); right = equals the solution (conditional) or clashes with no "
             "cell of its row, column and box (unconditional). Mean ± std over seeds (the mean alone for one "
-            "seed).",
+            "seed); in brackets the wrong tokens among those scored (each seed's first `eval.calibration_tokens` "
+            "generated tokens), summed over the seeds: an AUROC from a few wrong tokens ranks only those few, and "
+            "where none was wrong it is undefined (—).",
             tables["calibration"],
         ),
         Section(

@@ -346,6 +346,31 @@ def test_one_seed_shows_no_spread(results):
     assert init["easy @4"] == "95.0 [91.5–97.0]"  # no ± std; the Wilson interval of its 256 puzzles
 
 
+def test_calibration_counts_the_wrong_tokens_it_ranked_summed_over_seeds():
+    """An AUROC comes with the wrong tokens it ranked (of those scored, summed over the seeds): 1 wrong token of
+    2 048 ranks one token; none wrong leaves no AUROC (—), not an empty cell."""
+    rows = pd.DataFrame(
+        [
+            row("FMLM+", "scratch", "pr", 4, 0, 97.0, auroc=0.96, wrong_pct=100 / 2048, calibration_tokens=2048),
+            row("FMLM+", "scratch", "pr", 18, 0, 97.0, auroc=0.98, wrong_pct=300 / 2048, calibration_tokens=2048),
+            row("FMLM+", "scratch", "a_priori", 4, 0, 99.8, auroc="", wrong_pct=0.0, calibration_tokens=2048),
+            row("FMLM+", "scratch", "a_priori", 18, 0, 100.0, auroc="", wrong_pct=0.0, calibration_tokens=2048),
+            *(
+                row("MDM", "scratch", "ancestral", nfe, seed, 85.0, auroc=a, wrong_pct=w, calibration_tokens=2048)
+                for nfe, seed, a, w in [(4, 0, 0.9, 1.0), (4, 1, 0.8, 2.0), (18, 0, 0.9, 1.0), (18, 1, 0.9, 1.0)]
+            ),
+        ]
+    )
+    for c in ("nfe_budget", "seed", "auroc", "wrong_pct", "calibration_tokens", "accuracy", "steps"):
+        rows[c] = pd.to_numeric(rows[c], errors="coerce")
+    table = calibration_table(aggregate(rows)).set_index(["model", "sampler"])
+    assert table.loc[("FMLM+ scratch", "pr"), "@4"] == "0.960 (1 of 2048 tokens wrong)"
+    assert table.loc[("FMLM+ scratch", "pr"), "@full"] == "0.980 (3 of 2048 tokens wrong)"
+    assert table.loc[("FMLM+ scratch", "a_priori"), "@4"] == "— (0 of 2048 tokens wrong)"
+    # two seeds: 20 + 41 wrong of 4 096 (1 % and 2 % of 2 048, rounded per seed)
+    assert table.loc[("MDM", "ancestral"), "@4"] == "0.850 ± 0.071 (61 of 4096 tokens wrong)"
+
+
 def test_report_files_and_a_clear_error_without_results(results, tmp_path):
     out = tmp_path / "report"
     report = build_sudoku_report(results, out)
