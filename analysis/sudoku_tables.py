@@ -451,13 +451,9 @@ def _cell_of(line: pd.Series, metric: str) -> Cell:
 
 def cell(agg: pd.DataFrame, metric: str, **where) -> Cell | None:
     """The aggregated ``metric`` of the one line matching ``where`` (None when not measured)."""
-    pick = agg
-    for key, value in where.items():
-        pick = pick[pick[key] == value]
-    pick = pick.dropna(subset=[f"{metric}_mean"]) if f"{metric}_mean" in pick else pick.iloc[0:0]
-    if pick.empty:
-        return None
-    return _cell_of(pick.iloc[0], metric)
+    line = _line_of(agg, metric, **where)
+    measured = line is not None and f"{metric}_mean" in line and pd.notna(line[f"{metric}_mean"])
+    return _cell_of(line, metric) if measured else None
 
 
 def _line_of(agg: pd.DataFrame, metric: str, **where) -> pd.Series | None:
@@ -680,12 +676,15 @@ def _model_rank(model: tuple[str, str]) -> int:
     return MODELS.index(model) if model in MODELS else len(MODELS)
 
 
+FULL = "@empty cells"  # the calibration's full budget: NFE = the cells to fill (18 on easy 6×6; 36 unconditional)
+
+
 def calibration_table(agg: pd.DataFrame) -> pd.DataFrame:
-    """AUROC of per-token confidence for right vs wrong tokens, per task × model × sampler, at NFE 4 and full NFE
-    (mean ± std over seeds), with the wrong tokens among those scored, summed over the seeds (``—`` where none was
-    wrong: no AUROC); rows that recorded no token count give the % wrong instead."""
+    """AUROC of per-token confidence for right vs wrong tokens, per task × model × sampler, at NFE 4 and NFE = the
+    empty cells (mean ± std over seeds), with the wrong tokens among those scored, summed over the seeds (``—``
+    where none was wrong: no AUROC); rows that recorded no token count give the % wrong instead."""
     if "auroc_mean" not in agg:
-        return pd.DataFrame(columns=["task", "model", "sampler", "confidence", "@4", "@full"])
+        return pd.DataFrame(columns=["task", "model", "sampler", "confidence", "@4", FULL])
     lines = []
     for d in [*DIFFICULTIES, "uncond"]:
         part = agg[agg["difficulty"] == d]
@@ -696,7 +695,7 @@ def calibration_table(agg: pd.DataFrame) -> pd.DataFrame:
             where = dict(method=method, variant=variant, sampler=sampler)
             kind = part[(part["method"] == method) & (part["sampler"] == sampler)]["confidence_kind"].iloc[0]
             line = {"task": d, "model": _label(method, variant), "sampler": sampler, "confidence": kind}
-            for column, nfe in (("@4", LOW_NFE), ("@full", full)):
+            for column, nfe in (("@4", LOW_NFE), (FULL, full)):
                 got, wrong = (
                     cell(part, "auroc", **where, nfe_budget=nfe),
                     cell(part, "wrong_pct", **where, nfe_budget=nfe),
@@ -709,7 +708,7 @@ def calibration_table(agg: pd.DataFrame) -> pd.DataFrame:
                 else:
                     line[column] = "" if got is None else f"{got.format(3)} ({wrong.mean:.0f} % wrong)"
             lines.append(line)
-    return pd.DataFrame(lines, columns=["task", "model", "sampler", "confidence", "@4", "@full"])
+    return pd.DataFrame(lines, columns=["task", "model", "sampler", "confidence", "@4", FULL])
 
 
 def aup_budgets(board: str, difficulty: str) -> tuple[int, ...]:
@@ -1114,7 +1113,7 @@ def verdicts(agg: pd.DataFrame) -> pd.DataFrame:
                     at("MDM", None, "confidence", one), variant=v)  # fmt: skip
                 spent = cell(part, "nfe", method="FMLM+", variant=v, sampler="pr", nfe_budget=LOW_NFE)
                 bound = min(LOW_NFE, spent.mean) if spent is not None else LOW_NFE  # PR's mean NFE (early stop)
-                fast = best_within_nfe(part, metric, "MDM", bound)
+                fast = best_within_nfe(part, metric, "MDM", bound, pr.seeds() if pr is not None else ())
                 if fast is not None:
                     add("pr_beats_fast_mdm", LOW_NFE, d, label, pr, fast[0], fast[1], variant=v)
             for v in VARIANTS:
@@ -1160,19 +1159,29 @@ def _uncond_verdicts(add, at, board: str) -> None:
                             paper_nfe=p, judged=fail_verdict(line, pr, below), keep=v == PAPER_VARIANT)  # fmt: skip
 
 
-def best_within_nfe(part: pd.DataFrame, metric: str, method: str, nfe: float) -> tuple[str, Cell] | None:
+def best_within_nfe(
+    part: pd.DataFrame, metric: str, method: str, nfe: float, seeds: Iterable[int] = ()
+) -> tuple[str, Cell] | None:
     """The ``method``'s best line (any sampler, settings and budget) whose mean NFE spent is at most ``nfe`` on every
     seed: a fixed-step sampler at that budget, or an adaptive one (threshold, EB) whose rows needed no more on average,
     whatever its cap (a line whose seeds average under ``nfe`` while one seed spent more is out: not equal calls); its
     label ('MDM eb@18 (3.9 NFE)', the mean over seeds, the settings named where a sampler ran with several) and its
-    own cell. None when none is measured."""
+    own cell. None when none is measured. Best on ``seeds`` where given and measured (the seeds the compared line
+    has: the strongest baseline on the seeds a verdict pairs, not one that is best only on seeds the other side
+    lacks), else over all of its seeds."""
     spent = "nfe_seed_max" if "nfe_seed_max" in part else "nfe_mean"
     lines = part[(part["method"] == method) & (part[spent] <= nfe + 1e-9)] if spent in part else part[:0]
     lines = lines.dropna(subset=[f"{metric}_mean"]) if f"{metric}_mean" in lines else lines[:0]
+    wanted = set(seeds)
+
+    def score(got: Cell) -> float:
+        on = [v for s, v in got.seeds().items() if s in wanted]
+        return sum(on) / len(on) if on else got.mean
+
     best: tuple[str, Cell] | None = None
     for _, line in lines.iterrows():
         got = _cell_of(line, metric)
-        if best is None or got.mean > best[1].mean:
+        if best is None or score(got) > score(best[1]):
             label = f"{method} {_sampler_label(part, line)}@{line['nfe_budget']} ({line['nfe_mean']:.1f} NFE)"
             best = (label, got)
     return best
@@ -1227,8 +1236,8 @@ def headline(agg: pd.DataFrame) -> list[str]:
         pr = _line(part, metric, "FMLM+", PAPER_VARIANT, "pr", pr_nfe)
         paper_row = _line(part, metric, "MDM", None, "ancestral", mdm_nfe)
         stronger = _line(part, metric, "MDM", None, "confidence", mdm_nfe)
-        text = f"{d}: FMLM+ scratch PR@{pr_nfe} {pr or '—'} % vs the paper's row, MDM ancestral@{mdm_nfe} "
-        text += f"{paper_row or '—'} %"
+        text = f"{d}: FMLM+ scratch PR@{pr_nfe} {pr or '—'} %{_seeds_of(pr)} vs the paper's row, MDM "
+        text += f"ancestral@{mdm_nfe} {paper_row or '—'} %{_seeds_of(paper_row)}"
         if pr and paper_row and pr.steps() and paper_row.steps() and trained_steps(pr) != trained_steps(paper_row):
             text += f" (unequal training so far: {trained_steps(pr)} against {trained_steps(paper_row)} steps)"
         elif (
@@ -1239,16 +1248,24 @@ def headline(agg: pd.DataFrame) -> list[str]:
             and (trained_precision(pr) != trained_precision(paper_row))
         ):
             text += f" (unequal precision so far: {trained_precision(pr)} against {trained_precision(paper_row)})"
-        text += f"; the suite's stronger baselines: MDM confidence@{mdm_nfe} {stronger or '—'} %"
+        text += f"; the suite's stronger baselines: MDM confidence@{mdm_nfe} {stronger or '—'} %{_seeds_of(stronger)}"
         if d != "uncond":
-            fast = best_within_nfe(part, metric, "MDM", LOW_NFE)
-            text += f", {fast[0]} {fast[1]} %" if fast else ", no MDM decoder at ≤ 4 NFE measured"
+            fast = best_within_nfe(part, metric, "MDM", LOW_NFE, pr.seeds() if pr is not None else ())
+            text += f", {fast[0]} {fast[1]} %{_seeds_of(fast[1])}" if fast else ", no MDM decoder at ≤ 4 NFE measured"
         else:
             per_call = tokens_per_call_nfe(9, board)
             mapped = _line(part, metric, "FMLM+", PAPER_VARIANT, "pr", per_call)
             text += f"; by tokens per call (the paper's 9 ↔ {per_call}): PR@{per_call} {mapped or 'not measured'}"
         out.append(text)
     return out
+
+
+def _seeds_of(c: Cell | None) -> str:
+    """' (seed 0)' / ' (seeds 0, 1)': the seeds a headline cell holds (the two sides may hold different ones)."""
+    if c is None or not c.seeds():
+        return ""
+    seeds = sorted(c.seeds())
+    return f" (seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))})"
 
 
 def seeds_summary(rows: pd.DataFrame) -> str:
@@ -1401,7 +1418,8 @@ def build_sudoku_report(
             "`paper`: judged on the task and NFE where the paper states the claim, on the paper's variant "
             "(`stated`: its task, models and NFE, analysis/reference.yaml), a reproduction verdict; scope `suite`: "
             "judged elsewhere or on a strategy row, the suite's own finding. "
-            f"Reproduction verdicts: {counts[PAPER]}. The suite's own findings: {counts[SUITE]}.",
+            f"Reproduction verdicts: {counts[PAPER]}. The suite's own findings: {counts[SUITE]}. Every verdict is "
+            f"at the models' training budget: {budget_check(gains)}",
             judged,
         ),
         Section(

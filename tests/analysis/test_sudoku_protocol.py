@@ -163,6 +163,10 @@ def test_the_report_shows_the_curves_after_the_tables_and_before_aup(curves, tmp
     assert text.index("## Unconditional") < text.index("## Accuracy versus training") < text.index("## AUP")
     assert "![Accuracy versus training](curves.png)" in text and (tmp_path / "report" / "curves.png").is_file()
     assert "| easy | MDM | ancestral | 41 | 8 | 6000 | 89.3 | 4500 | 85.0 | +4.3 |" in text
+    # the verdicts say beside them whether the budget was accepted (here: still learning), not only under the curves
+    verdicts_text = text[text.index("## Verdicts") : text.index("## Conditional")]
+    assert "Every verdict is at the models' training budget: Budget check (" in verdicts_text
+    assert "NOT accepted: the models were still learning." in verdicts_text
     assert pd.read_csv(tmp_path / "report" / "curve_points.csv")["step"].max() == BUDGET
     assert 'src="data:image/png;base64,' in report.html.read_text()
 
