@@ -1074,13 +1074,16 @@ def _line(part: pd.DataFrame, metric: str, method: str, variant: str | None, sam
 def verdicts(agg: pd.DataFrame) -> pd.DataFrame:
     """One line per claim × task (× variant, × budget mapping): the claim, the row judged (the paper's FMLM+ or a
     strategy row), the two figures compared, the verdict, its scope (PAPER: judged where the paper states the claim,
-    on the paper's variant; SUITE: the suite's own finding) and where the paper states it."""
+    on the paper's variant; SUITE: the suite's own finding) and where the paper states it. A claim of the paper's
+    (scope PAPER) has its line on every task the tables cover, *not measured* until its rows exist; the suite's own
+    comparisons appear once either side is measured."""
     lines = []
 
     def add(claim, nfe, task, a_label, a, b_label, b, *, variant=None, paper_nfe=None, judged=None, keep=False):
         # ``nfe``: the claimed-better side's, which decides the scope; ``keep``: a line even when neither side was
         # measured (a budget the paper states the claim at)
-        if a is None and b is None and not keep:
+        where = scope(claim, task, nfe, paper_nfe=paper_nfe, variant=variant)
+        if a is None and b is None and not keep and where != PAPER:
             return
         lines.append(
             {
@@ -1090,17 +1093,17 @@ def verdicts(agg: pd.DataFrame) -> pd.DataFrame:
                 "compared": f"{a_label} {a if a else '—'}{a.spent() if a else ''} vs {b_label} {b if b else '—'}"
                 + (b.spent() if b else ""),
                 "verdict": judged if judged is not None else verdict(a, b),
-                "scope": scope(claim, task, nfe, paper_nfe=paper_nfe, variant=variant),
+                "scope": where,
                 "stated": stated_text(claim),
             }
         )
 
+    boards = agg["board"].dropna() if "board" in agg else pd.Series(dtype=object)
     for d in [*DIFFICULTIES, "uncond"]:
-        part = agg[agg["difficulty"] == d]
-        if part.empty:
-            continue
+        part = agg[agg["difficulty"] == d] if "difficulty" in agg else agg
         metric = "valid_pct" if d == "uncond" else "accuracy"
-        board = part["board"].iloc[0]
+        # a task without rows yet: the board of the rows there are (the paper's claims are listed, not measured)
+        board = part["board"].iloc[0] if not part.empty else (boards.iloc[0] if not boards.empty else "6x6")
         full, one = empty_cells(board, d), generated_positions(board, d)
         at = lambda m, v, s, nfe, part=part, metric=metric: _line(part, metric, m, v, s, nfe)  # noqa: E731
         if d != "uncond":
