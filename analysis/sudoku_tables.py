@@ -90,10 +90,10 @@ def read_results(folder: str | Path, *, skip: Iterable[str | Path] = ()) -> pd.D
     row (by ``date``) drawn with the model's own seed (``eval_seed``), another seed's only where there is none. Not
     read: the folders in ``skip`` (the report's own ``out``), any folder holding a report (report_folders), and, each
     named in a ResultsCSVWarning, a file that is empty, not UTF-8 or whose header is not the results schema, and the
-    rows of a file with a wrong field count (a cut line), a non-number in a numeric column (a decimal comma) or a
-    date not in DATE_FORMAT. ``attrs["skipped"]``: 'path (why)' of each. A (row, seed) is measured once per
-    checkpoint (``eval_step``, the run's ``steps`` where blank): the curve's points are rows of their own. A folder
-    named SUPERSEDED (or SUPERSEDED and a suffix, e.g. superseded-steps6000) below ``folder`` holds rows of an earlier
+    rows of a file with a wrong field count (a cut line), a non-number in a numeric column (a decimal comma), a
+    percentage outside 0–100 or a date not in DATE_FORMAT. ``attrs["skipped"]``: 'path (why)' of each. A (row,
+    seed) is measured once per checkpoint (``eval_step``, the run's ``steps`` where blank): the curve's points are
+    rows of their own. A folder named SUPERSEDED (or SUPERSEDED and a suffix, e.g. superseded-steps6000) below ``folder`` holds rows of an earlier
     protocol: not read (read it as ``folder`` itself to see them)."""
     folder = Path(folder)
     skip = [Path(s).resolve() for s in skip]
@@ -197,6 +197,10 @@ def _row_problem(header: list[str], record: list[str]) -> str:
         if value and not _is_number(value):
             comma = " (a decimal comma?)" if _is_number(value.replace(",", ".", 1)) else ""
             return f"{column} {value!r} is not a number{comma}"
+    for column in PROPORTIONS:  # a percentage of puzzles / grids (its Wilson interval needs 0 ≤ hits ≤ samples)
+        value = values.get(column, "").strip()
+        if value and not 0.0 <= float(value) <= 100.0:
+            return f"{column} {value} is not a percentage (0–100)"
     try:
         datetime.strptime(values["date"], DATE_FORMAT)
     except ValueError:
@@ -799,10 +803,13 @@ def run_curve_nfe(run_config: dict) -> list[int]:
 def curve_points(rows: pd.DataFrame) -> pd.DataFrame:
     """Accuracy (conditional) / % valid (unconditional) against the training step (``eval_step``: the model's own
     steps) of the headline lines (``curve_nfe``, ``CURVE_SAMPLERS``): per task × model × sampler × NFE × step, the
-    mean, min and max over seeds and the seeds; the final weights' rows are the last point."""
+    mean, min and max over seeds, the seeds, and the pooled count's proportion with its Wilson 95 % interval
+    (``pooled``, ``wilson_lo``, ``wilson_hi``: the puzzles / grids the seeds' points sampled, summed; the sampling
+    noise of the point, not the spread between seeds); the final weights' rows are the last point."""
     columns = ["task", "board", "model", "method", "variant", "sampler", "nfe_budget", "step", "mean", "min", "max"]
-    columns += ["n", "seeds"]
+    columns += ["n", "seeds", "pooled", "wilson_lo", "wilson_hi"]
     lines = []
+    rows = rows.assign(_samples=samples_of(rows)[0])
     for (d, board, method, variant, sampler, nfe), part in rows.groupby(
         ["difficulty", "board", "method", "variant", "sampler", "nfe_budget"], sort=False
     ):
@@ -814,9 +821,11 @@ def curve_points(rows: pd.DataFrame) -> pd.DataFrame:
             if at.empty:
                 continue
             seeds = sorted(int(x) for x in part.loc[at.index, "seed"])
+            total = int(part.loc[at.index, "_samples"].sum())
+            hits = int((at / 100 * part.loc[at.index, "_samples"]).round().sum())
             lines.append(
                 [d, board, _label(method, variant), method, variant, sampler, int(nfe), int(step), at.mean(), at.min(),
-                 at.max(), len(at), ",".join(map(str, seeds))]
+                 at.max(), len(at), ",".join(map(str, seeds)), 100 * hits / total, *wilson(hits, total)]
             )  # fmt: skip
     order = {d: i for i, d in enumerate([*DIFFICULTIES, "uncond"])}
     table = pd.DataFrame(lines, columns=columns)
@@ -828,9 +837,11 @@ def curve_points(rows: pd.DataFrame) -> pd.DataFrame:
 def curve_gains(points: pd.DataFrame) -> pd.DataFrame:
     """One line per curve: its final step and value, the point at the last checkpoint at or before 3/4 of the final
     step (``LAST_QUARTER``) measured on the same seeds, and the gain between them in points (NaN where the curve has
-    no such point)."""
+    no such point), with its 95 % interval from the two points' sampling noise (``gain_lo``, ``gain_hi``: Newcombe's
+    hybrid score interval of a difference, from each point's pooled Wilson interval; the checkpoints' 512 puzzles
+    against the final 2 000; not the spread between seeds)."""
     columns = ["task", "board", "model", "sampler", "NFE", "points", "final step", "final", "step at 3/4", "at 3/4"]
-    columns += ["gain"]
+    columns += ["gain", "gain_lo", "gain_hi"]
     lines = []
     keys = ["task", "board", "model", "sampler", "nfe_budget"]
     for (task, board, model, sampler, nfe), curve in points.groupby(keys, sort=False):
@@ -842,19 +853,33 @@ def curve_gains(points: pd.DataFrame) -> pd.DataFrame:
         lines.append(
             [task, board, model, sampler, nfe, len(curve), int(final["step"]), final["mean"],
              None if quarter is None else int(quarter["step"]), None if quarter is None else quarter["mean"],
-             float("nan") if quarter is None else final["mean"] - quarter["mean"]]
+             float("nan") if quarter is None else final["mean"] - quarter["mean"],
+             *((float("nan"),) * 2 if quarter is None else _newcombe(final, quarter))]
         )  # fmt: skip
     return pd.DataFrame(lines, columns=columns)
 
 
+def _newcombe(later: pd.Series, earlier: pd.Series) -> tuple[float, float]:
+    """The 95 % interval of ``later − earlier`` (two curve points, independent samples) by Newcombe's hybrid score
+    method: the difference of the means widened by each point's Wilson interval about its pooled proportion."""
+    gain = later["mean"] - earlier["mean"]
+    down = math.hypot(later["pooled"] - later["wilson_lo"], earlier["wilson_hi"] - earlier["pooled"])
+    up = math.hypot(later["wilson_hi"] - later["pooled"], earlier["pooled"] - earlier["wilson_lo"])
+    return gain - down, gain + up
+
+
 def curve_table(gains: pd.DataFrame) -> pd.DataFrame:
-    """``curve_gains`` for the report: values to one decimal, the gain signed ('—' without a point at 3/4)."""
+    """``curve_gains`` for the report: values to one decimal, the gain signed with its 95 % sampling interval ('—'
+    without a point at 3/4)."""
     table = gains.drop(columns="board")
     table["final"] = table["final"].map(lambda v: f"{v:.1f}")
     table["at 3/4"] = table["at 3/4"].map(lambda v: "" if pd.isna(v) else f"{v:.1f}")
     table["step at 3/4"] = table["step at 3/4"].map(lambda v: "" if pd.isna(v) else f"{int(v)}")
-    table["gain"] = table["gain"].map(lambda v: "—" if pd.isna(v) else f"{v:+.1f}")
-    return table.rename(columns={"gain": "gain over the last quarter (points)"})
+    table["gain"] = [
+        "—" if pd.isna(g) else f"{g:+.1f}" + ("" if pd.isna(lo) else f" [{lo:+.1f}, {hi:+.1f}]")
+        for g, lo, hi in zip(table["gain"], table.pop("gain_lo"), table.pop("gain_hi"), strict=True)
+    ]
+    return table.rename(columns={"gain": "gain over the last quarter (points) [95 % sampling interval]"})
 
 
 def budget_candidates(points: pd.DataFrame) -> pd.DataFrame:
@@ -903,7 +928,10 @@ def budget_check(gains: pd.DataFrame) -> str:
     )
     if easy.empty:
         return f"Budget check ({rule}): not measured yet (no easy MDM curve with a point at 3/4 of its steps)."
-    said = ", ".join(f"{r.sampler} {r.gain:+.1f}" for r in easy.itertuples())
+    said = ", ".join(
+        f"{r.sampler} {r.gain:+.1f}" + (f" [{r.gain_lo:+.1f}, {r.gain_hi:+.1f}]" if "gain_lo" in easy else "")
+        for r in easy.itertuples()
+    )
     ok = bool((easy["gain"] < BUDGET_GAIN).all())
     return f"Budget check ({rule}): {said} → " + (
         "accepted." if ok else "NOT accepted: the models were still learning."
@@ -1477,7 +1505,9 @@ def build_sudoku_report(
             "training step: each checkpoint kept at an eighth of the budget, sampled offline (the rows' "
             "`eval_step`; the final weights' rows are the last point), mean over seeds, band: min–max "
             "(curve_points.csv). Per curve, the gain over the last quarter of the steps: the final point less the "
-            f"last checkpoint at ≤ 3/4 of the final step. {budget_check(gains)}",
+            "last checkpoint at ≤ 3/4 of the final step, with its 95 % sampling interval (Newcombe's, from the two "
+            "points' pooled Wilson intervals: a checkpoint's 512 puzzles against the final 2 000; the spread between "
+            f"seeds is not in it). {budget_check(gains)}",
             tables["curves"],
             image=figure,
         ),

@@ -96,10 +96,16 @@ def test_curve_points_and_the_gain_over_the_last_quarter(curves):
     assert gains.loc["ancestral", "step at 3/4"] == 4500  # the last checkpoint at ≤ 3/4 of 6 000 steps
     assert gains.loc["ancestral", "gain"] == pytest.approx(89.3 - 85.0)
     assert gains.loc["pr", "gain"] == pytest.approx(50.5 - 30.0)
-    assert budget_check(gains.reset_index()).endswith("ancestral +4.3 → NOT accepted: the models were still learning.")
+    # its sampling interval (Newcombe): the pooled counts 457 / 512 at the end, 435 / 512 at step 4 500 (256 puzzles
+    # a seed, the rows' default before the `samples` column), each point's Wilson interval about its proportion
+    assert (mdm.loc[4500, "pooled"], mdm.loc[6000, "pooled"]) == (100 * 435 / 512, 100 * 457 / 512)
+    assert gains.loc["ancestral", ["gain_lo", "gain_hi"]].tolist() == pytest.approx([0.186, 8.423], abs=1e-3)
+    assert budget_check(gains.reset_index()).endswith(
+        "ancestral +4.3 [+0.2, +8.4] → NOT accepted: the models were still learning."
+    )
     flat = gains.reset_index().assign(gain=lambda g: g["sampler"].map({"ancestral": 0.4, "pr": 27.5}))
-    # only the easy MDM at one call per position decides
-    assert budget_check(flat).endswith("ancestral +0.4 → accepted.")
+    # only the easy MDM at one call per position decides, by the gain itself (issue 47's rule), its interval shown
+    assert budget_check(flat).endswith("ancestral +0.4 [+0.2, +8.4] → accepted.")
 
 
 def test_the_budget_is_the_first_step_whose_last_quarter_gains_less_than_a_point(curves):
@@ -162,7 +168,7 @@ def test_the_report_shows_the_curves_after_the_tables_and_before_aup(curves, tmp
     text = report.markdown.read_text()
     assert text.index("## Unconditional") < text.index("## Accuracy versus training") < text.index("## AUP")
     assert "![Accuracy versus training](curves.png)" in text and (tmp_path / "report" / "curves.png").is_file()
-    assert "| easy | MDM | ancestral | 41 | 8 | 6000 | 89.3 | 4500 | 85.0 | +4.3 |" in text
+    assert "| easy | MDM | ancestral | 41 | 8 | 6000 | 89.3 | 4500 | 85.0 | +4.3 [+0.2, +8.4] |" in text
     # the verdicts say beside them whether the budget was accepted (here: still learning), not only under the curves
     verdicts_text = text[text.index("## Verdicts") : text.index("## Conditional")]
     assert "Every verdict is at the models' training budget: Budget check (" in verdicts_text

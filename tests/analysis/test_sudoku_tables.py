@@ -465,6 +465,8 @@ def _bad_csv(kind: str, folder):
     rows = [row("FMLM+", "init", "pr", 4, 7, 91.0), row("FMLM+", "init", "a_priori", 4, 7, 55.0)]
     if kind == "decimal_comma":
         rows[1]["accuracy"] = "91,8"  # quoted by the writer: one field, not a number
+    if kind == "not_a_percentage":
+        rows[1]["accuracy"] = 918.0  # a fraction × 1 000, or a misplaced point: no Wilson interval exists for it
     write_rows(path, rows)
     text = path.read_bytes()
     last = text.rstrip().rfind(b"\n") + 1
@@ -480,7 +482,7 @@ def _bad_csv(kind: str, folder):
         path.unlink()
         path = path.with_name("notes.csv")
         path.write_text("note,by\nseed 2 was rerun on the GPU box,anna\n")
-    return path, ["pr"] if kind in ("cut_line", "cut_date", "decimal_comma") else []
+    return path, ["pr"] if kind in ("cut_line", "cut_date", "decimal_comma", "not_a_percentage") else []
 
 
 @pytest.mark.parametrize(
@@ -492,6 +494,7 @@ def _bad_csv(kind: str, folder):
             r"skipped 1 of 2 rows: line 3: date '2026-12-01T10:00:0' is not %Y-%m-%dT%H:%M:%SZ \(a cut line\?\)",
         ),
         ("decimal_comma", r"skipped 1 of 2 rows: line 3: accuracy '91,8' is not a number \(a decimal comma\?\)"),
+        ("not_a_percentage", r"skipped 1 of 2 rows: line 3: accuracy 918.0 is not a percentage \(0–100\)"),
         ("empty", r"empty file, skipped"),
         ("foreign_header", r"not a results CSV \(its header lacks \['board', 'difficulty', .*\]\), skipped"),
         ("not_utf8", r"not UTF-8 text \(invalid start byte at byte \d+\), skipped"),

@@ -538,7 +538,7 @@ def test_the_budget_study_names_the_budget_its_curves_accept(tmp_path):
 
     def points(steps_values, folder):
         rows = [
-            row("MDM", "scratch", sampler, 41, 0, v + (15 if sampler == "confidence" else 0), eval_step=s, steps=s)
+            row("MDM", "scratch", sampler, 41, 0, v + (10 if sampler == "confidence" else 0), eval_step=s, steps=s)
             for s, v in steps_values
             for sampler in ("ancestral", "confidence")
         ]
