@@ -93,8 +93,8 @@ def read_results(folder: str | Path, *, skip: Iterable[str | Path] = ()) -> pd.D
     rows of a file with a wrong field count (a cut line), a non-number in a numeric column (a decimal comma), a
     percentage outside 0–100 or a date not in DATE_FORMAT. ``attrs["skipped"]``: 'path (why)' of each. A (row,
     seed) is measured once per checkpoint (``eval_step``, the run's ``steps`` where blank): the curve's points are
-    rows of their own. A folder named SUPERSEDED (or SUPERSEDED and a suffix, e.g. superseded-steps6000) below ``folder`` holds rows of an earlier
-    protocol: not read (read it as ``folder`` itself to see them)."""
+    rows of their own. A folder named SUPERSEDED (or SUPERSEDED and a suffix, e.g. superseded-steps6000) below
+    ``folder`` holds rows of an earlier protocol: not read (read it as ``folder`` itself to see them)."""
     folder = Path(folder)
     skip = [Path(s).resolve() for s in skip]
     skip += [p.resolve() for p in folder.rglob(SUPERSEDED + "*") if p.is_dir()] if folder.is_dir() else []
