@@ -1397,15 +1397,18 @@ def build_sudoku_report(
         report.data.append(out / f"{name}.csv")
     report.tables = tables
     final = final_rows(rows)
-    cond, unc = final[final["difficulty"].isin(DIFFICULTIES)], final[final["difficulty"] == "uncond"]
+    fixed = final[~final["sampler"].isin(ADAPTIVE)]
+    cond, unc = fixed[fixed["difficulty"].isin(DIFFICULTIES)], fixed[fixed["difficulty"] == "uncond"]
+    full = [empty_cells(b, d) for b, d in zip(final["board"], final["difficulty"], strict=True)]
+    scored = final[(final["nfe_budget"] == LOW_NFE) | (final["nfe_budget"] == pd.Series(full, index=final.index))]
     notes = {  # the rows each table is made of
         "verdicts": machines_note(final),
         "conditional": machines_note(cond),
         "unconditional": machines_note(unc),
         "tokens_per_call": "",  # the same rows as the unconditional table's
         "adaptive": machines_note(final[final["sampler"].isin(ADAPTIVE)]),
-        "calibration": machines_note(final),
-        "training": machines_note(final),
+        "calibration": machines_note(scored),
+        "training": machines_note(final.drop_duplicates(["difficulty", "method", "variant", "seed"])),  # per model
         "curves": "",  # the rows' machines are named under the tables
         "aup": "",  # the accuracies' mix is named under their own tables
     }

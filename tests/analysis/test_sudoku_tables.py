@@ -537,7 +537,8 @@ def _old_csv(path, rows) -> None:
 def test_a_table_mixing_machines_says_so_under_it(tmp_path, capsys):
     folder = tmp_path / "results"
     cpu, gpu = {"precision": "32-true", "device": "cpu: AMD EPYC 7B13"}, {"precision": "bf16-mixed", "device": "H200"}
-    write_rows(folder / "a" / "run_seed0.csv", [row("MDM", "scratch", "confidence", 18, 0, 80.0, **cpu)])
+    adaptive = row("MDM", "scratch", "eb", 4, 0, 70.0, **cpu)  # its own table: not a row of the conditional one
+    write_rows(folder / "a" / "run_seed0.csv", [row("MDM", "scratch", "confidence", 18, 0, 80.0, **cpu), adaptive])
     write_rows(folder / "b" / "run_seed1.csv", [row("MDM", "scratch", "confidence", 18, 1, 82.0, **gpu)])
     _old_csv(folder / "c" / "run_seed2.csv", [row("MDM", "scratch", "confidence", 18, 2, 84.0)])
     uncond = [
@@ -555,10 +556,13 @@ def test_a_table_mixing_machines_says_so_under_it(tmp_path, capsys):
     table_end = text.index("| measured, 6x6 | MDM | baseline | confidence |", conditional)
     assert text.index(note, table_end) < text.index("## Unconditional")  # one line under the conditional table
     assert text.count("Mixed machines") == 4  # conditional, verdicts, calibration, training; not the uncond table
+    # nor the adaptive one (its one row, one machine)
+    training = text[text.index("## Training, per seed") :]
+    assert "precision 32-true (3 rows), bf16-mixed (1 row), not recorded (1 row)" in training  # a row per model seed
     assert note.replace("'", "&#x27;") in report.html.read_text()
     printed = capsys.readouterr().out
     assert f"conditional table: {note}" in printed and "unconditional table:" not in printed
-    assert f"Read {folder}: 5 measured rows, seeds [0, 1, 2], from 4 CSV files;" in printed
+    assert f"Read {folder}: 6 measured rows, seeds [0, 1, 2], from 4 CSV files;" in printed
 
 
 def test_machines_note_names_either_kind_of_mix():
