@@ -940,6 +940,8 @@ def budget_check(gains: pd.DataFrame) -> str:
 
 # ---------------------------------------------------------------- verdicts
 REPRODUCES, FAILS, INCONCLUSIVE = "reproduces", "does not reproduce at this scale", "inconclusive"
+# the same verdicts for a comparison the papers do not state (the suite's stronger baselines): nothing to reproduce
+HOLDS, DOES_NOT_HOLD = "holds", "does not hold at this scale"
 NOT_COMPARED = "not compared"  # the two sides trained unequal steps (``verdict``)
 
 
@@ -1113,6 +1115,11 @@ def verdicts(agg: pd.DataFrame) -> pd.DataFrame:
         where = scope(claim, task, nfe, paper_nfe=paper_nfe, variant=variant)
         if a is None and b is None and not keep and where != PAPER:
             return
+        said = judged if judged is not None else verdict(a, b)
+        if not stated(claim):  # not a paper's claim: it holds or does not, it does not "reproduce"
+            for paper_word, own in ((REPRODUCES, HOLDS), (FAILS, DOES_NOT_HOLD)):
+                if said.startswith(paper_word):
+                    said = own + said[len(paper_word) :]
         lines.append(
             {
                 "claim": CLAIMS[claim].format(nfe=nfe),
@@ -1120,7 +1127,7 @@ def verdicts(agg: pd.DataFrame) -> pd.DataFrame:
                 "row": "" if variant is None else role("FMLM+", variant),
                 "compared": f"{a_label} {a if a else '—'}{a.spent() if a else ''} vs {b_label} {b if b else '—'}"
                 + (b.spent() if b else ""),
-                "verdict": judged if judged is not None else verdict(a, b),
+                "verdict": said,
                 "scope": where,
                 "stated": stated_text(claim),
             }
@@ -1248,7 +1255,7 @@ def settings_labels(settings: list[str]) -> dict[str, str]:
 def verdict_counts(table: pd.DataFrame) -> dict[str, int]:
     """How many lines reproduce / do not / are inconclusive / were not measured."""
     kinds = table["verdict"].str.split(" \\(", regex=True).str[0].value_counts()
-    order = [REPRODUCES, FAILS, INCONCLUSIVE, NOT_COMPARED, "not measured"]
+    order = [REPRODUCES, HOLDS, FAILS, DOES_NOT_HOLD, INCONCLUSIVE, NOT_COMPARED, "not measured"]
     return {k: int(kinds[k]) for k in sorted(kinds.index, key=lambda k: order.index(k) if k in order else 9)}
 
 
@@ -1451,7 +1458,8 @@ def build_sudoku_report(
             "every NFE the paper states, under both mappings of its budgets (absolute; by tokens per call). Scope "
             "`paper`: judged on the task and NFE where the paper states the claim, on the paper's variant "
             "(`stated`: its task, models and NFE, analysis/reference.yaml), a reproduction verdict; scope `suite`: "
-            "judged elsewhere or on a strategy row, the suite's own finding. "
+            "judged elsewhere or on a strategy row, the suite's own finding; a comparison the papers do not state "
+            "(the stronger baselines) holds or does not hold rather than reproduces. "
             f"Reproduction verdicts: {counts[PAPER]}. The suite's own findings: {counts[SUITE]}. Every verdict is "
             f"at the models' training budget: {budget_check(gains)}",
             judged,

@@ -160,7 +160,7 @@ def test_the_mdms_best_decoder_is_judged_by_its_own_line_and_prs_mean_nfe():
     table = verdicts(agg)
     fast = table[table["claim"].str.contains("best decoder")].set_index("compared")["verdict"]
     init = "FMLM+ init PR@4 80.0 [74.8–84.5] · NFE 3.0 (seed max 3.0) vs MDM threshold@18 (2.9 NFE) 60.0 [54.1–66.0]"
-    assert fast[init + " · NFE 2.9 (seed max 2.9)"].startswith("reproduces (one paired seed, ")
+    assert fast[init + " · NFE 2.9 (seed max 2.9)"].startswith("holds (one paired seed, ")
     scratch = "FMLM+ scratch PR@4 — vs MDM eb gamma=1.0@18 (3.8 NFE) 70.0 [64.0–75.2] · NFE 3.8 (seed max 3.8)"
     assert fast[scratch] == "not measured"  # PR's cap, 4
     cond = conditional_table(agg).set_index(["model", "sampler"])
