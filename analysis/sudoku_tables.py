@@ -199,7 +199,7 @@ def _row_problem(header: list[str], record: list[str]) -> str:
             return f"{column} {value!r} is not a number{comma}"
     for column in PROPORTIONS:  # a percentage of puzzles / grids (its Wilson interval needs 0 ≤ hits ≤ samples)
         value = values.get(column, "").strip()
-        if value and not 0.0 <= float(value) <= 100.0:
+        if value and not math.isnan(float(value)) and not 0.0 <= float(value) <= 100.0:  # NaN: not measured
             return f"{column} {value} is not a percentage (0–100)"
     try:
         datetime.strptime(values["date"], DATE_FORMAT)
@@ -1135,7 +1135,7 @@ def verdicts(agg: pd.DataFrame) -> pd.DataFrame:
 
     boards = agg["board"].dropna() if "board" in agg else pd.Series(dtype=object)
     for d in [*DIFFICULTIES, "uncond"]:
-        part = agg[agg["difficulty"] == d] if "difficulty" in agg else agg
+        part = agg[agg["difficulty"] == d]
         metric = "valid_pct" if d == "uncond" else "accuracy"
         # a task without rows yet: the board of the rows there are (the paper's claims are listed, not measured)
         board = part["board"].iloc[0] if not part.empty else (boards.iloc[0] if not boards.empty else "6x6")

@@ -517,6 +517,17 @@ def test_a_bad_csv_is_named_and_the_good_rows_still_read(results, kind, reason):
     assert f"skipped (named in the warnings): {path.relative_to(results)} (" in header
 
 
+def test_a_percentage_not_measured_is_no_bad_row(tmp_path):
+    """A NaN percentage (a metric the run did not measure, written as 'nan') is read as missing, not skipped as
+    outside 0–100."""
+    write_rows(tmp_path / "run_seed0.csv", [row("MDM", "scratch", "confidence", 18, 0, float("nan"))])
+    assert "nan" in (tmp_path / "run_seed0.csv").read_text().splitlines()[1].split(",")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResultsCSVWarning)
+        rows = read_results(tmp_path)
+    assert len(rows) == 1 and rows["accuracy"].isna().all()
+
+
 def test_only_bad_csvs_is_a_clear_error(tmp_path):
     (tmp_path / "notes.csv").write_text("note\nnothing yet\n")
     (tmp_path / "empty.csv").write_text("")
