@@ -19,6 +19,9 @@ import pytest
 from flowlm.project import PROJECT_DIR
 
 SCRIPT = Path(PROJECT_DIR) / "scripts" / "tables_campaign.sh"
+# a run that samples a curve: its settings come from analysis/sudoku_tables.py (torch, pandas and MLflow imported,
+# seconds each on a loaded 2-core machine), once per trained model
+SLOW = 240
 COMMITTED = "sudoku_mdm_easy:0"  # committed_rows(): sudoku_mdm_easy_seed0{,_eval}.csv
 CURVE = (  # the curve's checkpoint, sampled with the run's samplers and seed at its curves' budgets (run_config.yaml)
     "evaluate {exp}/cpu/seed{seed}/checkpoints/curve-step0000001.ckpt eval=sudoku_{family} seed={seed} "
@@ -112,7 +115,7 @@ def campaign(
 ) -> tuple[subprocess.CompletedProcess, list[str]]:
     trained = tmp_path / "trained.txt"
     env = campaign_env(tmp_path, plan)
-    done = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=SLOW)
     return done, trained.read_text().splitlines() if trained.exists() else []
 
 
@@ -305,11 +308,11 @@ def test_the_curve_samples_each_kept_checkpoint_but_the_final_one_with_the_runs_
     python.chmod(0o755)
     script = [str(SCRIPT.with_name("sudoku_curve.sh")), str(run), str(tmp_path / "results")]
     env = {**os.environ, "FLOWLM_PYTHON": str(python)}
-    refused = subprocess.run(["bash", *script], env=env, capture_output=True, text=True, timeout=60)
+    refused = subprocess.run(["bash", *script], env=env, capture_output=True, text=True, timeout=SLOW)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "kept no curve checkpoint" in refused.stderr
     for step in (16, 4, 12, 8):
         (run / "checkpoints" / f"curve-step{step:07d}.ckpt").touch()
-    done = subprocess.run(["bash", *script], env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(["bash", *script], env=env, capture_output=True, text=True, timeout=SLOW)
     assert done.returncode == 0, done.stderr
     commands = [line.split() for line in done.stdout.splitlines() if line.startswith("-m runners.evaluate")]
     assert [c[2] for c in commands] == [f"ckpt_path={run}/checkpoints/curve-step{s:07d}.ckpt" for s in (4, 8, 12)]
@@ -327,14 +330,14 @@ def test_the_curve_samples_each_kept_checkpoint_but_the_final_one_with_the_runs_
     rows = tmp_path / "results" / "t" / "m_seed3_eval.csv"  # step 4 sampled at both budgets, step 8 at one
     rows.parent.mkdir(parents=True)
     rows.write_text("eval_step,nfe_budget,samples\n4,4,512\n4,41,512\n8,4,512\n12,18,512\n")
-    resumed = subprocess.run(["bash", *script], env=env, capture_output=True, text=True, timeout=60)
+    resumed = subprocess.run(["bash", *script], env=env, capture_output=True, text=True, timeout=SLOW)
     assert resumed.returncode == 0, resumed.stderr
     assert "step 4 of 16 already sampled" in resumed.stdout
     sampled = [line.split()[2] for line in resumed.stdout.splitlines() if line.startswith("-m runners.evaluate")]
     assert sampled == [f"ckpt_path={run}/checkpoints/curve-step{s:07d}.ckpt" for s in (8, 12)]
     # more puzzles asked (the budget study's 16 batches) than step 4 was sampled on: sampled again, on 16 batches
     more = subprocess.run(
-        ["bash", *script], env={**env, "FLOWLM_CURVE_BATCHES": "16"}, capture_output=True, text=True, timeout=60
+        ["bash", *script], env={**env, "FLOWLM_CURVE_BATCHES": "16"}, capture_output=True, text=True, timeout=SLOW
     )
     lines = [line.split() for line in more.stdout.splitlines() if line.startswith("-m runners.evaluate")]
     assert [c[2] for c in lines] == [f"ckpt_path={run}/checkpoints/curve-step{s:07d}.ckpt" for s in (4, 8, 12)]
@@ -343,17 +346,17 @@ def test_the_curve_samples_each_kept_checkpoint_but_the_final_one_with_the_runs_
     done = "".join(f"{s},{b},512\n" for s in (4, 8, 12) for b in (4, 41))
     (rows.parent / "m_long_seed3_eval.csv").write_text("eval_step,nfe_budget,samples\n" + done)
     named = subprocess.run(
-        ["bash", *script], env={**env, "FLOWLM_CURVE_NAME": "m_long"}, capture_output=True, text=True, timeout=60
+        ["bash", *script], env={**env, "FLOWLM_CURVE_NAME": "m_long"}, capture_output=True, text=True, timeout=SLOW
     )
     assert "step 12 of 16 already sampled" in named.stdout and "-m runners.evaluate" not in named.stdout
     redone = subprocess.run(
-        ["bash", *script], env={**env, "FLOWLM_CURVE_REDO": "1"}, capture_output=True, text=True, timeout=60
+        ["bash", *script], env={**env, "FLOWLM_CURVE_REDO": "1"}, capture_output=True, text=True, timeout=SLOW
     )
     assert redone.stdout.count("-m runners.evaluate") == 3
     # a run resumed past its recorded steps (the budget study): the caller says where the curve ends
     (run / "checkpoints" / "curve-step0000020.ckpt").touch()
     longer = subprocess.run(
-        ["bash", *script], env={**env, "FLOWLM_CURVE_UNTIL": "24"}, capture_output=True, text=True, timeout=60
+        ["bash", *script], env={**env, "FLOWLM_CURVE_UNTIL": "24"}, capture_output=True, text=True, timeout=SLOW
     )
     assert longer.returncode == 0, longer.stderr
     assert [line.split()[2] for line in longer.stdout.splitlines() if line.startswith("-m runners.evaluate")] == [
@@ -388,9 +391,8 @@ def test_the_curve_samples_the_budgets_the_report_draws(tmp_path, family, board,
     python.write_text(f'#!/bin/bash\nif [[ "$1" == -c ]]; then exec {sys.executable} "$@"; fi\necho "$*"\n')
     python.chmod(0o755)
     script = [str(SCRIPT.with_name("sudoku_curve.sh")), str(run), str(tmp_path / "results")]
-    done = subprocess.run(
-        ["bash", *script], env={**os.environ, "FLOWLM_PYTHON": str(python)}, capture_output=True, text=True, timeout=60
-    )
+    env = {**os.environ, "FLOWLM_PYTHON": str(python)}
+    done = subprocess.run(["bash", *script], env=env, capture_output=True, text=True, timeout=SLOW)
     assert done.returncode == 0, done.stderr
     (command,) = [line.split() for line in done.stdout.splitlines() if line.startswith("-m runners.evaluate")]
     assert f"eval=sudoku_{family}" in command and f"eval.nfe={curve}" in command

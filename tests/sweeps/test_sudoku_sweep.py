@@ -9,6 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from analysis.sudoku_tables import CURVE_FAMILIES, curve_nfe, run_curve_nfe
 from flowlm.project import CONF_DIR
 from runners.resolvers import steps_share, sudoku_table_nfe
 from tests.sweeps.test_sweeps import run_sweep
@@ -81,6 +82,12 @@ def check_job(name: str, job, experiments: list[str], i: int, nfe_of) -> None:
     assert (job.data.box_rows, job.data.box_cols) == (2, 3), name
     assert set(job.eval.samplers) == samplers[_family(name)], name
     assert list(job.eval.nfe) == nfe_of(job.data.conditional, 2, 3, job.data.difficulty, _family(name)), name
+    # the run evaluates its final weights at every budget its curves are drawn at (scripts/sudoku_curve.sh samples the
+    # earlier checkpoints there): each curve ends in the run's own rows
+    assert job.family in (*CURVE_FAMILIES, "mlfm"), name  # MLFM: no curve in the report
+    if job.family in CURVE_FAMILIES:
+        drawn = sorted(curve_nfe("6x6", _task(name))[CURVE_FAMILIES[job.family]])
+        assert run_curve_nfe(OmegaConf.to_container(job)) == drawn, name
     source = job.method.get("init_from") or job.method.get("teacher")
     if source:  # the MDM it is built on trains earlier in the sweep, in the folder the path names
         mdm = next(e for e in experiments if _family(e) == "mdm" and _task(e) == _task(name))
