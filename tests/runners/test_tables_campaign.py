@@ -254,6 +254,15 @@ def test_redo_fresh_moves_a_damaged_run_aside_and_trains_it_from_the_start(tmp_p
     assert trained[3:] == ["experiment=sudoku_mdm_easy seed=7", *evaluations(7)]
 
 
+def printing_python(tmp_path: Path) -> dict[str, str]:
+    """The environment whose FLOWLM_PYTHON runs a script's settings snippet (`-c`) in the real interpreter and prints
+    the evaluation's command line instead of running it."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/bash\nif [[ "$1" == -c ]]; then exec {sys.executable} "$@"; fi\necho "$*"\n')
+    python.chmod(0o755)
+    return {**os.environ, "FLOWLM_PYTHON": str(python)}
+
+
 def test_the_fast_evaluation_repeats_the_runs_settings_null_included(tmp_path):
     """scripts/mdm_fast_eval.sh passes the run's budgets, puzzles, seeds and compile as overrides, the fast decoders
     only (the run sampled its final weights with the fixed-step ones); a null setting (all
@@ -264,11 +273,8 @@ def test_the_fast_evaluation_repeats_the_runs_settings_null_included(tmp_path):
     (run / "run_config.yaml").write_text(
         "seed: 2\ncompile: true\neval:\n  nfe: [4, 18]\n  max_batches: null\n  seed: 2\n"
     )
-    python = tmp_path / "python"  # runs the settings snippet, prints the evaluation's command line
-    python.write_text(f'#!/bin/bash\nif [[ "$1" == -c ]]; then exec {sys.executable} "$@"; fi\necho "$*"\n')
-    python.chmod(0o755)
     script = [str(SCRIPT.with_name("mdm_fast_eval.sh")), str(run), str(tmp_path / "results"), "trainer=gpu"]
-    env = {**os.environ, "FLOWLM_PYTHON": str(python)}
+    env = printing_python(tmp_path)
     refused = subprocess.run(["bash", *script], env=env, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "holds no finished run" in refused.stderr  # no checkpoint yet
     (run / "checkpoints" / "last.ckpt").touch()
@@ -303,11 +309,8 @@ def test_the_curve_samples_each_kept_checkpoint_but_the_final_one_with_the_runs_
         "data: {box_rows: 2, box_cols: 3, conditional: true, difficulty: easy}\n"
         "eval:\n  nfe: [4, 18, 41]\n  max_batches: null\n  seed: 3\n  skip_unfit_budgets: true\n"
     )
-    python = tmp_path / "python"  # runs the settings snippet, prints the evaluation's command line
-    python.write_text(f'#!/bin/bash\nif [[ "$1" == -c ]]; then exec {sys.executable} "$@"; fi\necho "$*"\n')
-    python.chmod(0o755)
     script = [str(SCRIPT.with_name("sudoku_curve.sh")), str(run), str(tmp_path / "results")]
-    env = {**os.environ, "FLOWLM_PYTHON": str(python)}
+    env = printing_python(tmp_path)
     refused = subprocess.run(["bash", *script], env=env, capture_output=True, text=True, timeout=SLOW)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "kept no curve checkpoint" in refused.stderr
     for step in (16, 4, 12, 8):
@@ -387,11 +390,8 @@ def test_the_curve_samples_the_budgets_the_report_draws(tmp_path, family, board,
         f"data: {{box_rows: 2, box_cols: 3, conditional: {conditional}}}\n"
         f"eval:\n  nfe: {nfe}\n  max_batches: null\n  seed: 0\n"
     )
-    python = tmp_path / "python"  # runs the settings snippet, prints the evaluation's command line
-    python.write_text(f'#!/bin/bash\nif [[ "$1" == -c ]]; then exec {sys.executable} "$@"; fi\necho "$*"\n')
-    python.chmod(0o755)
     script = [str(SCRIPT.with_name("sudoku_curve.sh")), str(run), str(tmp_path / "results")]
-    env = {**os.environ, "FLOWLM_PYTHON": str(python)}
+    env = printing_python(tmp_path)
     done = subprocess.run(["bash", *script], env=env, capture_output=True, text=True, timeout=SLOW)
     assert done.returncode == 0, done.stderr
     (command,) = [line.split() for line in done.stdout.splitlines() if line.startswith("-m runners.evaluate")]
