@@ -197,6 +197,9 @@ def _row_problem(header: list[str], record: list[str]) -> str:
         if value and not _is_number(value):
             comma = " (a decimal comma?)" if _is_number(value.replace(",", ".", 1)) else ""
             return f"{column} {value!r} is not a number{comma}"
+    count = values.get("samples", "").strip()
+    if count and not float(count) > 0:  # NaN or ≤ 0: no count a percentage (or its interval) could be of
+        return f"samples {count} is not a count of puzzles / grids"
     for column in PROPORTIONS:  # a percentage of puzzles / grids (its Wilson interval needs 0 ≤ hits ≤ samples)
         value = values.get(column, "").strip()
         if value and not math.isnan(float(value)) and not 0.0 <= float(value) <= 100.0:  # NaN: not measured
@@ -244,6 +247,7 @@ def aggregate(rows: pd.DataFrame) -> pd.DataFrame:
                 values = pd.to_numeric(part[m], errors="coerce")
                 line[f"{m}_mean"] = values.mean()
                 line[f"{m}_std"] = 0.0 if values.count() < 2 else values.std()
+                line[f"{m}_n"] = int(values.count())  # the seeds that measured it (an AUROC undefined on one: not)
         nfe = pd.to_numeric(part["nfe"], errors="coerce")
         line["tpf_mean"] = cells_per_call(line["board"], line["difficulty"], nfe, part["_samples"])
         line["tpf_std"] = 0.0
@@ -436,7 +440,7 @@ def _cell_of(line: pd.Series, metric: str) -> Cell:
     return Cell(
         float(line[f"{metric}_mean"]),
         float(line[f"{metric}_std"]),
-        int(line["n"]),
+        int(line["n"]) if pd.isna(line.get(f"{metric}_n", float("nan"))) else int(line[f"{metric}_n"]),
         hits=int(line[f"{metric}_hits"]) if pooled else None,
         total=int(line[f"{metric}_total"]) if pooled else None,
         by_seed=tuple(sorted((int(s), float(v)) for s, v in by_seed.items())),
@@ -1116,7 +1120,7 @@ def verdicts(agg: pd.DataFrame) -> pd.DataFrame:
         if a is None and b is None and not keep and where != PAPER:
             return
         said = judged if judged is not None else verdict(a, b)
-        if not stated(claim):  # not a paper's claim: it holds or does not, it does not "reproduce"
+        if f"sudoku_{task}" not in stated(claim):  # not a paper's claim here: it holds or not, nothing reproduces
             for paper_word, own in ((REPRODUCES, HOLDS), (FAILS, DOES_NOT_HOLD)):
                 if said.startswith(paper_word):
                     said = own + said[len(paper_word) :]
@@ -1204,22 +1208,22 @@ def best_within_nfe(
     seed: a fixed-step sampler at that budget, or an adaptive one (threshold, EB) whose rows needed no more on average,
     whatever its cap (a line whose seeds average under ``nfe`` while one seed spent more is out: not equal calls); its
     label ('MDM eb@18 (3.9 NFE)', the mean over seeds, the settings named where a sampler ran with several) and its
-    own cell. None when none is measured. Best on ``seeds`` where given and measured (the seeds the compared line
-    has: the strongest baseline on the seeds a verdict pairs, not one that is best only on seeds the other side
-    lacks), else over all of its seeds."""
+    own cell. None when none is measured. With ``seeds`` (the seeds the compared line has), the line measured on
+    the most of them wins, then the best mean on them: the strongest baseline on the seeds a verdict pairs, not one
+    that is best only on seeds the other side lacks; without, the best mean over all of its seeds."""
     spent = "nfe_seed_max" if "nfe_seed_max" in part else "nfe_mean"
     lines = part[(part["method"] == method) & (part[spent] <= nfe + 1e-9)] if spent in part else part[:0]
     lines = lines.dropna(subset=[f"{metric}_mean"]) if f"{metric}_mean" in lines else lines[:0]
     wanted = set(seeds)
 
-    def score(got: Cell) -> float:
+    def rank(got: Cell) -> tuple[int, float]:  # more of the wanted seeds first, then the mean on them
         on = [v for s, v in got.seeds().items() if s in wanted]
-        return sum(on) / len(on) if on else got.mean
+        return (len(on), sum(on) / len(on)) if on else (0, got.mean)
 
     best: tuple[str, Cell] | None = None
     for _, line in lines.iterrows():
         got = _cell_of(line, metric)
-        if best is None or score(got) > score(best[1]):
+        if best is None or rank(got) > rank(best[1]):
             label = f"{method} {_sampler_label(part, line)}@{line['nfe_budget']} ({line['nfe_mean']:.1f} NFE)"
             best = (label, got)
     return best
@@ -1458,8 +1462,9 @@ def build_sudoku_report(
             "every NFE the paper states, under both mappings of its budgets (absolute; by tokens per call). Scope "
             "`paper`: judged on the task and NFE where the paper states the claim, on the paper's variant "
             "(`stated`: its task, models and NFE, analysis/reference.yaml), a reproduction verdict; scope `suite`: "
-            "judged elsewhere or on a strategy row, the suite's own finding; a comparison the papers do not state "
-            "(the stronger baselines) holds or does not hold rather than reproduces. "
+            "judged elsewhere or on a strategy row, the suite's own finding; a comparison the papers do not state on "
+            "that task (the stronger baselines; a claim stated on another task) holds or does not hold rather than "
+            "reproduces. "
             f"Reproduction verdicts: {counts[PAPER]}. The suite's own findings: {counts[SUITE]}. Every verdict is "
             f"at the models' training budget: {budget_check(gains)}",
             judged,
@@ -1500,7 +1505,7 @@ def build_sudoku_report(
             "cell of its row, column and box (unconditional). Mean ± std over seeds (the mean alone for one "
             "seed); in brackets the wrong tokens among those scored (each seed's first `eval.calibration_tokens` "
             "generated tokens), summed over the seeds: an AUROC from a few wrong tokens ranks only those few, and "
-            "where none was wrong it is undefined (—).",
+            "where none was wrong (or none right) it is undefined (—).",
             tables["calibration"],
         ),
         Section(
