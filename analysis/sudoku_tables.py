@@ -257,8 +257,7 @@ def aggregate(rows: pd.DataFrame) -> pd.DataFrame:
         for m in PROPORTIONS:
             values = pd.to_numeric(part[m], errors="coerce") if m in part else pd.Series(float("nan"), part.index)
             got = values.notna()
-            line[f"{m}_hits"] = int((values[got] / 100 * part.loc[got, "_samples"]).round().sum())
-            line[f"{m}_total"] = int(part.loc[got, "_samples"].sum())
+            line[f"{m}_hits"], line[f"{m}_total"] = pooled_count(values[got], part.loc[got, "_samples"])
             line[f"{m}_by_seed"] = json.dumps(
                 {int(s): float(v) for s, v in zip(part["seed"][got], values[got], strict=True)}
             )
@@ -287,13 +286,18 @@ def aggregate(rows: pd.DataFrame) -> pd.DataFrame:
             for c in ("calibration_tokens", "wrong_pct")
         )
         scored = tokens.notna() & (tokens > 0) & wrong.notna()
-        line["calibration_tokens_sum"] = int(tokens[scored].sum())
-        line["wrong_tokens_sum"] = int((wrong[scored] / 100 * tokens[scored]).round().sum())
+        wrong_sum, line["calibration_tokens_sum"] = pooled_count(wrong[scored], tokens[scored])
+        line["wrong_tokens_sum"] = wrong_sum
         if "confidence_kind" in part:  # the sampler's declared kind (flowlm/samplers), one per sampler
             line["confidence_kind"] = part["confidence_kind"].iloc[0]
         line["seeds"] = ",".join(str(v) for v in sorted(part["seed"].unique()))
         lines.append(line)
     return pd.DataFrame(lines)
+
+
+def pooled_count(percent: pd.Series, counts: pd.Series) -> tuple[int, int]:
+    """Percentages of per-seed counts pooled: (the hits, each seed's rounded to a whole, summed; the counts summed)."""
+    return int((percent / 100 * counts).round().sum()), int(counts.sum())
 
 
 def samples_of(rows: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
@@ -825,8 +829,7 @@ def curve_points(rows: pd.DataFrame) -> pd.DataFrame:
             if at.empty:
                 continue
             seeds = sorted(int(x) for x in part.loc[at.index, "seed"])
-            total = int(part.loc[at.index, "_samples"].sum())
-            hits = int((at / 100 * part.loc[at.index, "_samples"]).round().sum())
+            hits, total = pooled_count(at, part.loc[at.index, "_samples"])
             lines.append(
                 [d, board, _label(method, variant), method, variant, sampler, int(nfe), int(step), at.mean(), at.min(),
                  at.max(), len(at), ",".join(map(str, seeds)), 100 * hits / total, *wilson(hits, total)]
