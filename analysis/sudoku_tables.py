@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -53,6 +54,8 @@ VARIANTS = ("scratch", "distill", "init")  # FMLM+'s rows: the paper's variant f
 ADAPTIVE = ("threshold", "threshold_margin", "eb")  # decoders whose budget is a cap: rows of their own
 PAPER_CELLS = 81  # the cells of the paper's 9×9 unconditional board (its tokens per call: 81 / NFE)
 PROPORTIONS = ("accuracy", "valid_pct")  # percentages of puzzles / grids: Wilson intervals from the pooled count
+# percentages of a row's samples, read as exact counts of them (exact_percentages)
+SAMPLE_PERCENTAGES = (*PROPORTIONS, "train_copy_pct")
 # Rows written before the `samples` column: the fixed-budget protocol (issue 47, from commit adf19c9 on) samples every
 # val puzzle (2 000); earlier rows sampled the CPU scale's two evaluation batches (2 × 128 puzzles, 2 × 256 grids).
 PROTOCOL_START = "2026-12-06T07:47:26Z"
@@ -130,7 +133,28 @@ def read_results(folder: str | Path, *, skip: Iterable[str | Path] = ()) -> pd.D
     own = rows["eval_seed"].isna() | (rows["eval_seed"] == rows["seed"]) if "eval_seed" in rows else True
     rows = rows.assign(_own=own).sort_values(["_own", "date"], kind="stable")
     rows = rows.drop_duplicates([*KEY, "seed", STEP], keep="last").drop(columns="_own").reset_index(drop=True)
+    rows = exact_percentages(rows)
     rows.attrs["skipped"] = skipped
+    return rows
+
+
+def exact_percentages(rows: pd.DataFrame) -> pd.DataFrame:
+    """``rows`` with each percentage of samples (SAMPLE_PERCENTAGES) as the float64 nearest 100·k/n, k its count of
+    the row's recorded ``samples`` n: rows written before flowlm.metrics.sudoku_metric computed in float64 carry the
+    float32 quotient (1 939 of 2 000: 96.94999694824219, printed 96.9 where the count is 96.95 %). A value farther
+    than float32's error from every k/n (a sample count that is not its denominator) is left as written."""
+    if "samples" not in rows:
+        return rows
+    n = pd.to_numeric(rows["samples"], errors="coerce")
+    rows = rows.copy()
+    for m in SAMPLE_PERCENTAGES:
+        if m not in rows:
+            continue
+        value = pd.to_numeric(rows[m], errors="coerce")
+        ok = value.notna() & n.notna() & (n > 0)
+        exact = 100 * (value[ok] / 100 * n[ok]).round() / n[ok]
+        close = (exact - value[ok]).abs() <= 1e-4  # float32's error at 100 is ~4e-6
+        rows.loc[exact.index[close], m] = exact[close]
     return rows
 
 
@@ -376,6 +400,14 @@ def wilson(hits: int, total: int, z: float = Z95) -> tuple[float, float]:
     return 100 * max(centre - half, 0.0), 100 * min(centre + half, 1.0)
 
 
+def rounded(value: float, decimals: int = 1) -> str:
+    """``value`` to ``decimals`` places, half up from its shortest decimal form (``repr``), as a table rounds by hand:
+    96.95 → 97.0 and 0.15 → 0.2, where float formatting rounds the binary value (0.15 → 0.1); NaN → 'nan'."""
+    if not math.isfinite(value):
+        return f"{value:.{decimals}f}"
+    return str(Decimal(repr(float(value))).quantize(Decimal(1).scaleb(-decimals), rounding=ROUND_HALF_UP))
+
+
 @dataclass(frozen=True)
 class Cell:
     """One aggregated value: mean, std over seeds, seed count; for a proportion the pooled count (``hits`` of
@@ -410,9 +442,10 @@ class Cell:
 
     def format(self, decimals: int = 1) -> str:
         """'mean ± std [Wilson 95 %]' with ``decimals``; the mean alone for one seed (whose std is no spread)."""
-        text = f"{self.mean:.{decimals}f} ± {self.std:.{decimals}f}" if self.n > 1 else f"{self.mean:.{decimals}f}"
+        r = lambda v: rounded(v, decimals)  # noqa: E731
+        text = f"{r(self.mean)} ± {r(self.std)}" if self.n > 1 else r(self.mean)
         ci = self.interval()
-        return text + (f" [{ci[0]:.{decimals}f}–{ci[1]:.{decimals}f}]" if ci else "")
+        return text + (f" [{r(ci[0])}–{r(ci[1])}]" if ci else "")
 
     def spent(self) -> str:
         """' · NFE 3.6 (seed max 3.9)' where the NFE spent differs from the budget (an adaptive cell), else ''."""
@@ -620,7 +653,7 @@ def unconditional_table(agg: pd.DataFrame) -> pd.DataFrame:
             valid = cell(unc, "valid_pct", **where)
             distinct, copies = cell(unc, "distinct_valid", **where), cell(unc, "train_copy_pct", **where)
             line[f"NFE {nfe}"] = (
-                "" if valid is None else f"{valid} · {distinct.mean:.0f} · {copies.mean:.1f}{valid.spent()}"
+                "" if valid is None else f"{valid} · {distinct.mean:.0f} · {rounded(copies.mean)}{valid.spent()}"
             )
         lines.append(line)
     columns = ["source", "model", "role", "sampler", *(f"NFE {n}" for n in UNCOND_NFE)]
@@ -879,8 +912,8 @@ def curve_table(gains: pd.DataFrame) -> pd.DataFrame:
     """``curve_gains`` for the report: values to one decimal, the gain signed with its 95 % sampling interval ('—'
     without a point at 3/4)."""
     table = gains.drop(columns="board")
-    table["final"] = table["final"].map(lambda v: f"{v:.1f}")
-    table["at 3/4"] = table["at 3/4"].map(lambda v: "" if pd.isna(v) else f"{v:.1f}")
+    table["final"] = table["final"].map(rounded)
+    table["at 3/4"] = table["at 3/4"].map(lambda v: "" if pd.isna(v) else rounded(v))
     table["step at 3/4"] = table["step at 3/4"].map(lambda v: "" if pd.isna(v) else f"{int(v)}")
     table["gain"] = [
         "—" if pd.isna(g) else f"{g:+.1f}" + ("" if pd.isna(lo) else f" [{lo:+.1f}, {hi:+.1f}]")
@@ -1016,8 +1049,8 @@ def verdict(better: Cell | None, worse: Cell | None) -> str:
         ci_a, ci_b = better.seed_interval(seed), worse.seed_interval(seed)
         if ci_a is not None and ci_b is not None:
             seeds = (
-                f"one paired seed, {seed}: {a[seed]:.1f} [{ci_a[0]:.1f}–{ci_a[1]:.1f}] against "
-                f"{b[seed]:.1f} [{ci_b[0]:.1f}–{ci_b[1]:.1f}]"
+                f"one paired seed, {seed}: {rounded(a[seed])} [{rounded(ci_a[0])}–{rounded(ci_a[1])}] against "
+                f"{rounded(b[seed])} [{rounded(ci_b[0])}–{rounded(ci_b[1])}]"
             )
     else:
         ci_a, ci_b = better.interval(), worse.interval()

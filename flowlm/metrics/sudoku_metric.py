@@ -12,6 +12,11 @@ from flowlm.metrics.sudoku import respects_clues, valid_grids
 from flowlm.tasks.sudoku import SudokuLayout, SudokuSpec, render
 
 
+def percent(count: Tensor | int, total: int) -> Tensor:
+    """100 · count / total from the integers, as the float64 nearest the exact quotient (a CPU scalar)."""
+    return torch.tensor(100 * int(count) / total, dtype=torch.float64)
+
+
 class SudokuMetric(Metric):
     """Conditional: accuracy = % of puzzles whose generated solution is a valid grid that keeps every clue
     (equal to whole-solution match for unique puzzles; exact match is reported too).
@@ -45,10 +50,12 @@ class SudokuMetric(Metric):
             self.correct += valid.sum()
             self.valid_grids.append(grids[valid].flatten(1).to(torch.int8))
 
-    def compute(self) -> dict[str, Tensor]:  # noqa: D102
-        total = self.total.clamp_min(1).float()
+    def compute(self) -> dict[str, Tensor]:
+        """The percentages of the counts, in float64 on the CPU (``percent``): 1 939 of 2 000 is 96.95, where a
+        float32 quotient writes 96.94999694824219 and a table rounding it prints 96.9."""
+        total = max(int(self.total), 1)
         if self.layout.conditional:
-            return {"accuracy": 100 * self.correct / total, "exact_match": 100 * self.exact / total}
+            return {"accuracy": percent(self.correct, total), "exact_match": percent(self.exact, total)}
         grids = self.valid_grids
         if isinstance(grids, list):
             grids = torch.cat(grids) if grids else torch.zeros(0, self.layout.spec.n**2, dtype=torch.int8)
@@ -57,9 +64,9 @@ class SudokuMetric(Metric):
         rows = grids.cpu().numpy().reshape(-1, n, n).astype(np.int8)
         copies = sum(row.tobytes() in self.train_keys for row in rows)
         return {
-            "valid_pct": 100 * self.correct / total,
-            "distinct_valid": torch.tensor(float(distinct)),
-            "train_copy_pct": torch.tensor(100.0 * copies) / total.cpu(),
+            "valid_pct": percent(self.correct, total),
+            "distinct_valid": torch.tensor(float(distinct), dtype=torch.float64),
+            "train_copy_pct": percent(copies, total),
         }
 
     def token_correct(self, pred_tokens: Tensor, target_tokens: Tensor) -> tuple[Tensor, Tensor]:

@@ -26,6 +26,7 @@ from analysis.sudoku_tables import (
     headline,
     machines_note,
     read_results,
+    rounded,
     scope,
     unconditional_table,
     verdict,
@@ -835,3 +836,38 @@ def test_a_later_evaluation_at_another_seed_does_not_stand_in_for_the_models_own
     at4 = pr[pr["nfe_budget"] == 4].set_index("seed")["accuracy"]
     assert at4.to_dict() == {0: 95.0, 1: 96.5, 2: 97.0}  # seed 0's own row kept; seed 1's newer own row taken
     assert pr[pr["nfe_budget"] == 16]["accuracy"].tolist() == [2.0]  # no own row: the other seed's
+
+
+def test_percentages_read_as_their_exact_counts_and_print_half_up(tmp_path):
+    """A float32 quotient in a row (1 939 of 2 000 written 96.94999694824219) reads as the count's 96.95 and prints
+    97.0, as the count rounds by hand (0.15 → 0.2, where float formatting gives 0.1); a value that is no count of the
+    row's recorded samples, or a row without them, stays as written."""
+    folder = tmp_path / "results"
+    float32 = {"pr": 96.94999694824219, "uncond": 0.15000000596046448}
+    write_rows(
+        folder / "a.csv",
+        [
+            row("FMLM+", "scratch", "pr", 4, 0, float32["pr"], samples=2000),
+            row("FMLM+", "scratch", "pr", 4, 1, float32["pr"]),  # no samples recorded: no count to read
+            row("MDM", "scratch", "confidence", 4, 0, 50.01, samples=2000),  # 1 000.2 of 2 000: no count
+            row(
+                "MDM",
+                "scratch",
+                "confidence",
+                36,
+                0,
+                float32["uncond"],
+                difficulty="uncond",
+                samples=2000,
+                train_copy_pct=float32["uncond"],
+            ),
+        ],  # fmt: skip
+    )
+    rows = read_results(folder).set_index(["sampler", "seed", "nfe_budget"])
+    assert rows.loc[("pr", 0, 4), "accuracy"] == 96.95 and rows.loc[("pr", 1, 4), "accuracy"] == float32["pr"]
+    assert rows.loc[("confidence", 0, 4), "accuracy"] == 50.01
+    assert rows.loc[("confidence", 0, 36), "valid_pct"] == 0.15 == rows.loc[("confidence", 0, 36), "train_copy_pct"]
+    agg = aggregate(read_results(folder).query("seed == 0"))
+    assert cell(agg, "accuracy", sampler="pr", nfe_budget=4).format() == "97.0 [96.1–97.6]"
+    assert cell(agg, "valid_pct", sampler="confidence", nfe_budget=36).format().startswith("0.2 [")
+    assert [rounded(v) for v in (96.95, 0.15, 0.25, 97.04, float("nan"))] == ["97.0", "0.2", "0.3", "97.0", "nan"]

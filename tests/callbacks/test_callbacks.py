@@ -55,6 +55,17 @@ def test_conditional_accuracy_needs_valid_grid_and_clues():
     assert "→" in metric.render(target[0])  # puzzle → solution
 
 
+@pytest.mark.filterwarnings("ignore:The ``compute`` method")  # the counts are set, not updated
+def test_sudoku_metric_percentages_are_the_exact_quotients_of_its_counts():
+    """1 939 of 2 000 is 96.95 %: the float64 nearest it (a table prints 97.0), not float32's 96.9499969 (96.9)."""
+    for conditional, key in ((True, "accuracy"), (False, "valid_pct")):
+        metric = SudokuMetric(layout=SudokuLayout(SudokuSpec(2, 2), conditional=conditional))
+        metric.total, metric.correct, metric.exact = torch.tensor(2000), torch.tensor(1939), torch.tensor(1939)
+        value = metric.compute()[key]
+        assert value.dtype == torch.float64 and value.item() == 96.95
+        assert f"{value.item():.1f}" == "97.0"
+
+
 def test_token_correct_unconditional_marks_clashing_cells():
     layout = SudokuLayout(SudokuSpec(2, 2), conditional=False)
     bad = GRID.copy()
