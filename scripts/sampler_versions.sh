@@ -13,7 +13,8 @@
 # The overrides after `--` go to every commit's `runners.evaluate` (FLOWLM_DATA: the data cache, so that no commit
 # generates the puzzles anew). Prints one line per (sampler, budget) row with the columns that are the same in every
 # commit, and one per column that differs (its values), and exits 1 when any differs. Each commit's rows stay in
-# OUT/rows-<commit>/, its log in OUT/<commit>.log; a rerun samples only the commits not yet done.
+# OUT/rows-<commit>/, its log in OUT/<commit>.log; a rerun samples only the commits not yet done. The worktrees
+# (OUT/code-<commit>) stay registered with this checkout: `rm -rf OUT && git worktree prune` when done.
 set -euo pipefail
 usage() { echo "usage: $0 CKPT OUT COMMIT [COMMIT ...] -- OVERRIDE [OVERRIDE ...]" >&2; exit 2; }
 [[ $# -ge 4 ]] || usage
