@@ -9,7 +9,8 @@
 #                                         # its curve (scripts/sudoku_curve.sh: the checkpoints at each eighth of
 #                                         # the budget) and, for an MDM, the fast decoders (scripts/mdm_fast_eval.sh)
 #   scripts/tables_campaign.sh status     # each model: done / running (its step of the budget, val loss, and the
-#                                         # hours left at its mean seconds a step so far) / waiting
+#                                         # hours left at its mean seconds a step so far) / paused (the same, started
+#                                         # and left: resumed in its turn) / waiting
 #   scripts/tables_campaign.sh collect    # copy finished CSVs into results/sudoku/ (a committed CSV of the same model
 #                                         # at another budget moves to superseded-steps<N>/), regenerate the report
 #   scripts/tables_campaign.sh update     # the campaign's clone takes this checkout's new commits (next model on)
@@ -264,6 +265,10 @@ state() {  # the campaign's state in words: running, stopping or not running
     fi
 }
 
+run_held() {  # whether a process holds the run folder's run.lock (a trainer training it now)
+    [[ -f "$1/run.lock" ]] && ! flock -n "$1/run.lock" true 2>/dev/null
+}
+
 take_lock() {  # the campaign's lock on fd 9 for this process: inherited from `start`, or taken now; else refuse
     command -v flock >/dev/null || { echo "refused: no flock command (util-linux): install it first" >&2; exit 2; }
     if [[ "$(readlink /dev/fd/9 2>/dev/null)" == "$LOCK" ]] && flock -n 9; then return 0; fi  # `start` handed it over
@@ -375,6 +380,9 @@ status)
         elif is_done "$exp" "$seed"; then state="done"
         elif [[ -f "$record" ]]; then
             state="$("$PYTHON" -c "$RUNNING_PY" "$record")" || state="running (record unreadable)"
+            # a trainer holds its run folder's run.lock (runners/common.py) while it trains: without it, the model
+            # was started and left (the campaign stopped, or another model's turn first): paused, resumed in its turn
+            if ! run_held "${record%/*}"; then state="paused${state#running}"; fi
         elif [[ -n "$(committed_csv "$exp" "$seed")" ]]; then state="rows committed earlier"
         else state="waiting"; fi
         printf '  %-36s seed %s  %s\n' "$exp" "$seed" "$state"

@@ -488,19 +488,23 @@ def test_status_writes_nothing(tmp_path):
 def test_status_gives_a_running_models_budget_and_the_hours_left_at_its_mean_rate(tmp_path):
     """A model with a record and no done marker: its step of the budget (its run_config.yaml's trainer.max_steps), val
     loss and minutes, and the hours its remaining steps take at its mean seconds a step so far; without a readable
-    budget, the step alone."""
+    budget, the step alone. Running while a trainer holds its run.lock, else paused (started and left)."""
     run = tmp_path / "campaign" / "runs" / "sudoku_mdm_easy" / "cpu" / "seed7"
     run.mkdir(parents=True)
     record = {"steps": 5000, "wall_s": 9000.0, "final_val_loss": 0.012345}
     (run / "convergence.json").write_text(json.dumps(record))
     (run / "run_config.yaml").write_text("trainer:\n  max_steps: 20000\n")
-    status, _ = campaign(tmp_path, "status", plan="sudoku_mdm_easy:7")
+    line = "step 5000 of 20000, val loss 0.0123, 150 min (≈ 7.5 h more at its mean 1.80 s a step)"
+    with open(run / "run.lock", "a") as held:  # a trainer holds its run folder's lock while it trains
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        status, _ = campaign(tmp_path, "status", plan="sudoku_mdm_easy:7")
     assert status.returncode == 0, status.stderr
-    line = "running: step 5000 of 20000, val loss 0.0123, 150 min (≈ 7.5 h more at its mean 1.80 s a step)"
-    assert line in status.stdout, status.stdout  # 15 000 steps × 1.8 s
+    assert f"running: {line}" in status.stdout, status.stdout  # 15 000 steps × 1.8 s
+    status, _ = campaign(tmp_path, "status", plan="sudoku_mdm_easy:7")  # the lock let go: started and left
+    assert f"paused: {line}" in status.stdout, status.stdout
     (run / "run_config.yaml").write_text("trainer: {}\n")
     status, _ = campaign(tmp_path, "status", plan="sudoku_mdm_easy:7")
-    assert "running: step 5000, val loss 0.0123, 150 min\n" in status.stdout, status.stdout
+    assert "paused: step 5000, val loss 0.0123, 150 min\n" in status.stdout, status.stdout
 
 
 def test_the_budget_study_refuses_before_starting_anything(tmp_path):
