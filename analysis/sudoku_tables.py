@@ -152,7 +152,7 @@ def exact_percentages(rows: pd.DataFrame) -> pd.DataFrame:
             continue
         value = pd.to_numeric(rows[m], errors="coerce")
         ok = value.notna() & n.notna() & (n > 0)
-        exact = 100 * (value[ok] / 100 * n[ok]).round() / n[ok]
+        exact = 100 * counts_of(value[ok], n[ok]) / n[ok]
         close = (exact - value[ok]).abs() <= 1e-4  # float32's error at 100 is ~4e-6
         rows.loc[exact.index[close], m] = exact[close]
     return rows
@@ -321,7 +321,12 @@ def aggregate(rows: pd.DataFrame) -> pd.DataFrame:
 
 def pooled_count(percent: pd.Series, counts: pd.Series) -> tuple[int, int]:
     """Percentages of per-seed counts pooled: (the hits, each seed's rounded to a whole, summed; the counts summed)."""
-    return int((percent / 100 * counts).round().sum()), int(counts.sum())
+    return int(counts_of(percent, counts).sum()), int(counts.sum())
+
+
+def counts_of(percent: pd.Series, samples: pd.Series) -> pd.Series:
+    """The whole counts behind percentages of ``samples``: percent / 100 × samples, rounded."""
+    return (percent / 100 * samples).round()
 
 
 def samples_of(rows: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
