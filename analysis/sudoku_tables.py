@@ -1021,9 +1021,10 @@ def unequal_training(a: Cell, b: Cell) -> str | None:
 def verdict(better: Cell | None, worse: Cell | None) -> str:
     """The claim 'better > worse', from the per-seed differences of the seeds measured on both sides (paired):
     with two or more, reproduces when the 95 % t-interval of the mean difference lies above 0, does not reproduce
-    when below, inconclusive when it covers 0. With one paired seed, only where that seed's own Wilson 95 %
-    intervals on the two sides do not overlap (with none, each side's pooled interval): reproduces / does not
-    reproduce (said so), else inconclusive.
+    when below; where it covers 0, the seeds' own intervals as with one seed when every paired seed is decided by
+    them, all alike (said so: a second seed that agrees with a first one never weakens its verdict), else
+    inconclusive. With one paired seed, only where that seed's own Wilson 95 % intervals on the two sides do not
+    overlap (with none, each side's pooled interval): reproduces / does not reproduce (said so), else inconclusive.
     At equal training only (issue 47): a seed pairs where both sides trained the same own steps (or either did not
     record them), and two cells whose recorded steps share no count are not compared (a model retrained to a new
     budget beside one not yet retrained). Likewise the training precision (the protocol's bf16-mixed; float32 in a
@@ -1047,6 +1048,12 @@ def verdict(better: Cell | None, worse: Cell | None) -> str:
             return f"{REPRODUCES} ({said})"
         if mean + half < 0:
             return f"{FAILS} ({said})"
+        # few seeds (t95(1) = 12.7): where every paired seed is decided by its own intervals, and all alike, the
+        # verdict is theirs, so that a seed agreeing with the one that decided alone never weakens it
+        apart = {_apart(better.seed_interval(s), worse.seed_interval(s)) for s in common}
+        if apart in ({1}, {-1}):
+            every = "the t-interval covers 0, but on every paired seed the Wilson 95 % intervals do not overlap"
+            return f"{REPRODUCES if apart == {1} else FAILS} ({said}: {every})"
         return f"{INCONCLUSIVE} ({said})"
     seeds = "one paired seed" if common else "no seed on both sides"
     if common:  # that seed's own intervals, not pooled with seeds the other side lacks, said beside the verdict
@@ -1061,11 +1068,17 @@ def verdict(better: Cell | None, worse: Cell | None) -> str:
         ci_a, ci_b = better.interval(), worse.interval()
     if ci_a is None or ci_b is None:
         return f"{INCONCLUSIVE} ({seeds}, no interval)"
-    if ci_a[0] > ci_b[1]:
-        return f"{REPRODUCES} ({seeds}: the Wilson 95 % intervals do not overlap)"
-    if ci_a[1] < ci_b[0]:
-        return f"{FAILS} ({seeds}: the Wilson 95 % intervals do not overlap)"
+    if apart := _apart(ci_a, ci_b):
+        return f"{REPRODUCES if apart > 0 else FAILS} ({seeds}: the Wilson 95 % intervals do not overlap)"
     return f"{INCONCLUSIVE} ({seeds}: the Wilson 95 % intervals overlap)"
+
+
+def _apart(ci_a: tuple[float, float] | None, ci_b: tuple[float, float] | None) -> int:
+    """+1 where interval ``ci_a`` lies wholly above ``ci_b``, -1 wholly below, 0 where they overlap or either is
+    missing (a measure that is no proportion)."""
+    if ci_a is None or ci_b is None:
+        return 0
+    return 1 if ci_a[0] > ci_b[1] else -1 if ci_a[1] < ci_b[0] else 0
 
 
 def fail_verdict(failing: Cell | None, pr: Cell | None, below: float) -> str:
@@ -1490,8 +1503,9 @@ def build_sudoku_report(
             "Verdicts",
             "Each claim of the papers against the measured numbers, from the per-seed differences of the seeds "
             "measured on both sides (paired): reproduces when the 95 % t-interval of the mean difference lies above "
-            "0, does not reproduce when below, inconclusive when it covers 0; with one paired seed only where that "
-            "seed's own Wilson 95 % intervals on the two sides do not overlap (with none, the two cells' pooled "
+            "0, does not reproduce when below, inconclusive when it covers 0 unless every paired seed's own "
+            "Wilson 95 % intervals on the two sides do not overlap, all alike (then their verdict, said so); with "
+            "one paired seed only where that seed's own intervals do not overlap (with none, the two cells' pooled "
             "intervals; the verdict says which). Seeds pair only at "
             "equal own training steps and precision, and two lines trained to different budgets (a model retrained "
             "to the new budget beside one not yet retrained) or in different precisions are not compared. The "

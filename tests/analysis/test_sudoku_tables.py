@@ -161,6 +161,28 @@ def test_a_single_seed_decides_only_where_the_wilson_intervals_separate():
     assert verdict(pr, other_seeds).startswith("reproduces (no seed on both sides: the Wilson")
 
 
+def test_few_paired_seeds_each_decided_alike_by_their_own_intervals_keep_that_verdict():
+    """Two paired seeds whose t-interval covers 0 (t95 at 1 degree of freedom is 12.7) but each of which its own
+    Wilson 95 % intervals decide, the same way: their verdict, said so; a second seed agreeing with a first one never
+    weakens the verdict one seed alone gave. One seed undecided, or the two decided opposite ways: inconclusive."""
+    n = (2000, 2000)
+
+    def cell(*values: float) -> Cell:
+        hits = sum(round(v / 100 * 2000) for v in values)
+        return Cell(sum(values) / 2, 0, 2, hits=hits, total=4000, by_seed=_seeds(*values), samples_by_seed=_seeds(*n))
+
+    pr, mdm = cell(97.0, 92.0), cell(85.8, 84.0)  # differences 11.2 and 8.0: 9.6 ± 12.706 · 2.26 / √2 covers 0
+    first = Cell(97.0, 0, 1, hits=1940, total=2000, by_seed=_seeds(97.0), samples_by_seed=_seeds(2000))
+    assert verdict(first, mdm).startswith("reproduces (one paired seed, 0: ")
+    assert verdict(pr, mdm) == (
+        "reproduces (paired Δ +9.6 [-10.7, +29.9], 2 seeds: the t-interval covers 0, but on every paired seed the "
+        "Wilson 95 % intervals do not overlap)"
+    )
+    assert verdict(mdm, pr).startswith("does not reproduce at this scale (paired Δ -9.6 [-29.9, +10.7], 2 seeds: the")
+    assert verdict(cell(97.0, 85.0), mdm) == "inconclusive (paired Δ +6.1 [-58.7, +70.9], 2 seeds)"  # 2nd: +1.0
+    assert verdict(cell(97.0, 80.0), mdm).startswith("inconclusive (paired Δ +3.6 [")  # +11.2 and −4.0
+
+
 def test_one_paired_seed_decides_by_its_own_intervals_not_the_pool_of_a_side_with_more_seeds(tmp_path):
     """FMLM+ at one seed beside an MDM at two (a campaign that has finished one model of the pair): the verdict reads
     seed 0's own Wilson intervals on both sides, each from that seed's own count, not the MDM's pool over seeds 0–1,
